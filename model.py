@@ -1,0 +1,505 @@
+"""A Llama-family decoder (llama, qwen2, mistral) from scratch, its weight loaders (Hugging Face
+safetensors directories and GGUF files), its tokenizer, and the static prefix/suffix KV cache."""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+class LoadError(Exception):
+    """A one-line, user-facing problem with a model path; the CLI prints it without a traceback."""
+
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass
+class Config:
+    arch: str  # "llama" | "qwen2" | "mistral" (Hugging Face model_type)
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} as in Hugging Face
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    max_seq_len: int = 4096
+    bos_id: int | None = None
+    eos_ids: list = field(default_factory=list)
+
+
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def config_from_hf(hf, path):
+    arch = hf.get("model_type")
+    if arch not in ARCHS:
+        raise LoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
+    if arch == "mistral" and hf.get("sliding_window") not in (None, 0):
+        raise LoadError(f"{path}: sliding-window attention is not supported")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers >= 5 | < 5
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise LoadError(f"{path}: rope type {rope_type!r} is not supported (default, llama3, linear)")
+    eos = hf.get("eos_token_id")
+    heads = hf["num_attention_heads"]
+    return Config(arch=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                  n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+                  head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_dim=hf["intermediate_size"],
+                  norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                  rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+                  tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=arch == "qwen2",
+                  max_seq_len=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
+                  eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+
+
+def config_to_hf(c):
+    """The config.json a Hugging Face loader (ours or transformers) reads back into the same Config."""
+    rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+    return {"architectures": [ARCHS[c.arch]], "model_type": c.arch, "vocab_size": c.vocab_size,
+            "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+            "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "intermediate_size": c.ffn_dim,
+            "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta, "rope_parameters": rope,
+            "tie_word_embeddings": c.tie_embeddings, "max_position_embeddings": c.max_seq_len,
+            "hidden_act": "silu", "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+
+def rope_inv_freq(c):
+    inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+    s = c.rope_scaling or {}
+    if s.get("rope_type") == "linear":
+        inv = inv / s["factor"]
+    elif s.get("rope_type") == "llama3":  # long wavelengths slowed by `factor`, short kept, a smooth ramp between
+        old_ctx, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        ramp = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        inv = (1 - ramp) * inv / s["factor"] + ramp * inv
+    return inv
+
+
+def rope_tables(c, device):
+    """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout."""
+    angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), rope_inv_freq(c))
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x, cos, sin):
+    """x [..., T, H, D]; cos/sin [..., T, 1, D]."""
+    x1, x2 = x.float().chunk(2, -1)
+    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """Static cache for R requests x N particles, all particles of a request at one position.
+
+    prefix_k/v [L, R, Hkv, P, D] hold each prompt once; suffix_k/v [L, R, N, Hkv, S, D] hold each
+    particle's generated tokens. prefix_len/suffix_len [R] live on the device so that a decoding step
+    needs no host sync; the model writes new K/V at suffix_len, the caller advances suffix_len."""
+
+    def __init__(self, c, particles, prefix_cap, suffix_cap, device, dtype, requests=1):
+        shape_p = (c.n_layers, requests, c.n_kv_heads, prefix_cap, c.head_dim)
+        shape_s = (c.n_layers, requests, particles, c.n_kv_heads, suffix_cap, c.head_dim)
+        self.prefix_k, self.prefix_v = (torch.zeros(shape_p, device=device, dtype=dtype) for _ in range(2))
+        self.suffix_k, self.suffix_v = (torch.zeros(shape_s, device=device, dtype=dtype) for _ in range(2))
+        self.prefix_len = torch.zeros(requests, dtype=torch.int32, device=device)
+        self.suffix_len = torch.zeros(requests, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def nbytes(c, particles, prefix_cap, suffix_cap, dtype, requests=1):
+        per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+        return requests * per_token * (prefix_cap + particles * suffix_cap)
+
+    def attend_prefill(self, layer, q, k, v, scale, r):
+        """q [T, Hq, D], k/v [T, Hkv, D] at positions 0..T-1 of request r's prompt."""
+        T = q.shape[0]
+        self.prefix_k[layer, r, :, :T] = k.transpose(0, 1)
+        self.prefix_v[layer, r, :, :T] = v.transpose(0, 1)
+        return kernels.prefill_attention(q, k, v, scale)
+
+    def attend_step(self, layer, q, k, v, scale):
+        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1."""
+        R, N, T, H, D = k.shape
+        idx = (self.suffix_len.long()[:, None] + torch.arange(T, device=k.device))  # [R, T]
+        idx = idx[:, None, None, :, None].expand(R, N, H, T, D)
+        self.suffix_k[layer].scatter_(3, idx, k.transpose(2, 3))
+        self.suffix_v[layer].scatter_(3, idx, v.transpose(2, 3))
+        return kernels.particle_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
+                                          self.suffix_v[layer], self.prefix_len, self.suffix_len, scale)
+
+
+# ---------------------------------------------------------------- transformer
+
+
+def rms_norm(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class Block(torch.nn.Module):
+    def __init__(self, c, device, dtype):
+        super().__init__()
+        qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        empty = lambda *s: torch.nn.Parameter(torch.empty(s, device=device, dtype=dtype), requires_grad=False)
+        self.attn_norm, self.ffn_norm = empty(c.dim), empty(c.dim)
+        self.wqkv = empty(qkv_rows, c.dim)  # q, k and v projections fused: one matmul reads them all
+        self.bqkv = empty(qkv_rows) if c.qkv_bias else None
+        self.wo = empty(c.dim, c.n_heads * c.head_dim)
+        self.w13 = empty(2 * c.ffn_dim, c.dim)  # gate and up projections fused
+        self.w2 = empty(c.dim, c.ffn_dim)
+        self.c = c
+
+    def forward(self, x, cos, sin, cache, layer, r):
+        c = self.c
+        qkv = F.linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv)
+        q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
+        q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)  # [..., T, Hq, D]
+        k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)  # [..., T, Hkv, D]
+        v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        scale = c.head_dim ** -0.5
+        if x.dim() == 2:
+            o = cache.attend_prefill(layer, q, k, v, scale, r)
+        else:
+            o = cache.attend_step(layer, q, k, v, scale)
+        x = x + F.linear(o.flatten(-2), self.wo)
+        gate, up = F.linear(rms_norm(x, self.ffn_norm, c.norm_eps), self.w13).chunk(2, -1)
+        return x + F.linear(F.silu(gate) * up, self.w2)
+
+
+class Transformer(torch.nn.Module):
+    def __init__(self, c, device="cpu", dtype=torch.bfloat16):
+        super().__init__()
+        self.config = c
+        self.embed = torch.nn.Parameter(torch.empty(c.vocab_size, c.dim, device=device, dtype=dtype),
+                                        requires_grad=False)
+        self.layers = torch.nn.ModuleList(Block(c, device, dtype) for _ in range(c.n_layers))
+        self.norm = torch.nn.Parameter(torch.empty(c.dim, device=device, dtype=dtype), requires_grad=False)
+        self.lm_head = self.embed if c.tie_embeddings else torch.nn.Parameter(
+            torch.empty(c.vocab_size, c.dim, device=device, dtype=dtype), requires_grad=False)
+        self.cos, self.sin = rope_tables(c, device)
+
+    @property
+    def device(self):
+        return self.embed.device
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied head once
+
+    def weight_bytes(self):
+        """Bytes one full forward reads from weights: the memory-bandwidth roofline's numerator."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def _hidden(self, x, cos, sin, cache, r):
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, r)
+        return rms_norm(x, self.norm, self.config.norm_eps)
+
+    def _logits(self, h):
+        return F.linear(h, self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(self, tokens, cache, r=0, all_logits=False):
+        """tokens [T] -> logits [V] of the last position ([T, V] with all_logits) for request r's prompt.
+        Sets prefix_len[r] = T and suffix_len[r] = 0."""
+        T = tokens.shape[0]
+        cos, sin = self.cos[:T, None], self.sin[:T, None]  # [T, 1, D]
+        h = self._hidden(self.embed[tokens], cos, sin, cache, r)  # [T, dim]
+        logits = self._logits(h if all_logits else h[-1])
+        cache.prefix_len[r] = T
+        cache.suffix_len[r] = 0
+        return logits
+
+    @torch.inference_mode()
+    def step(self, tokens, cache):
+        """tokens [R, N, T] continue every particle at suffix_len -> logits [R, N, T, V] (float32).
+        Writes their K/V at suffix_len .. suffix_len+T-1; advancing suffix_len is the caller's choice."""
+        T = tokens.shape[-1]
+        pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + torch.arange(T, device=tokens.device)
+        cos, sin = self.cos[pos][:, None, :, None], self.sin[pos][:, None, :, None]  # [R, 1, T, 1, D]
+        return self._logits(self._hidden(self.embed[tokens], cos, sin, cache, 0))
+
+
+# ---------------------------------------------------------------- weights: Hugging Face names
+
+
+def expected_shapes(c):
+    """Every tensor the model needs, by its Hugging Face name."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.dim), "model.norm.weight": (c.dim,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.dim)
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, c.dim), p + "self_attn.k_proj.weight": (kv, c.dim),
+                   p + "self_attn.v_proj.weight": (kv, c.dim), p + "self_attn.o_proj.weight": (c.dim, q),
+                   p + "mlp.gate_proj.weight": (c.ffn_dim, c.dim), p + "mlp.up_proj.weight": (c.ffn_dim, c.dim),
+                   p + "mlp.down_proj.weight": (c.dim, c.ffn_dim), p + "input_layernorm.weight": (c.dim,),
+                   p + "post_attention_layernorm.weight": (c.dim,)}
+        if c.qkv_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def checked_getter(c, read, where):
+    """Wrap read(name) -> tensor | None so that a missing or misshapen tensor is a one-line LoadError."""
+    shapes = expected_shapes(c)
+
+    def get(name):
+        t = read(name)
+        if t is None:
+            raise LoadError(f"{where}: missing tensor {name}")
+        if tuple(t.shape) != shapes[name]:
+            raise LoadError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
+        return t
+    return get
+
+
+@torch.no_grad()
+def fill_weights(model, get):
+    """Copy every tensor into the model (materialised in RAM, never left memory-mapped), fusing q/k/v and
+    gate/up as the model holds them."""
+    model.embed.copy_(get("model.embed_tokens.weight"))
+    model.norm.copy_(get("model.norm.weight"))
+    if not model.config.tie_embeddings:
+        model.lm_head.copy_(get("lm_head.weight"))
+    for i, b in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        b.wqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]))
+        if b.bqkv is not None:
+            b.bqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
+        b.wo.copy_(get(p + "self_attn.o_proj.weight"))
+        b.w13.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+        b.w2.copy_(get(p + "mlp.down_proj.weight"))
+        b.attn_norm.copy_(get(p + "input_layernorm.weight"))
+        b.ffn_norm.copy_(get(p + "post_attention_layernorm.weight"))
+
+
+# ---------------------------------------------------------------- weights: Hugging Face directories
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{path}: cannot read JSON ({e})") from None
+
+
+def open_hf_dir(path):
+    """-> (Config, get(name) -> tensor, Tokenizer) for a directory with config.json, *.safetensors
+    (single or sharded with model.safetensors.index.json) and tokenizer.json."""
+    from safetensors import safe_open
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory or a .gguf file)")
+    c = config_from_hf(read_json(os.path.join(path, "config.json")), path)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):
+        eos = read_json(gen).get("eos_token_id")
+        c.eos_ids += [e for e in ([eos] if isinstance(eos, int) else eos or []) if e not in c.eos_ids]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise LoadError(f"{path}: no *.safetensors weights (pickled .bin/.pt checkpoints are not loaded)")
+    handles, location = {}, {}
+    for f in files:
+        try:
+            handles[f] = safe_open(os.path.join(path, f), "pt")
+        except Exception as e:
+            raise LoadError(f"{os.path.join(path, f)}: cannot read safetensors ({e})") from None
+        location |= {name: handles[f] for name in handles[f].keys()}
+
+    def read(name):
+        return location[name].get_tensor(name) if name in location else None
+    return c, checked_getter(c, read, path), Tokenizer.from_hf_dir(path)
+
+
+# ---------------------------------------------------------------- weights: GGUF files
+
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def hf_name(gguf_name):
+    """'blk.3.attn_q.bias' -> 'model.layers.3.self_attn.q_proj.bias'."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES.get(parts[2], parts[2])}.{parts[3]}"
+    return f"{GGUF_NAMES.get(parts[0], parts[0])}.{parts[1]}"
+
+
+def unpermute_rope(w, heads):
+    """llama.cpp interleaves the two rotary halves of each llama-arch Q/K head; undo it so one
+    half-split RoPE serves every format. w [heads * D, ...]."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def open_gguf(path):
+    """-> (Config, get(name) -> float32 tensor by Hugging Face name, Tokenizer), dequantizing on read."""
+    import gguf
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = {k: f.contents() for k, f in reader.fields.items()}
+        tensors = {hf_name(t.name): t for t in reader.tensors}
+        if meta.get("GGUF.tensor_count") != len(tensors):
+            raise ValueError(f"header promises {meta.get('GGUF.tensor_count')} tensors, found {len(tensors)}")
+        for t in tensors.values():
+            if t.data.size == 0 or t.data_offset + t.n_bytes > os.path.getsize(path):
+                raise ValueError(f"tensor {t.name} runs past the end of the file")
+    except Exception as e:  # the gguf package raises many kinds on a damaged file
+        raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt? ({e})") from None
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+    if "rope_freqs.weight" in tensors:
+        raise LoadError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; load the "
+                        "Hugging Face directory instead")
+    heads = meta[f"{arch}.attention.head_count"]
+    dim = meta[f"{arch}.embedding_length"]
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    c = Config(arch=arch, vocab_size=int(tensors["model.embed_tokens.weight"].shape[1]), dim=dim,
+               n_layers=meta[f"{arch}.block_count"], n_heads=heads,
+               n_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
+               head_dim=meta.get(f"{arch}.attention.key_length", dim // heads),
+               ffn_dim=meta[f"{arch}.feed_forward_length"],
+               norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+               rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+               tie_embeddings="lm_head.weight" not in tensors, qkv_bias=arch == "qwen2",
+               max_seq_len=meta[f"{arch}.context_length"], bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+               eos_ids=list(dict.fromkeys(eos)))
+
+    def read(name):
+        t = tensors.get(name)
+        if t is None:
+            return None
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=False))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = unpermute_rope(w, heads if "q_proj" in name else c.n_kv_heads)
+        return w
+    return c, checked_getter(c, read, path), Tokenizer.from_gguf(meta, path)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+# Pre-tokenizer regexes by llama.cpp's `tokenizer.ggml.pre` name, as in each model's own tokenizer.json.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gguf_pre_tokenizer(name, where):
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    if name == "qwen2":
+        return normalizers.NFC(), pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if name == "smollm":
+        return None, pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    raise LoadError(f"{where}: GGUF pre-tokenizer {name!r} is not supported (supported: qwen2, smollm)")
+
+
+class Tokenizer:
+    """A `tokenizers` BPE tokenizer plus what generation needs from around it: the chat template."""
+
+    def __init__(self, tok, chat_template=None):
+        self.tok, self.chat_template = tok, chat_template
+
+    @classmethod
+    def from_hf_dir(cls, path):
+        from tokenizers import Tokenizer as HFTokenizer
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise LoadError(f"{path}: no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(file)
+        except Exception as e:
+            raise LoadError(f"{file}: cannot read tokenizer ({e})") from None
+        template_file = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(template_file):
+            with open(template_file) as f:
+                return cls(tok, f.read())
+        config = os.path.join(path, "tokenizer_config.json")
+        return cls(tok, read_json(config).get("chat_template") if os.path.isfile(config) else None)
+
+    @classmethod
+    def from_gguf(cls, meta, where):
+        from tokenizers import AddedToken, decoders, models, processors
+        from tokenizers import Tokenizer as HFTokenizer
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            raise LoadError(f"{where}: GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
+                            "supported (byte-level BPE, 'gpt2', only)")
+        normalizer, pre = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"), where)
+        tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre, decoders.ByteLevel()
+        # llama.cpp token types: 3 = control (special), 4 = user-defined (added, matched verbatim)
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == 3])
+        tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                               special_tokens=[(tokens[bos], bos)])
+        return cls(tok, meta.get("tokenizer.chat_template"))
+
+    def encode(self, text):
+        return self.tok.encode(text).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path):
+        """tokenizer.json, and tokenizer_config.json holding the chat template."""
+        self.tok.save(os.path.join(path, "tokenizer.json"))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"chat_template": self.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}, f,
+                      indent=1)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def open_weights(path):
+    """-> (Config, get(name) -> tensor, Tokenizer) for a Hugging Face directory or a .gguf file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise LoadError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return open_hf_dir(path)
+    if path.endswith(".gguf"):
+        return open_gguf(path)
+    raise LoadError(f"{path}: not a model directory or a .gguf file")
+
+
+def load(path, device="cpu", dtype=None):
+    """-> (Transformer, Tokenizer) with every weight in memory on `device`."""
+    c, get, tok = open_weights(path)
+    model = Transformer(c, device, dtype or torch.bfloat16)  # bf16 is fast on GPUs and on this CPU kind
+    fill_weights(model, get)
+    return model, tok
