@@ -1,9 +1,48 @@
 """Kernels: each Triton kernel beside the few-line PyTorch reference that documents it.
 
-Dispatch: the Triton kernel on CUDA tensors, the reference on CPU tensors, and the Triton kernel
-on CPU when TRITON_INTERPRET=1 is set (the tests)."""
+Dispatch (`use_triton`): the Triton kernel on CUDA tensors, the reference on CPU tensors, and the
+Triton kernel on CPU when TRITON_INTERPRET=1 was set before this module was imported (the tests).
+Without triton installed (macOS has no wheels) the references serve everywhere.
+
+Randomness: `rng` is an int64 tensor [2] = (seed, counter) on the data's device (`make_rng`). Each
+call that draws noise (`sample`, `resample`) keys its numbers on (seed, counter), then adds 1 to the
+counter in place on the device: a CUDA-graph replay draws fresh noise, the same seed replays the
+same run. Triton draws Philox numbers and the references draw from torch generators, so the two
+paths agree in distribution, not draw for draw."""
+import math
+import os
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the references serve everywhere
+    triton, tl = None, SimpleNamespace(constexpr=None)
+
+jit = triton.jit if triton else (lambda fn: fn)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when a kernel is defined
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+
+
+def use_triton(t):
+    """The one dispatch rule: Triton for CUDA tensors, and for CPU tensors under the interpreter."""
+    return triton is not None and (t.is_cuda or INTERPRET)
+
+
+def make_rng(seed, device):
+    """The device-side random state every sampling call takes: int64 [2] = (seed, counter)."""
+    return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+
+
+def _next_generator(rng):
+    """A torch generator keyed on (seed, counter), for the references; advances the counter."""
+    seed, counter = rng.tolist()
+    rng[1] += 1
+    return torch.Generator(rng.device).manual_seed((seed * 0x9E3779B97F4A7C15 + counter) % 2**64)
+
 
 # ---------------------------------------------------------------- attention
 
@@ -40,5 +79,347 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     return out
 
 
+@jit
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, qk_scale,
+                            sq_r, sq_n, sq_t, sk_r, sk_n, sk_h, sk_s, so_r, so_n, so_t, so_h,
+                            N, T, G, Hkv, split0,
+                            CAUSAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    """One KV split of one (request, KV head[, particle]) against a block of its query rows.
+    Prefix pass (CAUSAL=False): the rows are every particle x token x head of the KV group, so each
+    K/V tile is loaded once for all of them. Suffix pass: one particle's rows, causal in the T new
+    tokens. Writes the split's normalised output and log-sum-exp; empty splits write lse = -inf."""
+    pid = tl.program_id(0)
+    h = pid % Hkv
+    if CAUSAL:
+        n0, r, rows = pid // Hkv % N, pid // (Hkv * N), T * G
+    else:
+        n0, r, rows = 0, pid // Hkv, N * T * G
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (particle, token, head)
+    n, t, hq = n0 + m // (T * G), m // G % T, h * G + m % G
+    d = tl.arange(0, D)
+    row_ok = m < rows
+    q = tl.load(q_ptr + r * sq_r + n[:, None] * sq_n + t[:, None] * sq_t + hq[:, None] * D + d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    length = tl.load(len_ptr + r)
+    if CAUSAL:  # token t sees its own row of the suffix and those before it
+        limit, end = length + t + 1, length + T  # [BLOCK_M], and their maximum
+    else:
+        limit, end = length + 0 * t, length
+    lo = tl.program_id(2) * SPLIT
+    hi = tl.minimum(lo + SPLIT, end)
+    if UPCAST:  # the interpreter's half-precision tl.dot is broken
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite, so fully masked rows give 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        kv = r * sk_r + n0 * sk_n + h * sk_h + j[:, None] * sk_s + d[None, :]
+        k = tl.load(k_ptr + kv, mask=(j < hi)[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + kv, mask=(j < hi)[:, None], other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    found = l_i > 0
+    slot = r * so_r + n * so_n + t * so_t + hq * so_h + split0 + tl.program_id(2)  # [BLOCK_M]
+    tl.store(lse_ptr + slot, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)  # -inf when l_i = 0
+    out = acc / tl.where(found, l_i, 1.0)[:, None]
+    tl.store(o_ptr + slot[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+
+
+MAX_SPLITS = 16
+
+
+def _split_len(capacity, rows, block_n):
+    """Keys per split: at most MAX_SPLITS splits, to fill the GPU when the cache is long, and at least
+    `rows` keys each, so the fp32 partials written (rows x D) weigh no more than the K/V read."""
+    tiles = triton.cdiv(max(capacity, 1), block_n)
+    return block_n * max(triton.cdiv(tiles, MAX_SPLITS), triton.cdiv(rows, block_n))
+
+
+def _attend_splits(q, k, v, lengths, out, lse, split0, split, block_n, scale, causal):
+    R, N, T, Hq, D = q.shape
+    Hkv, S = k.shape[-3], k.shape[-2]
+    G = Hq // Hkv
+    rows = T * G if causal else N * T * G
+    block_m = min(max(triton.next_power_of_2(rows), 16), 128)
+    grid = (R * Hkv * (N if causal else 1), triton.cdiv(rows, block_m), triton.cdiv(S, split))
+    sk_n = k.stride(1) if causal else 0  # the prefix is shared: every particle reads the same rows
+    precision = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # tf32 only names fp32 dots
+    _attention_split_kernel[grid](
+        q, k, v, lengths, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n, *k.stride()[-3:-1],
+        *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal, SPLIT=split, BLOCK_M=block_m,
+        BLOCK_N=block_n, D=D, UPCAST=INTERPRET, PRECISION=precision, num_warps=8 if block_m * D >= 16384 else 4)
+
+
 def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale):
-    return particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
+    """`particle_attention_ref`'s contract. Triton: a prefix pass and a per-particle suffix pass each
+    write one partial softmax per KV split, merged here by log-sum-exp. The grid depends on shapes
+    only and the lengths stay on the device, so the call can be captured in a CUDA graph."""
+    if not use_triton(q):
+        return particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
+    R, N, T, Hq, D = q.shape
+    assert D == triton.next_power_of_2(D) and q.stride(-1) == prefix_k.stride(-1) == suffix_k.stride(-1) == 1
+    assert prefix_k.stride() == prefix_v.stride() and suffix_k.stride() == suffix_v.stride()
+    G, P, S = Hq // prefix_k.shape[1], prefix_k.shape[2], suffix_k.shape[3]
+    block_n = 16 if INTERPRET else 64
+    prefix_split, suffix_split = _split_len(P, N * T * G, block_n), _split_len(S, T * G, block_n)
+    n_prefix = triton.cdiv(P, prefix_split)
+    lse = q.new_empty(R, N, T, Hq, n_prefix + triton.cdiv(S, suffix_split), dtype=torch.float32)
+    out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
+    _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix_split, block_n, scale, False)
+    _attend_splits(q, suffix_k, suffix_v, suffix_len, out, lse, n_prefix, suffix_split, block_n, scale, True)
+    share = lse.softmax(-1)  # each split's part of the softmax mass; the own token keeps one finite
+    return (out * share[..., None]).sum(-2).to(q.dtype)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def sample_ref(logits, temperature, rng):
+    """Tempered Gumbel-max: argmax(logits / T + Gumbel noise) ~ softmax(logits / T), since -log(E)
+    with E ~ Exp(1) is Gumbel. -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0."""
+    gen = _next_generator(rng)
+    x = logits.float()  # [B, V]
+    if temperature == 0:
+        tokens = x.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
+    x = x / temperature
+    tokens = (x - torch.empty_like(x).exponential_(generator=gen).log()).argmax(-1)
+    return tokens, x.gather(-1, tokens[:, None])[:, 0] - x.logsumexp(-1)
+
+
+def token_logprobs_ref(logits, tokens, temperature):
+    """log softmax(logits / T)[tokens], float32 [B]. T = 0: 0 for the argmax token, -inf otherwise."""
+    x = logits.float()
+    picked = x.gather(-1, tokens[:, None])[:, 0]
+    if temperature == 0:
+        return torch.where(picked >= x.amax(-1), 0.0, float("-inf"))
+    return picked / temperature - (x / temperature).logsumexp(-1)
+
+
+@jit
+def _sample_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, tokens_ptr, logprobs_ptr,
+                   SAMPLE: tl.constexpr, GREEDY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row per program, streaming the vocabulary once: an online log-sum-exp of the tempered
+    logits, and either a running Gumbel-max (SAMPLE) or the logit of the given token."""
+    b = tl.program_id(0)
+    row = logits_ptr + b.to(tl.int64) * stride_b
+    if SAMPLE:
+        seed = tl.load(rng_ptr)
+        stream = (tl.load(rng_ptr + 1) << 32) + b.to(tl.int64) * V  # Philox counter: (element, call)
+        best, best_at, best_x = float("-inf"), 0, 0.0  # Gumbel-max key, its index, its tempered logit
+    m, total = -1e30, 0.0  # running max and sum of exp(x - m); finite, so -inf blocks add nothing
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temp  # [BLOCK_V]
+        m_new = tl.maximum(m, tl.max(x, 0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+        if SAMPLE:
+            key = x
+            if not GREEDY:
+                key = x - tl.log(-tl.log(tl.rand(seed, stream + v)))
+            at = tl.argmax(key, 0)
+            better = tl.max(key, 0) > best  # strict: ties keep the lowest index, like torch.argmax
+            best = tl.where(better, tl.max(key, 0), best)
+            best_at = tl.where(better, v0 + at, best_at)
+            best_x = tl.where(better, tl.sum(tl.where(v == v0 + at, x, 0.0), 0), best_x)
+    if SAMPLE:
+        tl.store(tokens_ptr + b, best_at.to(tl.int64))
+    else:
+        best_x = tl.load(row + tl.load(tokens_ptr + b)).to(tl.float32) * inv_temp
+    if GREEDY:
+        lp = tl.where(best_x >= m, 0.0, float("-inf"))
+    else:
+        lp = best_x - m - tl.log(total)
+    tl.store(logprobs_ptr + b, lp)
+
+
+def _launch_sample(logits, temperature, rng, tokens):
+    B, V = logits.shape
+    assert B * V < 2**32 and logits.stride(-1) == 1, "Philox element offsets are 32-bit"
+    drawing = tokens is None
+    if drawing:
+        tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    block_v = min(triton.next_power_of_2(V), 1024 if INTERPRET else 4096)
+    _sample_kernel[(B,)](logits, logits.stride(0), V, 1.0 / temperature if temperature else 1.0,
+                         rng if drawing else tokens, tokens, logprobs, SAMPLE=drawing,
+                         GREEDY=temperature == 0, BLOCK_V=block_v, num_warps=8)
+    if drawing:
+        rng[1:].add_(1)
+    return tokens, logprobs
+
+
+def sample(logits, temperature, rng):
+    """Draw one token per row of logits [B, V] from softmax(logits / temperature) (a Python float;
+    0 = greedy) -> (tokens int64 [B], their log-probs float32 [B], 0 when greedy).
+    Noise keyed on rng = (seed, counter); the counter is incremented in place on the device."""
+    if not use_triton(logits):
+        return sample_ref(logits, temperature, rng)
+    return _launch_sample(logits, temperature, rng, None)
+
+
+def token_logprobs(logits, tokens, temperature):
+    """log softmax(logits [B, V] / temperature)[tokens [B]] -> float32 [B], in one pass over logits.
+    Temperature 0 is the greedy distribution: 0 for the argmax token, -inf for any other."""
+    if not use_triton(logits):
+        return token_logprobs_ref(logits, tokens, temperature)
+    return _launch_sample(logits, temperature, None, tokens)[1]
+
+
+# ---------------------------------------------------------------- resampling
+
+
+def _keep_in_place(offspring):
+    """Ancestors [R, N] with the given offspring counts where every particle with offspring is its own
+    ancestor; the spare copies fill the childless slots in order. So a gather writes only childless
+    particles (the fewest rows possible) and never reads a particle it overwrites."""
+    extra = (offspring - 1).clamp(min=0).cumsum(-1)  # [R, N] spare copies of particles 0..j
+    rank = (offspring == 0).cumsum(-1) - 1  # [R, N] slot i is the rank-th childless one
+    fill = (extra[:, None, :] <= rank[:, :, None]).sum(-1)  # first j whose spares reach that rank
+    return torch.where(offspring > 0, torch.arange(offspring.shape[1], device=offspring.device), fill)
+
+
+def resample_ref(logw, threshold, rng):
+    """Systematic resampling of logw [R, N] float32 where ESS <= threshold * N.
+    -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R]."""
+    R, N = logw.shape
+    i = torch.arange(N, device=logw.device)
+    nan = logw.isnan()
+    x = logw.masked_fill(nan, float("-inf"))
+    empty = (x == float("-inf")).all(-1, keepdim=True)
+    w = x.masked_fill(empty, 0.0).softmax(-1)  # [R, N]
+    ess = (1 / (w * w).sum(-1)).clamp(1, N)
+    resampled = ess <= threshold * N
+    pos = (i + torch.rand(R, 1, generator=_next_generator(rng), device=logw.device)) / N  # [R, N]
+    last = torch.where(w > 0, i, 0).amax(-1, keepdim=True)  # catches pos beyond a rounded-down total
+    hit = (w.cumsum(-1)[:, None, :] > pos[:, :, None]) & (w[:, None, :] > 0)  # [R, slot, particle]
+    systematic = torch.where(hit, i, last[:, :, None]).amin(-1)  # sorted; never a zero weight
+    offspring = (systematic[:, :, None] == i).sum(1)  # [R, N]
+    ancestors = torch.where(resampled[:, None], _keep_in_place(offspring), i)
+    return ancestors, ess, resampled, nan.any(-1) | empty[:, 0]
+
+
+@jit
+def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, degenerate_ptr,
+                     N, threshold, BLOCK: tl.constexpr):
+    """One request per program; `resample_ref` step by step, with [BLOCK, BLOCK] comparison
+    matrices standing in for searchsorted and bincount."""
+    r = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    valid = i < N
+    x = tl.load(logw_ptr + r * N + i, mask=valid, other=float("-inf"))
+    nan = x != x
+    x = tl.where(nan, float("-inf"), x)
+    empty = tl.max(x, 0) == float("-inf")
+    x = tl.where(valid, tl.where(empty, 0.0, x), x)  # (int1 scalar & block breaks the interpreter)
+    w = tl.exp(x - tl.max(x, 0))
+    w = w / tl.sum(w, 0)  # [BLOCK], 0 beyond N
+    ess = tl.minimum(tl.maximum(1 / tl.sum(w * w, 0), 1.0), N)
+    resampled = ess <= threshold * N
+    u = tl.rand(tl.load(rng_ptr), (tl.load(rng_ptr + 1) << 32) + r)
+    pos = (i + u) / N
+    last = tl.max(tl.where(w > 0, i, 0), 0)
+    hit = (tl.cumsum(w, 0)[None, :] > pos[:, None]) & (w[None, :] > 0)  # [slot, particle]
+    systematic = tl.min(tl.where(hit, i[None, :], last), 1)  # [BLOCK]
+    offspring = tl.sum(((systematic[:, None] == i[None, :]) & valid[:, None]).to(tl.int32), 0)
+    extra = tl.cumsum(tl.maximum(offspring - 1, 0), 0)
+    rank = tl.cumsum((offspring == 0).to(tl.int32), 0) - 1
+    fill = tl.sum(((extra[None, :] <= rank[:, None]) & valid[None, :]).to(tl.int32), 1)
+    ancestors = tl.where(resampled, tl.where(offspring == 0, fill, i), i)
+    tl.store(ancestors_ptr + r * N + i, ancestors.to(tl.int64), mask=valid)
+    tl.store(ess_ptr + r, ess)
+    tl.store(resampled_ptr + r, resampled)
+    tl.store(degenerate_ptr + r, empty | (tl.sum(nan.to(tl.int32), 0) > 0))
+
+
+def resample(logw, threshold, rng):
+    """Systematic resampling, per request, of the particles' log-weights logw [R, N] float32.
+
+    Weights are softmax(logw) with NaN read as -inf (zero weight); an all -inf row counts as uniform.
+    ESS = 1 / sum(w^2), clamped to [1, N]. A row is resampled iff ESS <= threshold * N: threshold 0
+    never resamples, 1 always does. Ancestors put each particle with k >= 1 offspring (k is floor or
+    ceil of N w) in its own slot and its k - 1 spare copies in the slots of particles with none, so
+    only childless particles are overwritten; rows not resampled get the identity. The uniform is
+    keyed on rng = (seed, counter) and the counter incremented in place. No host sync. The caller
+    resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)).
+    -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all
+    -inf row)."""
+    if not use_triton(logw):
+        return resample_ref(logw, threshold, rng)
+    R, N = logw.shape
+    ancestors = torch.empty(R, N, dtype=torch.int64, device=logw.device)
+    ess = torch.empty(R, dtype=torch.float32, device=logw.device)
+    resampled, degenerate = (torch.empty(R, dtype=torch.bool, device=logw.device) for _ in range(2))
+    _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N, float(threshold),
+                           BLOCK=max(triton.next_power_of_2(N), 2))
+    rng[1:].add_(1)
+    return ancestors, ess, resampled, degenerate
+
+
+# ---------------------------------------------------------------- gather
+
+
+def _as_6d(cache):
+    """A token history [R, N, S] as a cache [1, R, N, 1, S, 1]; a cache [L, R, N, H, S, D] as is."""
+    return cache[None, :, :, None, :, None] if cache.dim() == 3 else cache
+
+
+def gather_suffix_ref(cache, ancestors, length):
+    """In place: particle i's rows [0, length[r]) become its ancestor's, for every layer and head.
+    The right-hand side is an advanced-indexing copy, so every read sees the old values."""
+    view, N = _as_6d(cache), ancestors.shape[1]
+    for r, n in enumerate(length.tolist()):
+        moved = (ancestors[r] != torch.arange(N, device=cache.device)).nonzero()[:, 0]
+        view[:, r, moved, :, :n] = view[:, r, ancestors[r, moved], :, :n]
+    return cache
+
+
+@jit
+def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st_n, st_h, st_s,
+                   BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (layer, request, head) x row block per program, holding all N particles' rows. Programs
+    touch disjoint rows, and inside one every load comes before the barrier and every store after
+    it, so each read sees the old values whatever the ancestors (cycles and chains included)."""
+    pid = tl.program_id(0)
+    h, r, layer = pid % H, pid // H % R, (pid // (H * R)).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    ancestor = tl.load(ancestors_ptr + r * N + p, mask=p < N, other=0)  # [BLOCK_P]
+    moved = (p < N) & (ancestor != p)
+    mask = moved[:, None, None] & (s < tl.load(len_ptr + r))[None, :, None] & (d < D)[None, None, :]
+    base = cache_ptr + layer * st_l + r * st_r + h * st_h
+    rows = s[None, :, None] * st_s + d[None, None, :]  # [1, BLOCK_S, BLOCK_D]
+    src = tl.load(base + ancestor[:, None, None] * st_n + rows, mask=mask)
+    tl.debug_barrier()
+    tl.store(base + p[:, None, None] * st_n + rows, src, mask=mask)
+
+
+def gather_suffix(cache, ancestors, length):
+    """In place, for cache [L, R, N, H, S, D] (a suffix KV cache, all layers in one launch) or a token
+    history [R, N, S]: rows [0, length[r]) of each particle i whose ancestors[r, i] != i become a copy
+    of its ancestor's; other particles and rows are not touched. Any ancestor vector is safe (reads
+    see the old values). ancestors int64 [R, N], length int32 [R]. Returns cache."""
+    if not use_triton(cache):
+        return gather_suffix_ref(cache, ancestors, length)
+    view = _as_6d(cache)
+    L, R, N, H, S, D = view.shape
+    assert view.stride(-1) == 1
+    block_p, block_d = triton.next_power_of_2(N), triton.next_power_of_2(D)
+    block_s = max(1, min(triton.next_power_of_2(S), 8192 // (block_p * block_d)))  # bounded registers
+    _gather_kernel[(L * R * H, triton.cdiv(S, block_s))](
+        view, ancestors.contiguous(), length, N, R, H, D, *view.stride()[:5],
+        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
+    return cache
