@@ -24,7 +24,7 @@ except ImportError:  # the references serve everywhere
 
 jit = triton.jit if triton else (lambda fn: fn)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when a kernel is defined
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+LOG2E = 1.4426950408889634
 
 
 def use_triton(t):
@@ -131,7 +131,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, qk_sca
         m_i = m_new
     found = l_i > 0
     slot = r * so_r + n * so_n + t * so_t + hq * so_h + split0 + tl.program_id(2)  # [BLOCK_M]
-    tl.store(lse_ptr + slot, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)  # -inf when l_i = 0
+    tl.store(lse_ptr + slot, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # ln; -inf if l_i = 0
     out = acc / tl.where(found, l_i, 1.0)[:, None]
     tl.store(o_ptr + slot[:, None] * D + d[None, :], out, mask=row_ok[:, None])
 

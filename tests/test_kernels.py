@@ -1,0 +1,276 @@
+"""Each Triton kernel against its PyTorch reference, plus the statistical contracts of sampling and
+resampling. Without CUDA the kernels run in the Triton interpreter (tiny shapes: it is slow)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels defines its @triton.jit functions
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not kernels.use_triton(torch.empty(0, device=DEVICE)),
+                                  reason="no triton, or CPU without TRITON_INTERPRET=1 set before import")
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log2(0) = -inf
+
+
+def chi2_quantile(df, z=3.09):
+    """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is p = 0.001."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+# ---------------------------------------------------------------- attention
+
+CASES = [  # N, T, Hkv, G, D, dtype, prefix lengths, suffix lengths, P, S
+    (3, 1, 2, 1, 64, torch.float32, (1, 37), (0, 7), 40, 16),  # 3 prefix splits, empty suffix
+    (2, 5, 1, 2, 128, torch.float16, (50,), (7,), 64, 12),  # suffix filled to capacity
+    (2, 5, 2, 4, 64, torch.bfloat16, (3,), (0,), 16, 8),
+    (2, 5, 1, 7, 64, torch.float32, (90,), (100,), 100, 128),  # 2 prefix splits, 3 suffix splits
+    (4, 1, 1, 7, 128, torch.float16, (20, 5), (30, 3), 24, 40),  # 3 suffix splits
+    (4, 5, 1, 7, 64, torch.float16, (30,), (6,), 40, 16),  # 140 query rows: 2 row blocks
+    (2, 5, 2, 1, 128, torch.float16, (17,), (2,), 32, 8),
+    (2, 1, 2, 2, 64, torch.float32, (9, 30), (4, 0), 32, 8),
+    (3, 1, 1, 4, 128, torch.float32, (16,), (11,), 16, 12),
+]
+
+
+def attention_inputs(N, T, Hkv, G, D, dtype, prefix_lens, suffix_lens, P, S, layers=2):
+    """Random q and per-layer cache views (layer 1 of `layers`, as the model passes them), with NaN
+    beyond every length so a kernel that reads past one fails."""
+    R = len(prefix_lens)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE, dtype)  # noqa: E731
+    prefix = [rand(layers, R, Hkv, P, D) for _ in range(2)]
+    suffix = [rand(layers, R, N, Hkv, S, D) for _ in range(2)]
+    for r, (p, s) in enumerate(zip(prefix_lens, suffix_lens)):
+        for c in prefix:
+            c[:, r, :, p:] = float("nan")
+        for c in suffix:
+            c[:, r, :, :, s + T:] = float("nan")
+    lens = [torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (prefix_lens, suffix_lens)]
+    return rand(R, N, T, Hkv * G, D), prefix[0][1], prefix[1][1], suffix[0][1], suffix[1][1], *lens
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-T{c[1]}-G{c[3]}-D{c[4]}-{str(c[5])[6:]}")
+def test_particle_attention_matches_reference(case):
+    q, pk, pv, sk, sv, plen, slen = attention_inputs(*case)
+    scale = q.shape[-1] ** -0.5
+    out = kernels.particle_attention(q, pk, pv, sk, sv, plen, slen, scale)
+    up = [x.float() for x in (q, pk, pv, sk, sv)]
+    ref = kernels.particle_attention_ref(*up, plen, slen, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_reference_matches_sdpa_on_one_particle():
+    """The reference's masks: one particle with an empty prefix is plain causal attention."""
+    T, H, D = 6, 2, 16
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    out = kernels.particle_attention_ref(q[None, None], k.new_zeros(1, H, 4, D), v.new_zeros(1, H, 4, D),
+                                         k.transpose(0, 1)[None, None], v.transpose(0, 1)[None, None],
+                                         torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 0.25)
+    torch.testing.assert_close(out[0, 0], kernels.prefill_attention(q, k, v, 0.25))
+
+
+# ---------------------------------------------------------------- sampling
+
+SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytest.param(kernels.sample_ref, id="ref")]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_sample_frequencies_match_tempered_softmax(sampler):
+    logits, temperature, draws = torch.tensor([1.0, 0.0, -0.5, 0.5], device=DEVICE), 0.7, 600
+    tokens, _ = sampler(logits.expand(draws, 4), temperature, kernels.make_rng(3, DEVICE))
+    expected = draws * torch.softmax(logits / temperature, -1).cpu()
+    observed = torch.bincount(tokens.cpu(), minlength=4).double()
+    assert ((observed - expected) ** 2 / expected).sum() < chi2_quantile(3)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_sample_logprobs_are_exact(sampler, temperature):
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(5, 2500, generator=gen)).to(DEVICE, torch.float16)  # 3 vocabulary blocks
+    logits[:, 1000:1500] = float("-inf")  # a masked-out block must not poison the running sums
+    tokens, logprobs = sampler(logits, temperature, kernels.make_rng(0, DEVICE))
+    exact = torch.log_softmax(logits.double() / temperature, -1).gather(-1, tokens[:, None])[:, 0]
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert ((tokens < 1000) | (tokens >= 1500)).all()
+    torch.testing.assert_close(logprobs.double(), exact, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_greedy_is_argmax_with_logprob_zero(sampler):
+    logits = torch.randn(4, 300, device=DEVICE)
+    tokens, logprobs = sampler(logits, 0.0, kernels.make_rng(0, DEVICE))
+    assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(logprobs, torch.zeros_like(logprobs))
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_same_seed_same_tokens_new_counter_new_tokens(sampler):
+    logits = torch.zeros(16, 1000, device=DEVICE)
+    rng_a, rng_b = kernels.make_rng(7, DEVICE), kernels.make_rng(7, DEVICE)
+    first = sampler(logits, 1.0, rng_a)[0]
+    assert torch.equal(first, sampler(logits, 1.0, rng_b)[0])
+    assert rng_a.tolist() == [7, 1]
+    assert not torch.equal(first, sampler(logits, 1.0, rng_a)[0])
+    assert not torch.equal(first, sampler(logits, 1.0, kernels.make_rng(8, DEVICE))[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
+def test_token_logprobs_matches_reference(temperature):
+    logits = torch.randn(6, 1500, device=DEVICE, dtype=torch.bfloat16)
+    tokens = torch.cat([logits[:3].float().argmax(-1), torch.randint(0, 1500, (3,), device=DEVICE)])
+    out = kernels.token_logprobs(logits, tokens, temperature)
+    torch.testing.assert_close(out, kernels.token_logprobs_ref(logits, tokens, temperature), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- resampling
+
+RESAMPLERS = [pytest.param(kernels.resample, marks=needs_triton, id="triton"),
+              pytest.param(kernels.resample_ref, id="ref")]
+
+
+def weights(logw):
+    """The weights resample uses: NaN as -inf, an all -inf row as uniform."""
+    x = logw.masked_fill(logw.isnan(), float("-inf"))
+    empty = (x == float("-inf")).all(-1, keepdim=True)
+    return x.masked_fill(empty, 0.0).softmax(-1)
+
+
+def check_offspring(logw, ancestors):
+    """Each particle's offspring count is floor or ceil of N w (up to rounding), zero weights have
+    none, and every particle with offspring is its own ancestor (gather never overwrites a source)."""
+    R, N = logw.shape
+    w = weights(logw.double().cpu())
+    ancestors = ancestors.cpu()
+    counts = torch.nn.functional.one_hot(ancestors, N).sum(1).double()  # [R, N]
+    assert ((counts >= (N * w - 1e-4).floor()) & (counts <= (N * w + 1e-4).ceil())).all()
+    assert (counts[w == 0] == 0).all()
+    assert torch.equal(ancestors.gather(1, ancestors), ancestors)
+
+
+@pytest.mark.parametrize("resampler", RESAMPLERS)
+def test_resample_offspring_are_floor_or_ceil(resampler):
+    gen = torch.Generator().manual_seed(0)
+    logw = (2 * torch.randn(3, 8, generator=gen)).to(DEVICE)
+    rng = kernels.make_rng(0, DEVICE)
+    for _ in range(5):
+        ancestors, _, resampled, _ = resampler(logw, 1.0, rng)
+        assert resampled.all()
+        check_offspring(logw, ancestors)
+    assert rng.tolist() == [0, 5]
+
+
+@pytest.mark.parametrize("resampler", RESAMPLERS)
+def test_resample_ess_and_thresholds(resampler):
+    logw = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -1.0, -2.0, -30.0], [5.0, -30.0, -30.0, -30.0]], device=DEVICE)
+    w = weights(logw)
+    rng = kernels.make_rng(0, DEVICE)
+    identity = torch.arange(4, device=DEVICE).expand(3, 4)
+    ancestors, ess, resampled, degenerate = resampler(logw, 0.0, rng)
+    torch.testing.assert_close(ess, 1 / (w * w).sum(-1))
+    assert not resampled.any() and not degenerate.any() and torch.equal(ancestors, identity)
+    ancestors, _, resampled, _ = resampler(logw, 1.0, rng)
+    assert resampled.all() and torch.equal(ancestors[0], identity[0])  # uniform: everyone keeps itself
+    assert torch.equal(ancestors[2], torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    assert resampler(logw, 0.5, rng)[2].tolist() == [False, True, True]  # ESS 4, 1.96, 1
+
+
+@pytest.mark.parametrize("resampler", RESAMPLERS)
+def test_resample_exact_offspring(resampler):
+    """N w integral: systematic resampling is deterministic, and childless slots fill in order."""
+    inf, nan = float("inf"), float("nan")
+    logw = torch.tensor([[0.0, -inf, 0.0, -inf], [-inf, -inf, 1.0, -inf], [-1.0, -1.0, nan, nan]], device=DEVICE)
+    ancestors, _, _, degenerate = resampler(logw, 1.0, kernels.make_rng(0, DEVICE))
+    assert ancestors.tolist() == [[0, 0, 2, 2], [2, 2, 2, 2], [0, 1, 0, 1]]
+    assert degenerate.tolist() == [False, False, True]
+
+
+logw_rows = st.integers(1, 12).flatmap(lambda n: st.lists(st.lists(
+    st.one_of(st.floats(-20, 20), st.just(float("-inf")), st.just(float("nan"))), min_size=n, max_size=n),
+    min_size=1, max_size=3))
+
+
+@needs_triton
+@settings(max_examples=60, deadline=None)
+@given(rows=logw_rows, threshold=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**31))
+def test_resample_properties(rows, threshold, seed):
+    logw = torch.tensor(rows, dtype=torch.float32, device=DEVICE)
+    N = logw.shape[1]
+    out = kernels.resample(logw, threshold, kernels.make_rng(seed, DEVICE))
+    ref = kernels.resample_ref(logw, threshold, kernels.make_rng(seed, DEVICE))
+    ancestors, ess, resampled, degenerate = out
+    torch.testing.assert_close(ess, ref[1])
+    assert torch.equal(resampled, ref[2]) and torch.equal(degenerate, ref[3])
+    zero_weight = logw.isnan() | (logw == float("-inf"))
+    assert torch.equal(degenerate, logw.isnan().any(-1) | zero_weight.all(-1))
+    assert ((ess >= 1) & (ess <= N)).all()
+    assert torch.equal(resampled, ess <= threshold * N)
+    identity = torch.arange(N, device=DEVICE).expand_as(ancestors)
+    assert torch.equal(ancestors[~resampled], identity[~resampled])
+    for a in (ancestors, ref[0]):
+        check_offspring(logw[resampled], a[resampled])
+
+
+# ---------------------------------------------------------------- gather
+
+ADVERSARIAL = [
+    [1, 2, 2, 0],  # 0 reads 1 while 1 reads 2 and 3 reads 0: chains
+    [1, 0, 3, 2],  # swaps
+    [1, 2, 3, 0],  # a cycle
+    [0, 1, 2, 3],  # identity: nothing moves
+    [3, 3, 3, 3],
+]
+
+
+def expected_gather(cache, ancestors, length):
+    """The index_select definition, on a copy: rows below length come from the ancestor."""
+    out = cache.clone()
+    for r in range(cache.shape[1]):
+        n = int(length[r])
+        out[:, r, :, :, :n] = cache[:, r].index_select(1, ancestors[r])[:, :, :, :n]  # [L, N, H, n, D]
+    return out
+
+
+@pytest.mark.parametrize("gather", [pytest.param(kernels.gather_suffix, marks=needs_triton, id="triton"),
+                                    pytest.param(kernels.gather_suffix_ref, id="ref")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_suffix_equals_index_select(gather, dtype):
+    L, H, S, D = 2, 2, 9, 64
+    ancestors = torch.tensor(ADVERSARIAL, device=DEVICE)
+    length = torch.tensor([9, 4, 0, 7, 1], dtype=torch.int32, device=DEVICE)
+    cache = torch.randn(L, len(ADVERSARIAL), 4, H, S, D, device=DEVICE).to(dtype)
+    expected = expected_gather(cache, ancestors, length)
+    assert gather(cache, ancestors, length) is cache
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("gather", [pytest.param(kernels.gather_suffix, marks=needs_triton, id="triton"),
+                                    pytest.param(kernels.gather_suffix_ref, id="ref")])
+def test_gather_token_history(gather):
+    ancestors = torch.tensor(ADVERSARIAL, device=DEVICE)
+    length = torch.tensor([5, 3, 6, 2, 0], dtype=torch.int32, device=DEVICE)
+    tokens = torch.arange(5 * 4 * 6, device=DEVICE).view(5, 4, 6)
+    expected = expected_gather(tokens[None, :, :, None, :, None], ancestors, length)[0, :, :, 0, :, 0]
+    gather(tokens, ancestors, length)
+    assert torch.equal(tokens, expected)
+
+
+@needs_triton
+def test_resample_then_gather_moves_only_childless_particles():
+    logw = torch.tensor([[1.0, 0.0, -9.0, 0.0, -9.0, 0.0]], device=DEVICE)  # N w = 2.85, 1.05, 0, ...
+    ancestors, *_ = kernels.resample(logw, 1.0, kernels.make_rng(0, DEVICE))
+    history = torch.arange(6, device=DEVICE).view(1, 6, 1).repeat(1, 1, 3)  # each row holds its own index
+    kernels.gather_suffix(history, ancestors, torch.tensor([3], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(history[0, :, 0], ancestors[0])
+    assert torch.equal(ancestors[0, [0, 1, 3, 5]].cpu(), torch.tensor([0, 1, 3, 5]))
