@@ -9,7 +9,6 @@ call that draws noise (`sample`, `resample`) keys its numbers on (seed, counter)
 counter in place on the device: a CUDA-graph replay draws fresh noise, the same seed replays the
 same run. Triton draws Philox numbers and the references draw from torch generators, so the two
 paths agree in distribution, not draw for draw."""
-import math
 import os
 from types import SimpleNamespace
 
@@ -154,7 +153,7 @@ def _attend_splits(q, k, v, lengths, out, lse, split0, split, block_n, scale, ca
     block_m = min(max(triton.next_power_of_2(rows), 16), 128)
     grid = (R * Hkv * (N if causal else 1), triton.cdiv(rows, block_m), triton.cdiv(S, split))
     sk_n = k.stride(1) if causal else 0  # the prefix is shared: every particle reads the same rows
-    precision = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # tf32 only names fp32 dots
+    precision = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # only fp32 operands care
     _attention_split_kernel[grid](
         q, k, v, lengths, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n, *k.stride()[-3:-1],
         *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal, SPLIT=split, BLOCK_M=block_m,
@@ -168,7 +167,8 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     if not use_triton(q):
         return particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
     R, N, T, Hq, D = q.shape
-    assert D == triton.next_power_of_2(D) and q.stride(-1) == prefix_k.stride(-1) == suffix_k.stride(-1) == 1
+    assert D == triton.next_power_of_2(D) and q.stride(-2) == D
+    assert q.stride(-1) == prefix_k.stride(-1) == suffix_k.stride(-1) == 1
     assert prefix_k.stride() == prefix_v.stride() and suffix_k.stride() == suffix_v.stride()
     G, P, S = Hq // prefix_k.shape[1], prefix_k.shape[2], suffix_k.shape[3]
     block_n = 16 if INTERPRET else 64
@@ -208,18 +208,18 @@ def token_logprobs_ref(logits, tokens, temperature):
 
 
 @jit
-def _sample_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, tokens_ptr, logprobs_ptr,
-                   SAMPLE: tl.constexpr, GREEDY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row per program, streaming the vocabulary once: an online log-sum-exp of the tempered
-    logits, and either a running Gumbel-max (SAMPLE) or the logit of the given token."""
-    b = tl.program_id(0)
+def _vocab_chunk_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, max_ptr, sum_ptr, key_ptr, x_ptr, at_ptr,
+                        CHUNK: tl.constexpr, SAMPLE: tl.constexpr, NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One vocabulary chunk of one row, streamed once: the max of the tempered logits x and the sum of
+    exp(x - max); with SAMPLE also the chunk's Gumbel-max winner (key, x, index); NOISE off = greedy."""
+    b, c = tl.program_id(0), tl.program_id(1)
     row = logits_ptr + b.to(tl.int64) * stride_b
-    if SAMPLE:
+    if NOISE:
         seed = tl.load(rng_ptr)
         stream = (tl.load(rng_ptr + 1) << 32) + b.to(tl.int64) * V  # Philox counter: (element, call)
-        best, best_at, best_x = float("-inf"), 0, 0.0  # Gumbel-max key, its index, its tempered logit
-    m, total = -1e30, 0.0  # running max and sum of exp(x - m); finite, so -inf blocks add nothing
-    for v0 in range(0, V, BLOCK_V):
+    m, total = -1e30, 0.0  # finite, so an all -inf tile adds nothing instead of NaN
+    best, best_x, best_at = float("-inf"), 0.0, 0
+    for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), BLOCK_V):
         v = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temp  # [BLOCK_V]
         m_new = tl.maximum(m, tl.max(x, 0))
@@ -227,38 +227,43 @@ def _sample_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, tokens_ptr, logpr
         m = m_new
         if SAMPLE:
             key = x
-            if not GREEDY:
+            if NOISE:
                 key = x - tl.log(-tl.log(tl.rand(seed, stream + v)))
             at = tl.argmax(key, 0)
             better = tl.max(key, 0) > best  # strict: ties keep the lowest index, like torch.argmax
             best = tl.where(better, tl.max(key, 0), best)
-            best_at = tl.where(better, v0 + at, best_at)
             best_x = tl.where(better, tl.sum(tl.where(v == v0 + at, x, 0.0), 0), best_x)
+            best_at = tl.where(better, v0 + at, best_at)
+    out = b * tl.num_programs(1) + c
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, total)
     if SAMPLE:
-        tl.store(tokens_ptr + b, best_at.to(tl.int64))
-    else:
-        best_x = tl.load(row + tl.load(tokens_ptr + b)).to(tl.float32) * inv_temp
-    if GREEDY:
-        lp = tl.where(best_x >= m, 0.0, float("-inf"))
-    else:
-        lp = best_x - m - tl.log(total)
-    tl.store(logprobs_ptr + b, lp)
+        tl.store(key_ptr + out, best)
+        tl.store(x_ptr + out, best_x)
+        tl.store(at_ptr + out, best_at.to(tl.int64))
 
 
-def _launch_sample(logits, temperature, rng, tokens):
+def _vocab_chunks(logits, temperature, rng, sample):
+    """Per (row, chunk) partials [B, C] of `_vocab_chunk_kernel`: max, sum and, when sampling, key, x,
+    index. Rows are cut into chunks so a few rows still spread over ~256 programs (the whole GPU)."""
     B, V = logits.shape
     assert B * V < 2**32 and logits.stride(-1) == 1, "Philox element offsets are 32-bit"
-    drawing = tokens is None
-    if drawing:
-        tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    block_v = min(triton.next_power_of_2(V), 1024 if INTERPRET else 4096)
-    _sample_kernel[(B,)](logits, logits.stride(0), V, 1.0 / temperature if temperature else 1.0,
-                         rng if drawing else tokens, tokens, logprobs, SAMPLE=drawing,
-                         GREEDY=temperature == 0, BLOCK_V=block_v, num_warps=8)
-    if drawing:
-        rng[1:].add_(1)
-    return tokens, logprobs
+    block_v = 256 if INTERPRET else 2048
+    tiles = triton.cdiv(V, block_v)
+    chunk = block_v * triton.cdiv(tiles, min(tiles, triton.cdiv(256, B)))
+    floats = torch.empty(4, B, triton.cdiv(V, chunk), dtype=torch.float32, device=logits.device)
+    at = torch.empty(floats.shape[1:], dtype=torch.int64, device=logits.device)
+    _vocab_chunk_kernel[floats.shape[1:]](
+        logits, logits.stride(0), V, 1 / (temperature or 1.0), rng if sample else at, *floats, at,
+        CHUNK=chunk, SAMPLE=sample, NOISE=sample and temperature != 0, BLOCK_V=block_v, num_warps=8)
+    return (*floats, at)
+
+
+def _logprob(picked, chunk_max, chunk_sum, temperature):
+    """log-prob of the tempered logit `picked` [B] given each chunk's max and sum(exp(x - max)) [B, C]."""
+    if temperature == 0:
+        return torch.where(picked >= chunk_max.amax(-1), 0.0, float("-inf"))
+    return picked - (chunk_max + chunk_sum.log()).logsumexp(-1)
 
 
 def sample(logits, temperature, rng):
@@ -267,7 +272,10 @@ def sample(logits, temperature, rng):
     Noise keyed on rng = (seed, counter); the counter is incremented in place on the device."""
     if not use_triton(logits):
         return sample_ref(logits, temperature, rng)
-    return _launch_sample(logits, temperature, rng, None)
+    chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, temperature, rng, True)
+    rng[1:].add_(1)
+    winner = key.argmax(-1, keepdim=True)  # [B, 1] the chunk holding the row's Gumbel-max
+    return at.gather(1, winner)[:, 0], _logprob(x.gather(1, winner)[:, 0], chunk_max, chunk_sum, temperature)
 
 
 def token_logprobs(logits, tokens, temperature):
@@ -275,7 +283,9 @@ def token_logprobs(logits, tokens, temperature):
     Temperature 0 is the greedy distribution: 0 for the argmax token, -inf for any other."""
     if not use_triton(logits):
         return token_logprobs_ref(logits, tokens, temperature)
-    return _launch_sample(logits, temperature, None, tokens)[1]
+    chunk_max, chunk_sum = _vocab_chunks(logits, temperature, None, False)[:2]
+    picked = logits.gather(1, tokens[:, None])[:, 0].float() * (1 / (temperature or 1.0))  # as the kernel
+    return _logprob(picked, chunk_max, chunk_sum, temperature)
 
 
 # ---------------------------------------------------------------- resampling

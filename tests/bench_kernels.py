@@ -35,7 +35,8 @@ def attention_case(T, prompt, generated):
     P, S = prompt + 64, generated + 256
     rand = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE)  # noqa: E731
     q = rand(1, N, T, HQ, D)
-    prefix_k, prefix_v, suffix_k, suffix_v = rand(1, HKV, P, D), rand(1, HKV, P, D), rand(1, N, HKV, S, D), rand(1, N, HKV, S, D)
+    prefix_k, prefix_v = rand(1, HKV, P, D), rand(1, HKV, P, D)
+    suffix_k, suffix_v = rand(1, N, HKV, S, D), rand(1, N, HKV, S, D)
     lengths = [torch.tensor([n], dtype=torch.int32, device=DEVICE) for n in (prompt, generated)]
     args = (q, prefix_k, prefix_v, suffix_k, suffix_v, *lengths, D ** -0.5)
     kv_bytes = 2 * HKV * D * 2 * (prompt + N * (generated + T))
@@ -70,7 +71,8 @@ def cases():
 
 def table(copy_gbs):
     lines = [f"device: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s", "",
-             "| kernel | shape | triton us | reference us | speed-up | GB/s | % of copy |", "|---|---|---:|---:|---:|---:|---:|"]
+             "| kernel | shape | triton us | reference us | speed-up | GB/s | % of copy |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for name, shape, fn, ref_fn, nbytes in cases():
         ms, ref = milliseconds(fn), milliseconds(ref_fn)
         gbs = nbytes / ms / 1e6 if nbytes else None

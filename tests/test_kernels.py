@@ -74,9 +74,9 @@ def test_reference_matches_sdpa_on_one_particle():
     """The reference's masks: one particle with an empty prefix is plain causal attention."""
     T, H, D = 6, 2, 16
     q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    zero = torch.tensor([0], dtype=torch.int32)
     out = kernels.particle_attention_ref(q[None, None], k.new_zeros(1, H, 4, D), v.new_zeros(1, H, 4, D),
-                                         k.transpose(0, 1)[None, None], v.transpose(0, 1)[None, None],
-                                         torch.tensor([0], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 0.25)
+                                         k.transpose(0, 1)[None, None], v.transpose(0, 1)[None, None], zero, zero, 0.25)
     torch.testing.assert_close(out[0, 0], kernels.prefill_attention(q, k, v, 0.25))
 
 
@@ -98,12 +98,12 @@ def test_sample_frequencies_match_tempered_softmax(sampler):
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_sample_logprobs_are_exact(sampler, temperature):
     gen = torch.Generator().manual_seed(1)
-    logits = (3 * torch.randn(5, 2500, generator=gen)).to(DEVICE, torch.float16)  # 3 vocabulary blocks
-    logits[:, 1000:1500] = float("-inf")  # a masked-out block must not poison the running sums
+    logits = (3 * torch.randn(40, 2500, generator=gen)).to(DEVICE, torch.float16)  # several tiles and chunks
+    logits[:, 512:1536] = float("-inf")  # masked-out tiles must not poison the running sums
     tokens, logprobs = sampler(logits, temperature, kernels.make_rng(0, DEVICE))
     exact = torch.log_softmax(logits.double() / temperature, -1).gather(-1, tokens[:, None])[:, 0]
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
-    assert ((tokens < 1000) | (tokens >= 1500)).all()
+    assert ((tokens < 512) | (tokens >= 1536)).all()
     torch.testing.assert_close(logprobs.double(), exact, atol=1e-4, rtol=1e-4)
 
 
@@ -128,8 +128,8 @@ def test_same_seed_same_tokens_new_counter_new_tokens(sampler):
 @needs_triton
 @pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
 def test_token_logprobs_matches_reference(temperature):
-    logits = torch.randn(6, 1500, device=DEVICE, dtype=torch.bfloat16)
-    tokens = torch.cat([logits[:3].float().argmax(-1), torch.randint(0, 1500, (3,), device=DEVICE)])
+    logits = torch.randn(64, 1500, device=DEVICE, dtype=torch.bfloat16)
+    tokens = torch.cat([logits[:32].float().argmax(-1), torch.randint(0, 1500, (32,), device=DEVICE)])
     out = kernels.token_logprobs(logits, tokens, temperature)
     torch.testing.assert_close(out, kernels.token_logprobs_ref(logits, tokens, temperature), atol=1e-4, rtol=1e-4)
 
