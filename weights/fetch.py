@@ -40,7 +40,7 @@ MODELS = {
 DEFAULT_PAIR = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")  # (draft, target)
 
 
-class FetchError(Exception):
+class FetchError(model.LoadError):
     pass
 
 
@@ -104,7 +104,7 @@ def main(argv):
     try:
         for name in argv or DEFAULT_PAIR:
             print(fetch(name))
-    except (FetchError, model.LoadError) as e:
+    except model.LoadError as e:
         sys.exit(f"error: {e}")
 
 

