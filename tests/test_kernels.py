@@ -202,7 +202,7 @@ logw_rows = st.integers(1, 12).flatmap(lambda n: st.lists(st.lists(
 
 
 @needs_triton
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(rows=logw_rows, threshold=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**31))
 def test_resample_properties(rows, threshold, seed):
     logw = torch.tensor(rows, dtype=torch.float32, device=DEVICE)
@@ -274,3 +274,25 @@ def test_resample_then_gather_moves_only_childless_particles():
     kernels.gather_suffix(history, ancestors, torch.tensor([3], dtype=torch.int32, device=DEVICE))
     assert torch.equal(history[0, :, 0], ancestors[0])
     assert torch.equal(ancestors[0, [0, 1, 3, 5]].cpu(), torch.tensor([0, 1, 3, 5]))
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_draw_fresh_noise_and_read_lengths_on_device():
+    q, pk, pv, sk, sv, plen, slen = attention_inputs(*CASES[3])
+    logits, rng = torch.zeros(4, 1000, device=DEVICE), kernels.make_rng(0, DEVICE)
+    run = lambda: (kernels.particle_attention(q, pk, pv, sk, sv, plen, slen, 0.125),  # noqa: E731
+                   kernels.sample(logits, 1.0, rng)[0])
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, tokens = run()
+    graph.replay()
+    first = tokens.clone()
+    slen -= 60
+    graph.replay()
+    assert not torch.equal(first, tokens) and rng.tolist() == [0, 3]
+    ref = kernels.particle_attention_ref(q, pk, pv, sk, sv, plen, slen, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
