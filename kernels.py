@@ -323,7 +323,7 @@ def resample_ref(logw, threshold, rng):
 
 @jit
 def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, degenerate_ptr,
-                     N, threshold, BLOCK: tl.constexpr):
+                     N, ess_limit, BLOCK: tl.constexpr):
     """One request per program; `resample_ref` step by step, with [BLOCK, BLOCK] comparison
     matrices standing in for searchsorted and bincount."""
     r = tl.program_id(0)
@@ -337,7 +337,7 @@ def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, d
     w = tl.exp(x - tl.max(x, 0))
     w = w / tl.sum(w, 0)  # [BLOCK], 0 beyond N
     ess = tl.minimum(tl.maximum(1 / tl.sum(w * w, 0), 1.0), N)
-    resampled = ess <= threshold * N
+    resampled = ess <= ess_limit
     u = tl.rand(tl.load(rng_ptr), (tl.load(rng_ptr + 1) << 32) + r)
     pos = (i + u) / N
     last = tl.max(tl.where(w > 0, i, 0), 0)
@@ -372,8 +372,8 @@ def resample(logw, threshold, rng):
     ancestors = torch.empty(R, N, dtype=torch.int64, device=logw.device)
     ess = torch.empty(R, dtype=torch.float32, device=logw.device)
     resampled, degenerate = (torch.empty(R, dtype=torch.bool, device=logw.device) for _ in range(2))
-    _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N, float(threshold),
-                           BLOCK=max(triton.next_power_of_2(N), 2))
+    _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N, threshold * N,
+                           BLOCK=max(triton.next_power_of_2(N), 2))  # threshold * N rounded as the reference does
     rng[1:].add_(1)
     return ancestors, ess, resampled, degenerate
 
