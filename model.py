@@ -3,7 +3,7 @@ safetensors directories and GGUF files), its tokenizer, and the static prefix/su
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F

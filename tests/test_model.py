@@ -232,6 +232,20 @@ def test_qwen_tokenizer_from_gguf(qwen_draft):
     assert tok.encode("<|im_start|>user")[0] == 151644
 
 
+def test_converted_directory_loads_in_transformers(qwen_draft):
+    """What weights/fetch.py writes is a valid Hugging Face checkpoint: transformers reads the config,
+    weights and tokenizer, and computes the same logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    hf = AutoModelForCausalLM.from_pretrained(qwen_draft, dtype=torch.float32).eval()
+    m, tok = model.load(qwen_draft, dtype=torch.float32)
+    text = "import numpy as np\n\ndef softmax(x):"
+    ids = tok.encode(text)
+    assert AutoTokenizer.from_pretrained(qwen_draft)(text).input_ids == ids
+    cache = model.KVCache(m.config, 1, len(ids), 1, "cpu", torch.float32)
+    ref = hf_logits(hf, ids)
+    assert (m.prefill(torch.tensor(ids), cache, all_logits=True) - ref).abs().max() < 1e-3 * ref.abs().max()
+
+
 def test_qwen_draft_completes_code(qwen_draft):
     m, tok = model.load(qwen_draft)
     c = m.config
