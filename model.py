@@ -358,12 +358,23 @@ def unpermute_rope(w, heads):
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+class GGUFMetadata(dict):
+    """GGUF key-value metadata; a missing required key is a one-line LoadError naming the file."""
+
+    def __init__(self, fields, path):
+        super().__init__((k, f.contents()) for k, f in fields.items())
+        self.path = path
+
+    def __missing__(self, key):
+        raise LoadError(f"{self.path}: GGUF metadata has no {key}")
+
+
 def open_gguf(path):
     """-> (Config, get(name) -> float32 tensor by Hugging Face name, Tokenizer), dequantizing on read."""
     import gguf
     try:
         reader = gguf.GGUFReader(path)
-        meta = {k: f.contents() for k, f in reader.fields.items()}
+        meta = GGUFMetadata(reader.fields, path)
         tensors = {hf_name(t.name): t for t in reader.tensors}
         if meta.get("GGUF.tensor_count") != len(tensors):
             raise ValueError(f"header promises {meta.get('GGUF.tensor_count')} tensors, found {len(tensors)}")
@@ -383,6 +394,8 @@ def open_gguf(path):
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     if "<|endoftext|>" in meta["tokenizer.ggml.tokens"]:  # instruct models still end plain completions with it
         eos.append(meta["tokenizer.ggml.tokens"].index("<|endoftext|>"))
+    if "model.embed_tokens.weight" not in tensors:
+        raise LoadError(f"{path}: missing tensor token_embd.weight")
     c = Config(arch=arch, vocab_size=int(tensors["model.embed_tokens.weight"].shape[1]), dim=dim,
                n_layers=meta[f"{arch}.block_count"], n_heads=heads,
                n_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),

@@ -350,3 +350,30 @@ def test_model_through_triton_attention(qwen_tiny, monkeypatch):
     reference = run()
     monkeypatch.setattr(kernels, "INTERPRET", True)
     assert (run() - reference).abs().max() < 1e-4
+
+
+def write_gguf(path, arch, full_metadata, pre="qwen2"):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), arch)
+    if full_metadata:
+        w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(8), w.add_feed_forward_length(16)
+        w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5)
+        w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre(pre), w.add_token_list(["a", "b", "ab", "c"])
+        w.add_token_types([1, 1, 1, 3]), w.add_token_merges(["a b"])
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, full, pre, problem", [
+    ("gpt2", False, None, "unsupported GGUF architecture 'gpt2'"),
+    ("llama", False, None, "GGUF metadata has no llama.attention.head_count"),
+    ("llama", True, "deepseek-llm", "GGUF pre-tokenizer 'deepseek-llm' is not supported"),
+])
+def test_unsupported_gguf(tmp_path, arch, full, pre, problem):
+    assert problem in load_error(write_gguf(tmp_path / "m.gguf", arch, full, pre))
+
+
+def test_gguf_missing_tensor(tmp_path):
+    assert "missing tensor model.norm.weight" in load_error(write_gguf(tmp_path / "m.gguf", "llama", True))
