@@ -195,7 +195,9 @@ class Transformer(torch.nn.Module):
         self.norm = torch.nn.Parameter(torch.empty(c.dim, device=device, dtype=dtype), requires_grad=False)
         self.lm_head = self.embed if c.tie_embeddings else torch.nn.Parameter(
             torch.empty(c.vocab_size, c.dim, device=device, dtype=dtype), requires_grad=False)
-        self.cos, self.sin = rope_tables(c, device)
+        cos, sin = rope_tables(c, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     @property
     def device(self):

@@ -338,18 +338,19 @@ def test_cli_reports_one_line(tmp_path):
 
 
 def test_model_through_triton_attention(qwen_tiny, monkeypatch):
-    """The same particle steps through the interpreted Triton attention kernel give the reference's logits."""
-    m = qwen_tiny
+    """The same particle steps through the Triton attention kernel (compiled on a GPU, interpreted on CPU)
+    give the reference's logits."""
     g = torch.Generator().manual_seed(6)
     prompt, suffixes = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 3, 3), generator=g)
 
-    def run():
-        cache = model.KVCache(m.config, 3, 8, 4, "cpu", torch.float32)
-        m.prefill(prompt, cache)
-        return m.step(suffixes, cache)
-    reference = run()
-    monkeypatch.setattr(kernels, "INTERPRET", True)
-    assert (run() - reference).abs().max() < 1e-4
+    def run(m):
+        cache = model.KVCache(m.config, 3, 8, 4, m.device, torch.float32)
+        m.prefill(prompt.to(m.device), cache)
+        return m.step(suffixes.to(m.device), cache).cpu()
+    reference = run(qwen_tiny)
+    monkeypatch.setattr(kernels, "INTERPRET", not torch.cuda.is_available())
+    on_device = copy.deepcopy(qwen_tiny).to("cuda" if torch.cuda.is_available() else "cpu")
+    assert (run(on_device) - reference).abs().max() < 1e-4
 
 
 def write_gguf(path, arch, full_metadata, pre="qwen2"):
