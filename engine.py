@@ -1,19 +1,447 @@
-"""Generation. For now: load a draft/target pair and decode greedily with the target alone (plain AR).
-SD and SMC-SD build on this file.
+"""Generation: plain autoregressive decoding (ar), speculative sampling (sd) and sequential Monte Carlo
+speculative decoding (smc), from the command line or from Python.
 
-    python engine.py --prompt "def quicksort(xs):"
-"""
+    python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
+    python engine.py --method sd --temperature 0 --prompt-file p.txt
+    Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
+
+Every method runs as the same loop: a fixed-shape cycle that updates device tensors in place (captured once
+as a CUDA graph on CUDA, called eagerly elsewhere), then one small read of [done, settled] by the host."""
 import argparse
+import json
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
+import kernels
 import model
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
+METHODS = ("smc", "sd", "ar")
+
+
+class UsageError(Exception):
+    """A one-line problem with a request; the CLI prints it without a traceback."""
+
+
+@dataclass
+class Settings:
+    method: str
+    max_new_tokens: int
+    draft_temperature: float
+    target_temperature: float
+    particles: int
+    draft_len: int
+    ess_threshold: float
+    top_k: int
+    top_p: float
+    seed: int
+    select: str
+    cuda_graphs: bool
+
+
+@dataclass
+class Result:
+    text: str | None  # None when the engine was given models without a tokenizer
+    tokens: list  # generated ids, without the EOS that ended them
+    stats: dict
+
+
+def check_settings(s, has_draft):
+    """Reject a bad request before anything is allocated."""
+    if s.method not in METHODS:
+        raise UsageError(f"unknown method {s.method!r} (choose from {', '.join(METHODS)})")
+    if s.method != "ar" and not has_draft:
+        raise UsageError(f"method {s.method} needs a draft model (--draft)")
+    if min(s.draft_temperature, s.target_temperature) < 0:
+        raise UsageError("temperatures must be >= 0")
+    if s.method == "smc" and 0 in (s.draft_temperature, s.target_temperature):
+        raise UsageError("smc needs temperatures > 0 (greedy decoding has no importance weights); "
+                         "use --method sd or --method ar for greedy decoding")
+    if s.particles < 1:
+        raise UsageError(f"particles must be at least 1, got {s.particles}")
+    if s.draft_len < 1:
+        raise UsageError(f"draft-len must be at least 1, got {s.draft_len}")
+    if not 0 <= s.ess_threshold <= 1:
+        raise UsageError(f"ess-threshold must lie in [0, 1], got {s.ess_threshold}")
+    if s.max_new_tokens < 1:
+        raise UsageError(f"max-new-tokens must be at least 1, got {s.max_new_tokens}")
+    if s.top_k < 0 or not 0 < s.top_p <= 1:
+        raise UsageError("top-k must be >= 0 and top-p in (0, 1]")
+    if s.select not in ("sample", "argmax"):
+        raise UsageError(f"select must be 'sample' or 'argmax', got {s.select!r}")
+
+
+def free_bytes(device):
+    """Memory free for new tensors on `device`, or None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def check_fits(need, device, what, advice):
+    free = free_bytes(device)
+    if free is not None and need > free:
+        raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
+                         f"{device}; {advice}")
+
+
+# ---------------------------------------------------------------- distributions
+
+
+def restrict(logits, temperature, top_k, top_p):
+    """logits [..., V] with the tokens outside the top-k and outside the top-p nucleus of softmax(logits / T)
+    set to -inf: the target distribution every method samples from."""
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1 and temperature > 0:
+        ordered, order = logits.sort(-1, descending=True)
+        p = (ordered / temperature).softmax(-1)
+        outside = p.cumsum(-1) - p >= top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+    return logits
+
+
+def probs(logits, temperature):
+    """The distribution sampled at `temperature`: softmax(logits / T), one-hot on the argmax at T = 0."""
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return (logits / temperature).softmax(-1)
+
+
+def bernoulli(p, rng):
+    """True with probability p [B], drawn on the device from rng: a two-way categorical draw."""
+    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [B, 2]
+    return kernels.sample(logits, 1.0, rng)[0] == 0
+
+
+# ---------------------------------------------------------------- decoding state
+
+
+class State:
+    """Everything a cycle reads and writes, as device tensors updated in place: the static buffers a CUDA
+    graph replays on. R = 1 request of N particles; hist [R, N, H] holds each particle's generated tokens, the
+    last of which, x0, is pending (not in any cache yet); prev is the one before it."""
+
+    def small_tensors(self):
+        """All state except the K/V, which a warm-up only writes beyond the lengths it restores."""
+        lengths = [c.suffix_len for c in (self.tcache, self.dcache) if c is not None]
+        return [v for v in vars(self).values() if torch.is_tensor(v)] + lengths
+
+
+def publish(st, max_new_tokens):
+    """flags = [done, settled]: done when every particle has ended or the budget is spent; settled = how many
+    leading tokens all particles share (they can never change again, so they may be printed)."""
+    H = st.hist.shape[-1]
+    done = st.finished.all() | (st.gen_len[0] >= max_new_tokens)
+    shared = (st.hist == st.hist[:, :1]).all(1)[0] & (torch.arange(H, device=st.hist.device) < st.gen_len[0])
+    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(0).sum().int()]))
+
+
+def append(st, tokens, kept, eos):
+    """Commit the first `kept` (int32 [R]) of tokens [R, N, T]: history, lengths, pending token, finished.
+    The target already holds K/V for the pending token and the kept tokens but the last, the new pending one."""
+    R, N, T = tokens.shape
+    at = st.gen_len.long()[:, None, None] + torch.arange(T, device=tokens.device)  # [R, 1, T]
+    st.hist.scatter_(2, at.expand(R, N, T), tokens)
+    real = torch.arange(T, device=tokens.device) < kept[:, None, None]  # [R, 1, T]
+    st.finished |= (torch.isin(tokens, eos) & real).any(-1)
+    st.x0.copy_(tokens.gather(2, (kept.long() - 1)[:, None, None].expand(R, N, 1))[..., 0])
+    st.gen_len += kept
+    st.tcache.suffix_len += kept
+
+
+def settle(x0, t, b, logp, logq, finished, eos, pad):
+    """EOS is absorbing. The draft token t_k [R, N, K] weighs log p(t_k) - log q(t_k) unless an EOS came before
+    it (in x0 [R, N] or t_<k, or the particle had already finished); after a particle's first EOS its new
+    tokens become `pad` (an EOS). -> weight increments [R, N], the K + 1 new tokens [R, N, K+1] (t, then b)."""
+    K = t.shape[-1]
+    block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
+    ended = (torch.isin(block, eos).cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
+    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1)
+    return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])
+
+
+# ---------------------------------------------------------------- cuda graphs
+
+
+def captured(cycle, st):
+    """The cycle as a CUDA graph replay. Warmed up first on a side stream (Triton compiles, cuBLAS picks its
+    kernels), then captured; the state the warm-up advanced is restored, so a seed gives the eager output."""
+    saved = [t.clone() for t in st.small_tensors()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cycle()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cycle()
+    for t, value in zip(st.small_tensors(), saved):
+        t.copy_(value)
+    return graph.replay
+
+
+# ---------------------------------------------------------------- engine
+
+
+class Engine:
+    """A target model and an optional draft, each a path (Hugging Face directory or .gguf file) or a loaded
+    model.Transformer (then prompts are token ids and results carry no text)."""
+
+    def __init__(self, target, draft=None, device=None, dtype=None):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.bfloat16
+        models = (target, draft)
+        opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m) for m in models]
+        configs = [o[0] if o else m and m.config for m, o in zip(models, opened)]
+        if configs[1] and configs[1].vocab_size != configs[0].vocab_size:
+            raise UsageError(f"{draft}: vocabulary size {configs[1].vocab_size} differs from the target's "
+                             f"{configs[0].vocab_size}")
+        weights = sum(math.prod(s) for o in opened if o for s in model.expected_shapes(o[0]).values())
+        check_fits(weights * dtype.itemsize, device, "the weights", "try a smaller model or another --device")
+        self.target, self.draft = (self._load(o, device, dtype) if o else m for m, o in zip(models, opened))
+        self.tokenizer = opened[0] and opened[0][2]
+        self.eos = torch.tensor(self.target.config.eos_ids, dtype=torch.int64, device=self.target.device)
+        self.pad = (self.target.config.eos_ids or [0])[0]
+
+    @staticmethod
+    def _load(opened, device, dtype):
+        config, get, _ = opened
+        m = model.Transformer(config, device, dtype)
+        model.fill_weights(m, get)
+        return m
+
+    def encode(self, prompt):
+        if not isinstance(prompt, str):
+            ids = [int(i) for i in prompt]
+        elif self.tokenizer is None:
+            raise UsageError("this engine has no tokenizer: give the prompt as token ids")
+        else:
+            ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise UsageError("the prompt is empty")
+        if not all(0 <= i < self.target.config.vocab_size for i in ids):
+            raise UsageError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
+        return ids
+
+    def generate(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
+                 target_temperature=None, particles=4, draft_len=4, ess_threshold=0.5, top_k=0, top_p=1.0, seed=0,
+                 select="sample", cuda_graphs=True, on_tokens=None):
+        """prompt: text or token ids -> Result(text, tokens, stats). temperature sets both the draft's and the
+        target's; select: the final particle by "sample" (in proportion to its weight) or "argmax". on_tokens,
+        if given, is called with the settled tokens (up to the first EOS) whenever more have settled."""
+        s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
+                     temperature if target_temperature is None else target_temperature,
+                     particles if method == "smc" else 1, draft_len if method != "ar" else 1, ess_threshold,
+                     top_k, top_p, seed, select, cuda_graphs)
+        check_settings(s, self.draft is not None)
+        ids = self.encode(prompt)
+        capacity = self.check_request(len(ids), s)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            st = self.start(ids, s, capacity)
+            cycle = {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[method]
+            step = lambda: (cycle(st, s), publish(st, s.max_new_tokens))  # noqa: E731
+            if s.cuda_graphs and st.hist.is_cuda:
+                setup = time.perf_counter()
+                step = captured(step, st)
+                start += time.perf_counter() - setup  # capture time is not decoding time
+            settled, cycles = self.decode(st, step, s, on_tokens)
+            tokens = settled if settled is not None else self.pick(st, s)
+            seconds = time.perf_counter() - start
+            stats = self.statistics(st, s, cycles, seconds, tokens, settled is not None)
+        tokens = until_eos(tokens, self.target.config.eos_ids)
+        text = self.tokenizer.decode(tokens) if self.tokenizer else None
+        return Result(text, tokens, stats)
+
+    def check_request(self, prompt_len, s):
+        """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
+        extra = 0 if s.method == "ar" else s.draft_len
+        capacity = s.max_new_tokens + extra
+        models = [m for m in (self.target, self.draft if s.method != "ar" else None) if m is not None]
+        context = min(m.config.max_seq_len for m in models)
+        if prompt_len >= context:
+            raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
+        if prompt_len + capacity > context:
+            raise UsageError(f"max-new-tokens {s.max_new_tokens} does not fit the context of {context} after a "
+                             f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}")
+        dtype = self.target.embed.dtype
+        need = sum(model.KVCache.nbytes(m.config, s.particles, prompt_len, capacity, dtype) for m in models)
+        need += 4 * s.particles * (extra + 1) * self.target.config.vocab_size * 4  # float32 logits, a few copies
+        check_fits(need, self.target.device, "the KV caches and logits", "lower --particles or --max-new-tokens")
+        return capacity
+
+    def start(self, ids, s, capacity):
+        """Allocate the caches, prefill the prompt once, sample every particle's first token x0 from the target."""
+        device, dtype, N = self.target.device, self.target.embed.dtype, s.particles
+        st = State()
+        st.tcache = model.KVCache(self.target.config, N, len(ids), capacity, device, dtype)
+        st.dcache = None
+        st.rng = kernels.make_rng(s.seed, device)
+        prompt = torch.tensor(ids, device=device)
+        logits = self.target.prefill(prompt, st.tcache)  # [V]
+        logits = restrict(logits.expand(N, -1), s.target_temperature, s.top_k, s.top_p)
+        st.x0 = kernels.sample(logits, s.target_temperature, st.rng)[0].view(1, N)
+        if s.method != "ar":  # the draft leaves the last prompt token to the first draft step, beside x0
+            st.dcache = model.KVCache(self.draft.config, N, max(len(ids) - 1, 1), capacity, device, dtype)
+            self.draft.prefill(prompt[:-1], st.dcache, all_logits=True)
+        st.prev = prompt[-1:].expand(1, N).clone()
+        st.hist = torch.zeros(1, N, capacity, dtype=torch.int64, device=device)
+        st.hist[..., 0] = st.x0
+        st.gen_len = torch.ones(1, dtype=torch.int32, device=device)
+        st.finished = torch.isin(st.x0, self.eos)
+        st.logw = torch.zeros(1, N, device=device)
+        st.log_z = torch.zeros(1, device=device)
+        st.accepted, st.resamples = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
+        st.ess_sum = torch.zeros(1, device=device)
+        st.flags = torch.zeros(2, dtype=torch.int32, device=device)
+        publish(st, s.max_new_tokens)
+        return st
+
+    def decode(self, st, step, s, on_tokens):
+        """Run cycles until done, reading [done, settled] once per cycle and passing new settled tokens on.
+        -> (None, cycles), or (the settled tokens, cycles) after Ctrl-C."""
+        settled, cycles = [], 0
+        try:
+            while True:
+                done, count = st.flags.tolist()
+                count = min(count, s.max_new_tokens)
+                if count > len(settled):
+                    settled += st.hist[0, 0, len(settled):count].tolist()
+                    if on_tokens:
+                        on_tokens(until_eos(settled, self.target.config.eos_ids))
+                if done:
+                    return None, cycles
+                step()
+                cycles += 1
+        except KeyboardInterrupt:
+            return settled, cycles
+
+    def pick(self, st, s):
+        """The returned particle's tokens: drawn in proportion to its weight, or the heaviest."""
+        if s.select == "argmax":
+            i = st.logw.argmax(-1)
+        else:
+            i = kernels.sample(st.logw, 1.0, st.rng)[0]
+        return st.hist[0, i[0], :min(int(st.gen_len[0]), s.max_new_tokens)].tolist()
+
+    def statistics(self, st, s, cycles, seconds, tokens, interrupted):
+        eos = until_eos(tokens, self.target.config.eos_ids)
+        new = len(eos)
+        stats = {"method": s.method, "new_tokens": new, "seconds": round(seconds, 4),
+                 "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
+                 "stop": "interrupted" if interrupted else "eos" if len(eos) < len(tokens) else "length"}
+        if s.method == "sd":
+            accepted = int(st.accepted[0])
+            stats |= {"draft_len": s.draft_len, "accepted": accepted,
+                      "acceptance": round(accepted / max(cycles * s.draft_len, 1), 4)}
+        if s.method == "smc":
+            final = st.logw.logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
+            stats |= {"particles": s.particles, "draft_len": s.draft_len, "resamples": int(st.resamples[0]),
+                      "mean_ess": round(float(st.ess_sum[0]) / max(cycles, 1), 3),
+                      "log_z": round(float(st.log_z[0] + final[0]), 4)}
+        return stats
+
+    # ------------------------------------------------------------ cycles: fixed shapes, no host sync
+
+    def ar_cycle(self, st, s):
+        """One target step on the pending token."""
+        logits = self.target.step(st.x0[..., None], st.tcache)[:, :, 0]  # [1, 1, V]
+        logits = restrict(logits[0], s.target_temperature, s.top_k, s.top_p)
+        x = kernels.sample(logits, s.target_temperature, st.rng)[0]  # [1]
+        append(st, x.view(1, 1, 1), torch.ones_like(st.gen_len), self.eos)
+
+    def draft_block(self, st, s):
+        """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left
+        unwritten. -> tokens [R, N, K], their log q under the draft temperature [R, N, K], the K logits
+        [R, N, V]. Advances the draft's suffix_len by K + 1."""
+        R, N = st.x0.shape
+        x = torch.stack([st.prev, st.x0], -1)  # [R, N, 2]
+        tokens, logq, logits = [], [], []
+        for _ in range(s.draft_len):
+            out = self.draft.step(x, st.dcache)[:, :, -1]  # [R, N, V]
+            st.dcache.suffix_len += x.shape[-1]
+            t, lq = kernels.sample(out.flatten(0, 1), s.draft_temperature, st.rng)
+            x = t.view(R, N, 1)
+            tokens.append(x)
+            logq.append(lq.view(R, N, 1))
+            logits.append(out)
+        return torch.cat(tokens, -1), torch.cat(logq, -1), logits
+
+    def verify(self, st, t, s):
+        """One target forward over [x0, t_1..t_K] -> restricted logits [R, N, K+1, V]: row k - 1 scores t_k,
+        row K is the bonus token's distribution."""
+        logits = self.target.step(torch.cat([st.x0[..., None], t], -1), st.tcache)
+        return restrict(logits, s.target_temperature, s.top_k, s.top_p)
+
+    def sd_cycle(self, st, s):
+        """Speculative sampling: accept t_k with probability min(1, p/q); the first rejection is replaced by a
+        draw from normalise(max(p - q, 0)); if all K pass, a bonus token from p. Exact at any temperature."""
+        K, device = s.draft_len, st.x0.device
+        t, _, q_logits = self.draft_block(st, s)
+        p = probs(self.verify(st, t, s)[0, 0], s.target_temperature)  # [K+1, V]
+        q = probs(torch.cat(q_logits)[:, 0], s.draft_temperature)  # [K, V]
+        t = t[0, 0]  # [K]
+        pt, qt = p[:K].gather(1, t[:, None])[:, 0], q.gather(1, t[:, None])[:, 0]
+        accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [K]
+        n = accept.int().cumprod(0).sum(0, keepdim=True)  # [1] draft tokens accepted
+        fix = torch.cat([(p[:K] - q).clamp(min=0), p[K:]]).index_select(0, n)  # [1, V]
+        fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.index_select(0, n))  # p == q: nothing to fix
+        c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [1]
+        st.prev.copy_(torch.cat([st.x0[0], t]).index_select(0, n)[None])
+        tokens = torch.where(torch.arange(K + 1, device=device) < n, torch.cat([t, c]), c)  # t_1..t_n, c, filler
+        st.dcache.suffix_len -= (K - n).int()  # the draft keeps K/V up to t_{n-1}
+        st.accepted += n
+        append(st, tokens.view(1, 1, K + 1), (n + 1).int(), self.eos)
+
+    def smc_cycle(self, st, s):
+        """Draft K tokens per particle, score them with the target in one forward, weight, append K + 1
+        tokens (the last a bonus token from the target), resample when the ESS falls below the threshold."""
+        K, (R, N) = s.draft_len, st.x0.shape
+        t, logq, _ = self.draft_block(st, s)
+        logits = self.verify(st, t, s)  # [R, N, K+1, V]
+        logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), s.target_temperature)
+        b = kernels.sample(logits[:, :, K].flatten(0, 1), s.target_temperature, st.rng)[0].view(R, N)
+        increments, tokens = settle(st.x0, t, b, logp.view(R, N, K), logq, st.finished, self.eos, self.pad)
+        st.logw += increments
+        st.prev.copy_(tokens[..., K - 1])
+        append(st, tokens, torch.full_like(st.gen_len, K + 1), self.eos)
+        self.resample(st, s)
+
+    def resample(self, st, s):
+        """Systematic resampling where ESS < threshold * N: each particle's suffix K/V (target and draft),
+        history, pending tokens and finished flag become its ancestor's; the log-normaliser takes the mean
+        weight, and the weights restart at 0."""
+        ancestors, ess, resampled, _ = kernels.resample(st.logw, s.ess_threshold, st.rng)
+        st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
+        st.logw.masked_fill_(resampled[:, None], 0.0)
+        for cache in (st.tcache, st.dcache):
+            for kv in (cache.suffix_k, cache.suffix_v):
+                kernels.gather_suffix(kv, ancestors, cache.suffix_len)
+        kernels.gather_suffix(st.hist, ancestors, st.gen_len)
+        for x in (st.x0, st.prev, st.finished):
+            x.copy_(x.gather(1, ancestors))
+        st.resamples += resampled
+        st.ess_sum += ess
+
+
+def until_eos(tokens, eos_ids):
+    """tokens up to, without, the first EOS."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos_ids), tokens)
+
+
+# ---------------------------------------------------------------- command line
 
 
 def default_pair():
@@ -23,45 +451,105 @@ def default_pair():
     return tuple(fetch.fetch(name) for name in fetch.DEFAULT_PAIR)
 
 
-@torch.inference_mode()
-def greedy(m, prompt_ids, max_new_tokens, eos_ids):
-    """Plain greedy AR decoding through the static cache -> generated ids."""
-    cache = model.KVCache(m.config, 1, len(prompt_ids), max_new_tokens, m.device, m.embed.dtype)
-    x = m.prefill(torch.tensor(prompt_ids, device=m.device), cache).argmax()
-    out = [int(x)]
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:
-        x = m.step(x.view(1, 1, 1), cache)[0, 0, 0].argmax()
-        cache.suffix_len += 1
-        out.append(int(x))
-    return out
+def apply_chat(tokenizer, text):
+    """The text as a user message in the tokenizer's chat template, ending where the reply begins; the text
+    itself when there is no template."""
+    if not tokenizer or not tokenizer.chat_template:
+        return text
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def fail(message):
+        raise UsageError(f"chat template: {message}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = fail
+    return env.from_string(tokenizer.chat_template).render(
+        messages=[{"role": "user", "content": text}], add_generation_prompt=True, bos_token="", eos_token="")
+
+
+class TextStream:
+    """Prints the text of the settled tokens as it grows, holding back a half-decoded UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.shown = tokenizer, 0
+
+    def __call__(self, tokens):
+        text = self.tokenizer.decode(tokens)
+        if not text.endswith("\ufffd"):
+            print(text[self.shown:], end="", flush=True)
+            self.shown = len(text)
+
+
+def summary(stats):
+    line = f"[{stats['method']}: {stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s"
+    if stats["method"] == "sd":
+        line += f", {stats['cycles']} cycles, acceptance {stats['acceptance']:.2f}"
+    if stats["method"] == "smc":
+        line += (f", {stats['cycles']} cycles, {stats['resamples']} resamples, mean ESS {stats['mean_ess']:.2f}"
+                 f"/{stats['particles']}, log Z {stats['log_z']:.3f}")
+    return line + ("" if stats["stop"] != "interrupted" else ", interrupted") + "]"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--draft", help="draft model: Hugging Face directory or .gguf file (default: weights/ pair)")
-    p.add_argument("--target", help="target model: Hugging Face directory or .gguf file")
+    p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
+    p.add_argument("--draft", help="draft model, same vocabulary as the target")
+    p.add_argument("--method", choices=METHODS, default="smc")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--prompt-file", help="read the prompt from this file instead")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7, help="draft and target temperature; 0 = greedy")
+    p.add_argument("--draft-temperature", type=float)
+    p.add_argument("--target-temperature", type=float)
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest target tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
+    p.add_argument("--particles", type=int, default=4, help="smc: particles N")
+    p.add_argument("--draft-len", type=int, default=4, help="sd, smc: draft tokens K per cycle")
+    p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     args = p.parse_args(argv)
+    pick = lambda x: args.temperature if x is None else x  # noqa: E731
+    options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=pick(args.draft_temperature),
+                   target_temperature=pick(args.target_temperature), particles=args.particles,
+                   draft_len=args.draft_len, ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
     try:
-        draft_path, target_path = (args.draft, args.target) if args.target else default_pair()
-        dtype = getattr(torch, args.dtype)
-        target, tok = model.load(target_path, args.device, dtype)
-        if draft_path:
-            draft, _ = model.load(draft_path, args.device, dtype)
-            if draft.config.vocab_size != target.config.vocab_size:
-                raise model.LoadError(f"{draft_path}: vocabulary size {draft.config.vocab_size} differs from the "
-                                      f"target's {target.config.vocab_size}")
-    except model.LoadError as e:
+        check_settings(Settings(**options, select="sample"), has_draft=bool(args.draft or not args.target))
+        prompt = args.prompt
+        if args.prompt_file:
+            try:
+                with open(args.prompt_file) as f:
+                    prompt = f.read()
+            except OSError as e:
+                raise UsageError(f"{args.prompt_file}: {e.strerror}") from None
+            if not prompt.strip():
+                raise UsageError(f"{args.prompt_file}: the prompt file is empty")
+        if args.draft and not args.target:
+            raise UsageError("--draft needs --target")
+        draft, target = (args.draft, args.target) if args.target else default_pair()
+        engine = Engine(target, draft, args.device, args.dtype)
+        if args.chat:
+            prompt = apply_chat(engine.tokenizer, prompt)
+        stream = None if args.json else TextStream(engine.tokenizer)
+        if stream and not args.chat:
+            print(prompt, end="", flush=True)
+        result = engine.generate(prompt, on_tokens=stream, **options)
+    except (model.LoadError, UsageError) as e:
         sys.exit(f"error: {e}")
-    ids = tok.encode(args.prompt)
-    start = time.perf_counter()
-    out = greedy(target, ids, args.max_new_tokens, set(target.config.eos_ids))
-    seconds = time.perf_counter() - start
-    print(args.prompt + tok.decode(out))
-    print(f"[ar greedy: {len(out)} new tokens, {len(out) / seconds:.1f} tok/s]", file=sys.stderr)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if args.json:
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
+    else:
+        stream(result.tokens)
+        print()
+        print(summary(result.stats), file=sys.stderr)
+    if result.stats["stop"] == "interrupted":
+        sys.exit(130)
 
 
 if __name__ == "__main__":
