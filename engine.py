@@ -201,6 +201,8 @@ class Engine:
 
     def __init__(self, target, draft=None, device=None, dtype=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError("CUDA is not available here; use --device cpu")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.bfloat16
         models = (target, draft)
         opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m) for m in models]
@@ -295,7 +297,8 @@ class Engine:
         st.x0 = kernels.sample(logits, s.target_temperature, st.rng)[0].view(1, N)
         if s.method != "ar":  # the draft leaves the last prompt token to the first draft step, beside x0
             st.dcache = model.KVCache(self.draft.config, N, max(len(ids) - 1, 1), capacity, device, dtype)
-            self.draft.prefill(prompt[:-1], st.dcache, all_logits=True)
+            if len(ids) > 1:  # a one-token prompt leaves the draft's prefix empty
+                self.draft.prefill(prompt[:-1], st.dcache, all_logits=True)
         st.prev = prompt[-1:].expand(1, N).clone()
         st.hist = torch.zeros(1, N, capacity, dtype=torch.int64, device=device)
         st.hist[..., 0] = st.x0

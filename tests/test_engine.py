@@ -1,0 +1,384 @@
+"""engine.py on tiny random models: exact output distributions of ar, sd and smc against the target's, computed
+by enumerating every continuation; the SMC-SD pitfalls of DESIGN.md; bad input; the command line."""
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import engine
+import kernels
+import model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V, PROMPT = 8, [1, 2, 3]
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    """The PyTorch reference kernels, as on CPU (the interpreted Triton ones are 1000x slower; one test below
+    runs them); one thread, since tiny models drown in thread hand-offs."""
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(seed, scale=1.0, vocab=V, eos=(), dtype=torch.float32):
+    c = model.Config(arch="llama", vocab_size=vocab, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
+                     ffn_dim=32, max_seq_len=64, eos_ids=list(eos))
+    m = model.Transformer(c, "cpu", dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return m
+
+
+def perturbed(m, seed, amount):
+    """A draft that resembles m: its weights plus `amount` times another random model's."""
+    draft = copy.deepcopy(m)
+    with torch.no_grad():
+        for p, n in zip(draft.parameters(), tiny(seed, 0.8).parameters()):
+            p.add_(amount * n)
+    return draft
+
+
+TARGET = tiny(0, 0.8)  # about 8 likely continuations of 4 tokens at temperature 0.7, 80 at 1.0
+DRAFT = perturbed(TARGET, 1, 0.3)  # total variation to the target: 0.98 at temperature 0.7, 0.93 at 1.0
+
+
+# ---------------------------------------------------------------- exact distributions
+
+
+def exact(m, length, temperature):
+    """Probability of every continuation of PROMPT of `length` tokens at `temperature`, [V ** length], indexed by
+    the continuation read as a base-V number."""
+    contexts = torch.cartesian_prod(*[torch.arange(V)] * (length - 1))  # [M, length-1], lexicographic
+    cache = model.KVCache(m.config, len(contexts), len(PROMPT), length, "cpu", torch.float32)
+    first = (m.prefill(torch.tensor(PROMPT), cache) / temperature).log_softmax(-1)  # [V]
+    rest = (m.step(contexts[None], cache)[0] / temperature).log_softmax(-1)  # [M, length-1, V]
+    logp = first[contexts[:, 0]] + rest[:, :-1].gather(2, contexts[:, 1:, None])[..., 0].sum(-1)
+    return (logp[:, None] + rest[:, -1]).exp().flatten()
+
+
+def outcome(tokens):
+    return sum(t * V ** i for i, t in enumerate(reversed(tokens)))
+
+
+def empirical(e, samples, length, **options):
+    counts = torch.zeros(V ** length)
+    for seed in range(samples):
+        tokens = e.generate(PROMPT, max_new_tokens=length, seed=seed, **options).tokens
+        assert len(tokens) == length
+        counts[outcome(tokens)] += 1
+    return counts / samples
+
+
+def tv(p, q):
+    return 0.5 * (p - q).abs().sum().item()
+
+
+def noise_floor(p, samples, quantile=0.99):
+    """The TV distance between p and the empirical distribution of `samples` draws from p, at a quantile."""
+    g = torch.Generator().manual_seed(0)
+    draws = [tv(p, torch.bincount(torch.multinomial(p, samples, True, generator=g), minlength=len(p)) / samples)
+             for _ in range(200)]
+    return torch.tensor(draws).quantile(quantile).item()
+
+
+SAMPLES, K = 1500, 2  # continuations of 2K tokens: x0, then one cycle's t_1, t_2 and bonus token
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_ar_and_sd_sample_the_target_distribution(method, temperature):
+    target = exact(TARGET, 2 * K, temperature)
+    e = engine.Engine(TARGET, DRAFT)
+    found = empirical(e, SAMPLES, 2 * K, method=method, temperature=temperature, draft_len=K)
+    floor = noise_floor(target, SAMPLES)
+    print(f"{method} T={temperature}: TV {tv(found, target):.3f}, noise floor {floor:.3f}")
+    assert tv(found, target) < floor
+
+
+def test_sd_with_a_greedy_draft_is_exact():
+    """Any proposal works: a greedy draft against a sampling target is still exact."""
+    target = exact(TARGET, 2 * K, 1.0)
+    e = engine.Engine(TARGET, DRAFT)
+    found = empirical(e, SAMPLES, 2 * K, method="sd", draft_temperature=0, target_temperature=1.0, draft_len=K)
+    assert tv(found, target) < noise_floor(target, SAMPLES)
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_greedy_sd_equals_greedy_ar(draft_len):
+    e = engine.Engine(TARGET, DRAFT)
+    ar = e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=40)
+    sd = e.generate(PROMPT, method="sd", temperature=0, max_new_tokens=40, draft_len=draft_len)
+    assert sd.tokens == ar.tokens and len(ar.tokens) == 40
+    assert sd.stats["cycles"] < 40 and 0 <= sd.stats["acceptance"] <= 1
+
+
+def test_smc_with_draft_equal_to_target():
+    """Zero weight increments (the target log-prob is taken at the target temperature, 0.7 here, as the draft's
+    is), hence no resampling, and the target distribution. Several cycles: a draft missing the K/V of t_K and
+    the bonus token would see another context than the target and weigh it."""
+    e = engine.Engine(TARGET, TARGET)
+    long = e.generate(PROMPT, method="smc", particles=8, draft_len=3, max_new_tokens=30, temperature=0.7)
+    assert long.stats["resamples"] == 0 and long.stats["mean_ess"] == 8
+    assert abs(long.stats["log_z"]) < 1e-4
+    target = exact(TARGET, 2 * K, 0.7)
+    found = empirical(e, SAMPLES, 2 * K, method="smc", particles=4, draft_len=K, temperature=0.7)
+    assert tv(found, target) < noise_floor(target, SAMPLES)
+
+
+def test_smc_approaches_the_target_as_particles_grow():
+    target, draft = exact(TARGET, 2 * K, 1.0), exact(DRAFT, 2 * K, 1.0)
+    e = engine.Engine(TARGET, DRAFT)
+    distance = {n: tv(empirical(e, 2 * SAMPLES, 2 * K, method="smc", particles=n, draft_len=K, temperature=1.0,
+                                ess_threshold=1.0), target) for n in (1, 4, 16)}
+    floor = noise_floor(target, 2 * SAMPLES, 0.5)
+    print(f"\nTV to the target: draft alone {tv(draft, target):.3f}; smc " +
+          ", ".join(f"N={n} {d:.3f}" for n, d in distance.items()) + f"; sampling noise floor {floor:.3f}")
+    assert distance[1] > distance[4] > distance[16]
+    assert distance[16] < 0.5 * tv(draft, target)
+
+
+# ---------------------------------------------------------------- pitfalls and mechanics
+
+
+def test_draft_and_target_caches_hold_every_particle_context():
+    """After cycles with resampling at every one, each particle's suffix K/V equal a fresh prefill of its own
+    tokens: the target's up to x0 (pending), the draft's up to t_K (its first draft step writes t_K and b)."""
+    e = engine.Engine(TARGET, DRAFT)
+    s = engine.Settings("smc", 20, 1.0, 1.0, 4, 3, 1.0, 0, 1.0, 0, "sample", False)
+    with torch.inference_mode():
+        st = e.start(PROMPT, s, 24)
+        for _ in range(3):
+            e.smc_cycle(st, s)
+        n = int(st.gen_len[0])
+        assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.dcache.suffix_len[0]) == n - 1
+        assert st.resamples[0] == 3
+        for i in range(4):
+            assert st.x0[0, i] == st.hist[0, i, n - 1] and st.prev[0, i] == st.hist[0, i, n - 2]
+            for m, cache, known in ((TARGET, st.tcache, n - 1), (DRAFT, st.dcache, n - 2)):
+                tokens = PROMPT + st.hist[0, i, :known].tolist()
+                fresh = model.KVCache(m.config, 1, len(tokens), 1, "cpu", torch.float32)
+                m.prefill(torch.tensor(tokens), fresh)
+                start = len(tokens) - int(cache.suffix_len[0])
+                assert torch.allclose(cache.suffix_k[:, 0, i, :, :int(cache.suffix_len[0])],
+                                      fresh.prefix_k[:, 0, :, start:], atol=1e-5)
+
+
+def test_tokens_after_eos_carry_no_weight():
+    """EOS (0) at t_2 of a K = 4 block: t_1 and t_2 weigh, t_3 and t_4 not; later tokens become EOS. A finished
+    particle weighs nothing."""
+    eos = torch.tensor([0])
+    x0, t, b = torch.tensor([[5, 5]]), torch.tensor([[[4, 0, 6, 7], [4, 4, 6, 7]]]), torch.tensor([[3, 3]])
+    logp, logq = torch.full((1, 2, 4), -1.0), torch.full((1, 2, 4), -2.0)
+    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), eos, 0)
+    assert increments.tolist() == [[2.0, 4.0]]
+    assert tokens.tolist() == [[[4, 0, 0, 0, 0], [4, 4, 6, 7, 3]]]
+    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[True, False]]), eos, 0)
+    assert increments.tolist() == [[0.0, 4.0]] and tokens[0, 0].tolist() == [0] * 5
+
+
+def eos_prone(seed):
+    m = tiny(seed, 0.8, eos=[0])
+    with torch.no_grad():
+        m.lm_head[0] += 0.3 * m.norm  # leans every hidden state towards EOS
+    return m
+
+
+def test_eos_inside_a_draft_block_ends_the_text():
+    e = engine.Engine(eos_prone(0), eos_prone(1))
+    results = [e.generate(PROMPT, method="smc", particles=4, draft_len=4, max_new_tokens=40, seed=seed,
+                          temperature=1.0) for seed in range(12)]
+    assert any(r.stats["stop"] == "eos" for r in results)
+    for r in results:
+        assert 0 not in r.tokens and len(r.tokens) == r.stats["new_tokens"]
+        assert r.stats["stop"] == "eos" or len(r.tokens) == 40
+
+
+def test_finished_particles_stay_and_can_be_ancestors():
+    e = engine.Engine(eos_prone(0), eos_prone(1))
+    s = engine.Settings("smc", 20, 1.0, 1.0, 4, 2, 0.5, 0, 1.0, 0, "sample", False)
+    with torch.inference_mode():
+        st = e.start(PROMPT, s, 22)
+        e.smc_cycle(st, s)
+        st.finished[0] = torch.tensor([False, True, False, False])
+        st.hist[0, 1, :3] = torch.tensor([7, 0, 0])
+        st.logw[0] = torch.tensor([-50.0, 0.0, -50.0, -50.0])
+        e.resample(st, s)
+    assert st.finished.all() and (st.hist[0, :, :3] == torch.tensor([7, 0, 0])).all()
+    assert st.logw.eq(0).all() and st.resamples[0] == 1
+
+
+def test_same_seed_same_output_other_seeds_other_outputs():
+    e = engine.Engine(TARGET, DRAFT)
+    for method in ("ar", "sd", "smc"):
+        runs = [e.generate(PROMPT, method=method, max_new_tokens=12, seed=seed).tokens for seed in (0, 0, 1, 2, 3)]
+        assert runs[0] == runs[1]
+        assert len({tuple(r) for r in runs}) > 2
+
+
+def test_final_particle_by_argmax_and_statistics():
+    e = engine.Engine(TARGET, DRAFT)
+    r = e.generate(PROMPT, method="smc", particles=6, draft_len=3, max_new_tokens=20, select="argmax")
+    assert len(r.tokens) == 20 and r.text is None
+    st = r.stats
+    assert st["cycles"] == 5 and st["particles"] == 6 and 1 <= st["mean_ess"] <= 6 and st["log_z"] <= 0
+    assert 0 <= st["resamples"] <= 5 and st["tokens_per_s"] > 0
+
+
+def test_top_k_one_is_greedy():
+    e = engine.Engine(TARGET, DRAFT)
+    greedy = e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=15).tokens
+    for method in ("ar", "sd"):
+        assert e.generate(PROMPT, method=method, top_k=1, max_new_tokens=15).tokens == greedy
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log()  # probabilities 0.5, 0.33, 0.17, 0
+    kept = engine.restrict(logits, 1.0, 0, 0.8).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+
+
+def test_ctrl_c_returns_what_has_settled():
+    def interrupt(tokens):
+        if len(tokens) >= 5:
+            raise KeyboardInterrupt
+    e = engine.Engine(TARGET, DRAFT)
+    full = e.generate(PROMPT, method="ar", max_new_tokens=20).tokens
+    r = e.generate(PROMPT, method="ar", max_new_tokens=20, on_tokens=interrupt)
+    assert r.stats["stop"] == "interrupted" and r.tokens == full[:5]
+
+
+def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    if not kernels.use_triton(torch.empty(0)):
+        pytest.skip("no triton")
+    e = engine.Engine(TARGET, DRAFT)
+    r = e.generate(PROMPT, method="smc", particles=2, draft_len=2, max_new_tokens=6, ess_threshold=1.0)
+    assert len(r.tokens) == 6 and r.stats["resamples"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_eager_output():
+    target, draft = (tiny(seed, 1.5, vocab=64).to("cuda") for seed in (0, 1))
+    target.cos, target.sin, draft.cos, draft.sin = (x.cuda() for x in (target.cos, target.sin, draft.cos, draft.sin))
+    e = engine.Engine(target, draft)
+    for method in ("ar", "sd", "smc"):
+        graph, eager = (e.generate(PROMPT, method=method, max_new_tokens=30, seed=3, cuda_graphs=graphs)
+                        for graphs in (True, False))
+        assert graph.tokens == eager.tokens and graph.stats["cycles"] == eager.stats["cycles"]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(temperature=0), "smc needs temperatures > 0.*--method sd or --method ar"),
+    (dict(particles=0), "particles must be at least 1"),
+    (dict(draft_len=0), "draft-len must be at least 1"),
+    (dict(ess_threshold=1.5), r"ess-threshold must lie in \[0, 1\]"),
+    (dict(max_new_tokens=100), "max-new-tokens 100 does not fit the context of 64 .* at most 57"),
+    (dict(particles=10 ** 9, max_new_tokens=8), "KV caches and logits need .* GiB but only"),
+    (dict(method="beam"), "unknown method"),
+])
+def test_bad_requests_are_one_line_errors(options, message):
+    with pytest.raises(engine.UsageError, match=message):
+        engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
+
+
+def test_bad_prompts_and_models():
+    e = engine.Engine(TARGET, DRAFT)
+    with pytest.raises(engine.UsageError, match="the prompt is 64 tokens, longer than the context of 64"):
+        e.generate([1] * 64)
+    with pytest.raises(engine.UsageError, match="the prompt is empty"):
+        e.generate([])
+    with pytest.raises(engine.UsageError, match="no tokenizer"):
+        e.generate("hello")
+    with pytest.raises(engine.UsageError, match="needs a draft model"):
+        engine.Engine(TARGET).generate(PROMPT, method="sd")
+    with pytest.raises(engine.UsageError, match="vocabulary size 12 differs from the target's 8"):
+        engine.Engine(TARGET, tiny(1, vocab=12))
+
+
+def test_chat_template():
+    tok = model.Tokenizer(None, "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert engine.apply_chat(tok, "hi") == "<user>hi\n<assistant>"
+    assert engine.apply_chat(model.Tokenizer(None), "hi") == "hi"
+
+
+# ---------------------------------------------------------------- command line
+
+
+def save(m, path):
+    """A Hugging Face directory for m: config.json, model.safetensors, a word-level tokenizer."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    c = m.config
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config_to_hf(c), f)
+    tensors = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.norm, "lm_head.weight": m.lm_head}
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    for i, b in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        tensors |= dict(zip([p + f"self_attn.{x}_proj.weight" for x in "qkv"], b.wqkv.split([q, kv, kv])))
+        tensors |= dict(zip([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")], b.w13.chunk(2)))
+        tensors |= {p + "self_attn.o_proj.weight": b.wo, p + "mlp.down_proj.weight": b.w2,
+                    p + "input_layernorm.weight": b.attn_norm, p + "post_attention_layernorm.weight": b.ffn_norm}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(c.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return save(eos_prone(0), str(root / "target")), save(eos_prone(1), str(root / "draft"))
+
+
+def cli(*args):
+    """engine.py in a subprocess, on the reference kernels as in this file (conftest.py set TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "engine.py"), *args], capture_output=True, text=True,
+                          env=env)
+
+
+def test_cli_json(pair):
+    target, draft = pair
+    run = cli("--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "12")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert set(out) == {"text", "tokens", "stats"} and out["stats"]["method"] == "smc"
+    assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
+    api = engine.Engine(target, draft).generate("w1 w2 w3", max_new_tokens=12)  # the API, from the same paths
+    assert api.tokens == out["tokens"] and api.text == out["text"]
+
+
+def test_cli_streams_text_then_a_summary(pair):
+    target, draft = pair
+    run = cli("--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens", "9")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("w1 w2 w3") and run.stderr.startswith("[sd: ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "0"], "error: smc needs temperatures > 0"),
+    (["--prompt-file", os.devnull], "error: .*: the prompt file is empty"),
+    (["--particles", "0"], "error: particles must be at least 1"),
+])
+def test_cli_errors_are_one_line(pair, args, message):
+    run = cli("--target", pair[0], "--draft", pair[1], *args)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and re.match(message, lines[0])
