@@ -1,0 +1,121 @@
+"""Quality half of the benchmark: score code completions against tests/problems.jsonl.
+
+Each problem is a prompt (imports, a function signature and its docstring) that a model
+continues with the function body, plus plain-assert tests and a reference solution. A
+completion passes when prompt + body + tests runs cleanly in a fresh, isolated Python process
+before a timeout. Nothing here needs a model, a GPU or the network.
+
+API (bench.py imports these):
+    load_problems(path=PROBLEMS_PATH) -> list[dict]
+        Problems in file order, each {"id", "prompt", "tests", "solution"}.
+    completion_body(completion) -> str
+        A model's raw continuation of a prompt, cut where the function ends.
+    passes(problem, completion, timeout=5.0) -> bool
+        Whether the cut completion passes the problem's tests.
+    score(problems, completions, timeout=5.0, workers=2) -> list[list[bool]]
+        passes() for every sample: completions[i] lists the raw samples for problems[i].
+    pass_at_1(results) -> (mean, standard_error)
+        pass@1 over problems from score()'s results, with its standard error.
+"""
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PROBLEMS_PATH = Path(__file__).resolve().parent / "tests" / "problems.jsonl"
+
+
+# ---------------------------------------------------------------------------
+# Problems
+# ---------------------------------------------------------------------------
+
+def load_problems(path=PROBLEMS_PATH) -> list[dict]:
+    """Read one problem per non-empty line of a JSONL file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------
+# Cutting a completion
+# ---------------------------------------------------------------------------
+
+def completion_body(completion: str) -> str:
+    """Keep the function body: the lines before the first non-empty line that is not indented.
+
+    The prompt ends right after the docstring, so the body is every indented line that follows
+    (blank lines and nested blocks included). A completion model rarely stops there: it goes on
+    with example calls, its own asserts, another `def`, `if __name__ == "__main__":`, or closes a
+    markdown code block with a fence. Left in, that text would be run with the tests and could
+    fail (or pass) them for reasons unrelated to the function, so it is cut. A fence ends the
+    body even when indented, since chat-tuned models sometimes emit it that way.
+    """
+    kept = []
+    for line in completion.split("\n"):
+        top_level = line.strip() != "" and not line[0].isspace()
+        if top_level or line.lstrip().startswith("```"):
+            break
+        kept.append(line)
+    return "\n".join(kept).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Running the tests
+# ---------------------------------------------------------------------------
+
+def passes(problem: dict, completion: str, timeout: float = 5.0) -> bool:
+    """Run prompt + cut body + tests in a fresh `python -I`; True only if it exits cleanly in time.
+
+    -I isolates the child from the environment, user site-packages and the current directory;
+    its working directory is a throwaway folder so generated code that writes files leaves no
+    trace. A failing assert, any exception or a syntax error exits non-zero; past the timeout
+    subprocess.run kills the child and the sample counts as a fail.
+    """
+    program = problem["prompt"] + completion_body(completion) + "\n" + problem["tests"]
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-I", "-"], input=program.encode(), cwd=workdir,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return False
+    return proc.returncode == 0
+
+
+def score(problems: list[dict], completions: list[list[str]], timeout: float = 5.0,
+          workers: int = 2) -> list[list[bool]]:
+    """passes() for every sample of every problem; results[i][j] is sample j of problem i.
+
+    Each check is a child process that mostly waits on the interpreter starting up, so a small
+    thread pool keeps the cores busy; the default suits a 2-core machine.
+    """
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but samples for {len(completions)}")
+    jobs = [(problem, sample) for problem, samples in zip(problems, completions) for sample in samples]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        outcomes = pool.map(lambda job: passes(*job, timeout=timeout), jobs)
+    return [[next(outcomes) for _ in samples] for samples in completions]
+
+
+# ---------------------------------------------------------------------------
+# pass@1
+# ---------------------------------------------------------------------------
+
+def pass_at_1(results: list[list[bool]]) -> tuple[float, float]:
+    """Mean over problems of each problem's pass fraction, and its standard error over problems.
+
+    Averaging several samples per problem first gives an unbiased pass@1 with less sampling
+    noise; the standard error (sample standard deviation / sqrt(number of problems)) says how far
+    a different draw of problems of this kind could move it. With one problem there is no spread
+    to measure and the standard error is nan.
+    """
+    fractions = [sum(samples) / len(samples) for samples in results]
+    mean = statistics.fmean(fractions)
+    if len(fractions) < 2:
+        return mean, math.nan
+    return mean, statistics.stdev(fractions) / math.sqrt(len(fractions))
