@@ -254,7 +254,10 @@ class Engine:
             start = time.perf_counter()
             st = self.start(ids, s, capacity)
             cycle = {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[method]
-            step = lambda: (cycle(st, s), publish(st, s.max_new_tokens))  # noqa: E731
+
+            def step():
+                cycle(st, s)
+                publish(st, s.max_new_tokens)
             if s.cuda_graphs and st.hist.is_cuda:
                 setup = time.perf_counter()
                 step = captured(step, st)
@@ -508,16 +511,17 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
     p.add_argument("--particles", type=int, default=4, help="smc: particles N")
     p.add_argument("--draft-len", type=int, default=4, help="sd, smc: draft tokens K per cycle")
-    p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
+    p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS <= this * N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     args = p.parse_args(argv)
-    pick = lambda x: args.temperature if x is None else x  # noqa: E731
-    options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=pick(args.draft_temperature),
-                   target_temperature=pick(args.target_temperature), particles=args.particles,
+    draft_temperature, target_temperature = (args.temperature if t is None else t
+                                             for t in (args.draft_temperature, args.target_temperature))
+    options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=draft_temperature,
+                   target_temperature=target_temperature, particles=args.particles,
                    draft_len=args.draft_len, ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
     try:
