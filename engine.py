@@ -343,11 +343,10 @@ class Engine:
         return st.hist[0, i[0], :min(int(st.gen_len[0]), s.max_new_tokens)].tolist()
 
     def statistics(self, st, s, cycles, seconds, tokens, interrupted):
-        eos = until_eos(tokens, self.target.config.eos_ids)
-        new = len(eos)
+        new = len(until_eos(tokens, self.target.config.eos_ids))
         stats = {"method": s.method, "new_tokens": new, "seconds": round(seconds, 4),
                  "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
-                 "stop": "interrupted" if interrupted else "eos" if len(eos) < len(tokens) else "length"}
+                 "stop": "interrupted" if interrupted else "eos" if new < len(tokens) else "length"}
         if s.method == "sd":
             accepted = int(st.accepted[0])
             stats |= {"draft_len": s.draft_len, "accepted": accepted,
