@@ -242,7 +242,8 @@ class Engine:
                  select="sample", cuda_graphs=True, on_tokens=None):
         """prompt: text or token ids -> Result(text, tokens, stats). temperature sets both the draft's and the
         target's; select: the final particle by "sample" (in proportion to its weight) or "argmax". on_tokens,
-        if given, is called with the settled tokens (up to the first EOS) whenever more have settled."""
+        if given, is called with the settled tokens (up to the first EOS) whenever more have settled; returning True
+        stops generation there (a stop condition: the settled tokens are the result)."""
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
                      temperature if target_temperature is None else target_temperature,
                      particles if method == "smc" else 1, draft_len if method != "ar" else 1, ess_threshold,
@@ -262,10 +263,10 @@ class Engine:
                 setup = time.perf_counter()
                 step = captured(step, st)
                 start += time.perf_counter() - setup  # capture time is not decoding time
-            settled, cycles = self.decode(st, step, s, on_tokens)
+            settled, cycles, stop = self.decode(st, step, s, on_tokens)
             tokens = settled if settled is not None else self.pick(st, s)
             seconds = time.perf_counter() - start
-            stats = self.statistics(st, s, cycles, seconds, tokens, settled is not None)
+            stats = self.statistics(st, s, cycles, seconds, tokens, stop)
         tokens = until_eos(tokens, self.target.config.eos_ids)
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return Result(text, tokens, stats)
@@ -317,7 +318,8 @@ class Engine:
 
     def decode(self, st, step, s, on_tokens):
         """Run cycles until done, reading [done, settled] once per cycle and passing new settled tokens on.
-        -> (None, cycles), or (the settled tokens, cycles) after Ctrl-C."""
+        -> (None, cycles, None), or (the settled tokens, cycles, "stopped" | "interrupted") when on_tokens
+        asked to stop or after Ctrl-C."""
         settled, cycles = [], 0
         try:
             while True:
@@ -325,14 +327,14 @@ class Engine:
                 count = min(count, s.max_new_tokens)
                 if count > len(settled):
                     settled += st.hist[0, 0, len(settled):count].tolist()
-                    if on_tokens:
-                        on_tokens(until_eos(settled, self.target.config.eos_ids))
+                    if on_tokens and on_tokens(until_eos(settled, self.target.config.eos_ids)):
+                        return settled, cycles, "stopped"
                 if done:
-                    return None, cycles
+                    return None, cycles, None
                 step()
                 cycles += 1
         except KeyboardInterrupt:
-            return settled, cycles
+            return settled, cycles, "interrupted"
 
     def pick(self, st, s):
         """The returned particle's tokens: drawn in proportion to its weight, or the heaviest."""
@@ -342,11 +344,11 @@ class Engine:
             i = kernels.sample(st.logw, 1.0, st.rng)[0]
         return st.hist[0, i[0], :min(int(st.gen_len[0]), s.max_new_tokens)].tolist()
 
-    def statistics(self, st, s, cycles, seconds, tokens, interrupted):
+    def statistics(self, st, s, cycles, seconds, tokens, stop):
         new = len(until_eos(tokens, self.target.config.eos_ids))
         stats = {"method": s.method, "new_tokens": new, "seconds": round(seconds, 4),
                  "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
-                 "stop": "interrupted" if interrupted else "eos" if new < len(tokens) else "length"}
+                 "stop": stop or ("eos" if new < len(tokens) else "length")}
         if s.method == "sd":
             accepted = int(st.accepted[0])
             stats |= {"draft_len": s.draft_len, "accepted": accepted,
