@@ -1,0 +1,433 @@
+"""Side-by-side benchmark: speed of ar, sd and smc (a grid of N particles x K draft tokens) against the
+memory-bandwidth roofline, the transformers peer baseline, and pass@1 on the code-completion set.
+
+    python bench.py                                  # default pair, code and prose prompts, 128 new tokens
+    python bench.py --quick                          # one-prompt smoke run
+    python bench.py --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256 --new-tokens 256
+
+Prints markdown tables and writes every figure, the settings, the machine and the date to --out (JSON).
+Methods run interleaved per prompt in one process: ratios within a run are what count on a noisy machine."""
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import engine
+import model
+import quality
+
+CODE_PROMPT = '''def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals; return them sorted by start.
+
+    >>> merge_intervals([[1, 3], [8, 10], [2, 6]])
+    [[1, 6], [8, 10]]
+    """
+'''
+PROSE_PROMPT = "The history of the printing press is a story of how ideas travel. In the fifteenth century,"
+TEMPERATURE = 0.7
+SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim, tied embeddings
+    "tiny": (64, 32, 2, 2, 1, 16, 64, False),
+    "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True),  # Llama-3.2-1B
+    "llama-8b": (128256, 4096, 32, 32, 8, 128, 14336, False),  # Llama-3.1-8B
+}
+
+
+# ---------------------------------------------------------------- machine
+
+
+def cpu_model():
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def machine(device):
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device, repeats=5):
+    """GB/s of a large tensor copy (bytes read + written), the best of a few: the machine's practical
+    memory bandwidth, measured in the same process as the decoding it is set against."""
+    src = torch.randn(2**28 if device.type == "cuda" else 2**27, device=device).to(torch.bfloat16)  # 512/256 MiB
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9
+
+
+# ---------------------------------------------------------------- models
+
+
+def random_model(shape, device, dtype, seed):
+    """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed."""
+    vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
+    c = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
+                     n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
+                     rope_theta=500000.0, max_seq_len=8192)
+    m = model.Transformer(c, device, dtype)
+    g = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return m
+
+
+def load_engines(args, device):
+    """-> (engine with target and draft, engine with the draft alone or None, (draft, target) paths)."""
+    dtype = getattr(torch, args.dtype)
+    if args.random:
+        draft, target = (random_model(name, device, dtype, seed) for seed, name in enumerate(args.random.split(":")))
+        return engine.Engine(target, draft, device, dtype), None, None
+    draft, target = (args.draft, args.target) if args.target else engine.default_pair()
+    return engine.Engine(target, draft, device, dtype), engine.Engine(draft, None, device, dtype), (draft, target)
+
+
+def prompts(args, e):
+    """name -> token ids: a code and a prose prompt (code only with --quick), or random ids for random models."""
+    if e.tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        return {"random": torch.randint(0, e.target.config.vocab_size, (args.prompt_len,), generator=g).tolist()}
+    texts = {"code": CODE_PROMPT} if args.quick else {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
+    return {name: e.encode(text) for name, text in texts.items()}
+
+
+# ---------------------------------------------------------------- roofline
+
+
+def weight_read_bytes(m):
+    """Weight bytes one forward reads: all of them, except an untied embedding table, of which a forward
+    gathers only the rows of its tokens."""
+    untied_embedding = 0 if m.config.tie_embeddings else m.embed.numel() * m.embed.element_size()
+    return m.weight_bytes() - untied_embedding
+
+
+def kv_bytes_per_token(m):
+    return model.KVCache.nbytes(m.config, 1, 1, 0, m.embed.dtype)
+
+
+def bytes_per_cycle(e, method, N, K, prompt_len, new_tokens):
+    """Bytes one cycle reads: every weight once per forward (a forward over N x T rows reads each weight
+    once), plus the KV cache: the prompt once for all particles and each particle's suffix, at its mean
+    length over the run. ar: 1 target forward; sd and smc: K draft forwards and 1 target forward."""
+    def forward(m, rows):
+        return weight_read_bytes(m) + kv_bytes_per_token(m) * (prompt_len + rows * new_tokens / 2)
+    if method == "ar":
+        return forward(e.target, 1)
+    return K * forward(e.draft, N) + forward(e.target, N)
+
+
+def roofline(e, row, prompt_len, new_tokens, bandwidth):
+    """Achieved GB/s (bytes per cycle / cycle time) and the tokens/s the copy bandwidth would allow."""
+    stats = row["stats"]
+    cycles = max(stats["cycles"], 1)
+    per_cycle = bytes_per_cycle(e, row["method"], row["N"], row["K"], prompt_len, new_tokens)
+    cycle_s = stats["seconds"] / cycles  # the prefill is spread over the cycles: a slight underestimate
+    tokens_per_cycle = stats["new_tokens"] / cycles
+    return {"gb_per_cycle": per_cycle / 1e9, "cycle_ms": 1e3 * cycle_s, "tokens_per_cycle": tokens_per_cycle,
+            "achieved_gbs": per_cycle / cycle_s / 1e9, "ideal_tokens_per_s": bandwidth * 1e9 * tokens_per_cycle /
+            per_cycle}
+
+
+# ---------------------------------------------------------------- speed
+
+
+def configs(args):
+    """(method, N, K) in run order; N and K are 1 where a method has none."""
+    out = []
+    for method in args.methods:
+        if method == "ar":
+            out.append(("ar", 1, 1))
+        elif method == "sd":
+            out.append(("sd", 1, args.sd_draft_len))
+        else:
+            out += [("smc", n, k) for n, k in args.grid]
+    return out
+
+
+def run_engine(e, ids, method, N, K, new_tokens, seed):
+    return e.generate(ids, method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
+                      draft_len=K, seed=seed).stats
+
+
+def speed(e, ids_by_prompt, args):
+    """Every config on every prompt, interleaved, `repeats` times -> one row per (prompt, config) with the
+    median tokens/s and the statistics of the median run."""
+    runs = {}
+    for name, ids in ids_by_prompt.items():  # warm-up: first calls allocate and pick kernels
+        for method, N, K in configs(args):
+            run_engine(e, ids, method, N, K, 4 * K, 0)
+    for repeat in range(args.repeats):
+        for name, ids in ids_by_prompt.items():
+            for method, N, K in configs(args):
+                stats = run_engine(e, ids, method, N, K, args.new_tokens, repeat)
+                runs.setdefault((name, method, N, K), []).append(stats)
+    rows = []
+    for (name, method, N, K), all_stats in runs.items():
+        ordered = sorted(all_stats, key=lambda s: s["tokens_per_s"])
+        rows.append({"prompt": name, "method": method, "N": N, "K": K, "stats": ordered[len(ordered) // 2],
+                     "tokens_per_s": statistics.median(s["tokens_per_s"] for s in all_stats),
+                     "runs": [s["tokens_per_s"] for s in all_stats]})
+    return rows
+
+
+def annotate(e, rows, ids_by_prompt, args, bandwidth):
+    """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline."""
+    ar = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
+    for r in rows:
+        s = r["stats"]
+        if r["prompt"] in ar:
+            r["speedup"] = r["tokens_per_s"] / ar[r["prompt"]]
+        if r["method"] == "sd":
+            r["accepted_per_cycle"] = s["accepted"] / max(s["cycles"], 1)
+            r["acceptance"] = s["acceptance"]
+        if r["method"] == "smc":
+            r["resample_rate"] = s["resamples"] / max(s["cycles"], 1)
+            r["mean_ess"] = s["mean_ess"]
+        r |= roofline(e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens, bandwidth)
+
+
+def profile_phases(e, ids, N, K, new_tokens, device):
+    """One smc run, eager, with synchronised timers around the draft block and the verify forward of every
+    cycle -> mean ms per cycle of each phase; the rest of the cycle is the weights, sampling, resampling."""
+    spent = {"draft_block": 0.0, "verify": 0.0, "smc_cycle": 0.0}
+
+    def timed(name):
+        fn = getattr(e, name)
+
+        def wrapper(*a):
+            synchronize(device)
+            start = time.perf_counter()
+            out = fn(*a)
+            synchronize(device)
+            spent[name] += time.perf_counter() - start
+            return out
+        return wrapper
+    for name in spent:  # instance attributes shadow the methods for this run only
+        setattr(e, name, timed(name))
+    try:
+        stats = e.generate(ids, method="smc", max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
+                           draft_len=K, cuda_graphs=False).stats
+    finally:
+        for name in spent:
+            delattr(e, name)
+    ms = {name: 1e3 * t / max(stats["cycles"], 1) for name, t in spent.items()}
+    return {"N": N, "K": K, "draft_ms": ms["draft_block"], "verify_ms": ms["verify"],
+            "weights_resample_ms": ms["smc_cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["smc_cycle"]}
+
+
+# ---------------------------------------------------------------- peer baseline
+
+
+def peer(paths, ids_by_prompt, pad, args):
+    """transformers' generate on the same prompts: the target alone with a static cache, and assisted
+    generation with the draft (its default dynamic cache), same dtype, sampling temperature and threads."""
+    from transformers import AutoModelForCausalLM
+    draft_dir, target_dir = paths
+    dtype = getattr(torch, args.dtype)
+    target, draft = (AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in (target_dir, draft_dir))
+    options = dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                   pad_token_id=pad)
+    runners = {"hf generate (static cache)": dict(cache_implementation="static"),
+               "hf assisted (draft)": dict(assistant_model=draft)}
+    rows = []
+    for label, extra in runners.items():
+        for name, ids in ids_by_prompt.items():
+            x = torch.tensor([ids])
+            target.generate(x, max_new_tokens=4, **options, **extra)  # warm-up
+            rates = []
+            for repeat in range(args.repeats):
+                torch.manual_seed(repeat)
+                start = time.perf_counter()
+                out = target.generate(x, max_new_tokens=args.new_tokens, **options, **extra)
+                rates.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - start))
+            rows.append({"prompt": name, "method": label, "tokens_per_s": statistics.median(rates), "runs": rates})
+    return rows
+
+
+# ---------------------------------------------------------------- quality
+
+
+def body_complete(text):
+    """Whether a completion has ended its function body: a finished line starts at the margin or is a code
+    fence (quality.completion_body cuts there, so later tokens cannot change the score)."""
+    finished = text.split("\n")[:-1]
+    return any(line.strip() and not line[0].isspace() or line.lstrip().startswith("```") for line in finished)
+
+
+def complete(e, tokenizer, prompt, method, N, K, seed, args):
+    """One sampled completion, stopped as soon as its function body is complete."""
+    def done(tokens):
+        return body_complete(tokenizer.decode(tokens))
+    result = e.generate(prompt, method=method, max_new_tokens=args.quality_tokens, temperature=TEMPERATURE,
+                        particles=N, draft_len=K, seed=seed, on_tokens=done)
+    return tokenizer.decode(result.tokens)
+
+
+def pass_rates(e, draft_alone, args):
+    """pass@1 with its standard error for the methods asked for (smc at each --quality-smc cell, sd at
+    --sd-draft-len) and the draft alone, on the first --problems problems."""
+    problems = quality.load_problems()[:args.problems]
+    runners = {"ar": (e, "ar", 1, 1)} if "ar" in args.methods else {}
+    runners |= {"sd": (e, "sd", 1, args.sd_draft_len)} if "sd" in args.methods else {}
+    runners |= {f"smc {N}x{K}": (e, "smc", N, K) for N, K in args.quality_smc if "smc" in args.methods}
+    runners["draft alone"] = (draft_alone, "ar", 1, 1)
+    out = {}
+    for label, (runner, method, N, K) in runners.items():
+        start = time.perf_counter()
+        completions = [[complete(runner, e.tokenizer, p["prompt"], method, N, K, seed, args)
+                        for seed in range(args.samples)] for p in problems]
+        mean, stderr = quality.pass_at_1(quality.score(problems, completions))
+        out[label] = {"pass_at_1": mean, "stderr": stderr, "problems": len(problems), "samples": args.samples,
+                      "seconds": time.perf_counter() - start}
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(x, spec=".2f"):
+    return "" if x is None else format(x, spec)
+
+
+def speed_table(rows, bandwidth):
+    lines = [f"copy bandwidth {bandwidth:.1f} GB/s (read + write)", "",
+             "| prompt | method | N | K | tok/s | x ar | tokens/cycle | SD accepted/cycle | resample rate | "
+             "mean ESS | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        N, K = (r["N"] if r["method"] == "smc" else ""), (r["K"] if r["method"] != "ar" else "")
+        cells = [r["prompt"], r["method"], N, K, fmt(r["tokens_per_s"]), fmt(r.get("speedup")),
+                 fmt(r.get("tokens_per_cycle")),
+                 fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
+                 fmt(r.get("cycle_ms"), ".0f"), fmt(r.get("gb_per_cycle")), fmt(r.get("achieved_gbs"), ".1f"),
+                 fmt(r.get("ideal_tokens_per_s"), ".1f")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(phases):
+    lines = ["| N | K | draft ms | verify ms | weights + resampling ms | cycle ms |", "|---|---|---|---|---|---|"]
+    lines += [f"| {p['N']} | {p['K']} | {p['draft_ms']:.1f} | {p['verify_ms']:.1f} | {p['weights_resample_ms']:.1f}"
+              f" | {p['cycle_ms']:.1f} |" for p in phases]
+    return "\n".join(lines)
+
+
+def peer_table(rows):
+    lines = ["| prompt | peer | tok/s |", "|---|---|---|"]
+    return "\n".join(lines + [f"| {r['prompt']} | {r['method']} | {r['tokens_per_s']:.2f} |" for r in rows])
+
+
+def quality_table(scores):
+    lines = ["| method | pass@1 | standard error | problems x samples |", "|---|---|---|---|"]
+    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | {q['problems']} x {q['samples']} |"
+              for label, q in scores.items()]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def grid(text):
+    """"2x4,4x4" -> [(2, 4), (4, 4)] (N x K)."""
+    return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",")]
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", help="target model directory or .gguf (default: the weights/ pair)")
+    p.add_argument("--draft", help="draft model, same vocabulary")
+    p.add_argument("--random", metavar="DRAFT:TARGET",
+                   help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
+    p.add_argument("--quick", action="store_true", help="smoke run: one prompt, 32 new tokens, 4x4, 2 problems")
+    p.add_argument("--methods", default="ar,sd,smc", help="comma-separated subset of ar,sd,smc")
+    p.add_argument("--grid", type=grid, default=grid("2x2,2x4,2x8,4x2,4x4,4x8,8x2,8x4,8x8"), help="smc N x K cells")
+    p.add_argument("--sd-draft-len", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--problems", type=int, default=len(quality.load_problems()), help="quality: the first P problems")
+    p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
+    p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
+    p.add_argument("--quality-smc", type=grid, default=grid("4x4"), help="quality: smc N x K cells")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default="bench.json")
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
+        p.set_defaults(grid=[(4, 4)], new_tokens=32, repeats=1, problems=2, samples=1, quality_tokens=64,
+                       skip_peer=True)
+    args = p.parse_args(argv)
+    args.methods = args.methods.split(",")
+    return args
+
+
+def speed_report(e, ids_by_prompt, args, device):
+    """The speed table with its roofline, then the phase split of each smc cell on the first prompt."""
+    bandwidth = copy_bandwidth(device)
+    rows = speed(e, ids_by_prompt, args)
+    annotate(e, rows, ids_by_prompt, args, bandwidth)
+    print(speed_table(rows, bandwidth), "\n", flush=True)
+    report = {"copy_bandwidth_gbs": bandwidth, "speed": rows}
+    if "smc" in args.methods:
+        first = next(iter(ids_by_prompt.values()))
+        tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
+        report["phases"] = [profile_phases(e, first, N, K, tokens, device) for N, K in args.grid]
+        print(phase_table(report["phases"]), "\n", flush=True)
+    return report
+
+
+def main(argv=None):
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(device),
+              "settings": dict(vars(args))}
+    e, draft_alone, paths = load_engines(args, device)
+    report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": weight_read_bytes(m)}
+                        for role, m in (("draft", e.draft), ("target", e.target))}
+    ids_by_prompt = prompts(args, e)
+    report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
+    if not args.skip_speed:
+        report |= speed_report(e, ids_by_prompt, args, device)
+    if paths and not args.skip_peer and importlib.util.find_spec("transformers"):
+        report["peer"] = peer(paths, ids_by_prompt, e.pad, args)
+        print(peer_table(report["peer"]), "\n", flush=True)
+    if draft_alone and not args.skip_quality:
+        report["quality"] = pass_rates(e, draft_alone, args)
+        print(quality_table(report["quality"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {os.path.abspath(args.out)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
