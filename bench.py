@@ -250,8 +250,7 @@ def peer(paths, ids_by_prompt, pad, args):
     draft_dir, target_dir = paths
     dtype = getattr(torch, args.dtype)
     target, draft = (AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in (target_dir, draft_dir))
-    options = dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                   pad_token_id=pad)
+    options = dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
     runners = {"hf generate (static cache)": dict(cache_implementation="static"),
                "hf assisted (draft)": dict(assistant_model=draft)}
     rows = []
@@ -272,17 +271,10 @@ def peer(paths, ids_by_prompt, pad, args):
 # ---------------------------------------------------------------- quality
 
 
-def body_complete(text):
-    """Whether a completion has ended its function body: a finished line starts at the margin or is a code
-    fence (quality.completion_body cuts there, so later tokens cannot change the score)."""
-    finished = text.split("\n")[:-1]
-    return any(line.strip() and not line[0].isspace() or line.lstrip().startswith("```") for line in finished)
-
-
 def complete(e, tokenizer, prompt, method, N, K, seed, args):
     """One sampled completion, stopped as soon as its function body is complete."""
     def done(tokens):
-        return body_complete(tokenizer.decode(tokens))
+        return quality.body_complete(tokenizer.decode(tokens))
     result = e.generate(prompt, method=method, max_new_tokens=args.quality_tokens, temperature=TEMPERATURE,
                         particles=N, draft_len=K, seed=seed, on_tokens=done)
     return tokenizer.decode(result.tokens)

@@ -30,9 +30,7 @@ from pathlib import Path
 PROBLEMS_PATH = Path(__file__).resolve().parent / "tests" / "problems.jsonl"
 
 
-# ---------------------------------------------------------------------------
-# Problems
-# ---------------------------------------------------------------------------
+# ---------------------------------------------------------------- problems
 
 def load_problems(path=PROBLEMS_PATH) -> list[dict]:
     """Read one problem per non-empty line of a JSONL file."""
@@ -40,9 +38,7 @@ def load_problems(path=PROBLEMS_PATH) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# ---------------------------------------------------------------------------
-# Cutting a completion
-# ---------------------------------------------------------------------------
+# ---------------------------------------------------------------- cutting a completion
 
 def completion_body(completion: str) -> str:
     """Keep the function body: the lines before the first non-empty line that is not indented.
@@ -56,16 +52,24 @@ def completion_body(completion: str) -> str:
     """
     kept = []
     for line in completion.split("\n"):
-        top_level = line.strip() != "" and not line[0].isspace()
-        if top_level or line.lstrip().startswith("```"):
+        if ends_body(line):
             break
         kept.append(line)
     return "\n".join(kept).rstrip() + "\n"
 
 
-# ---------------------------------------------------------------------------
-# Running the tests
-# ---------------------------------------------------------------------------
+def ends_body(line: str) -> bool:
+    """A line at the margin, or a code fence at any indentation: where `completion_body` cuts."""
+    return (line.strip() != "" and not line[0].isspace()) or line.lstrip().startswith("```")
+
+
+def body_complete(completion: str) -> bool:
+    """Whether a growing completion already holds a finished line that ends the body, so that later tokens
+    can no longer change its score (generation may stop there)."""
+    return any(ends_body(line) for line in completion.split("\n")[:-1])
+
+
+# ---------------------------------------------------------------- running the tests
 
 def passes(problem: dict, completion: str, timeout: float = 5.0) -> bool:
     """Run prompt + cut body + tests in a fresh `python -I`; True only if it exits cleanly in time.
@@ -102,9 +106,7 @@ def score(problems: list[dict], completions: list[list[str]], timeout: float = 5
     return [[next(outcomes) for _ in samples] for samples in completions]
 
 
-# ---------------------------------------------------------------------------
-# pass@1
-# ---------------------------------------------------------------------------
+# ---------------------------------------------------------------- pass@1
 
 def pass_at_1(results: list[list[bool]]) -> tuple[float, float]:
     """Mean over problems of each problem's pass fraction, and its standard error over problems.

@@ -5,6 +5,7 @@ import pytest
 
 import bench
 import kernels
+import quality
 
 
 @pytest.fixture(autouse=True)
@@ -50,4 +51,4 @@ def test_bytes_per_cycle_counts_each_forward_once():
     ("    return 1\n```\n", True),
 ])
 def test_body_complete(text, complete):
-    assert bench.body_complete(text) == complete
+    assert quality.body_complete(text) == complete

@@ -265,6 +265,7 @@ def test_on_tokens_can_stop_generation():
     r = e.generate(PROMPT, method="sd", max_new_tokens=20, on_tokens=lambda tokens: len(tokens) >= 5)
     assert r.stats["stop"] == "stopped" and r.tokens[:5] == full[:5] and len(r.tokens) < 20
 
+
 def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", True)
     if not kernels.use_triton(torch.empty(0)):
