@@ -212,17 +212,10 @@ class Engine:
                              f"{configs[0].vocab_size}")
         weights = sum(math.prod(s) for o in opened if o for s in model.expected_shapes(o[0]).values())
         check_fits(weights * dtype.itemsize, device, "the weights", "try a smaller model or another --device")
-        self.target, self.draft = (self._load(o, device, dtype) if o else m for m, o in zip(models, opened))
+        self.target, self.draft = (model.build(*o[:2], device, dtype) if o else m for m, o in zip(models, opened))
         self.tokenizer = opened[0] and opened[0][2]
         self.eos = torch.tensor(self.target.config.eos_ids, dtype=torch.int64, device=self.target.device)
         self.pad = (self.target.config.eos_ids or [0])[0]
-
-    @staticmethod
-    def _load(opened, device, dtype):
-        config, get, _ = opened
-        m = model.Transformer(config, device, dtype)
-        model.fill_weights(m, get)
-        return m
 
     def encode(self, prompt):
         if not isinstance(prompt, str):
@@ -377,7 +370,7 @@ class Engine:
         x = torch.stack([st.prev, st.x0], -1)  # [R, N, 2]
         tokens, logq, logits = [], [], []
         for _ in range(s.draft_len):
-            out = self.draft.step(x, st.dcache)[:, :, -1]  # [R, N, V]
+            out = self.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
             st.dcache.suffix_len += x.shape[-1]
             t, lq = kernels.sample(out.flatten(0, 1), s.draft_temperature, st.rng)
             x = t.view(R, N, 1)

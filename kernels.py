@@ -186,16 +186,21 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
 
 
 def sample_ref(logits, temperature, rng):
-    """Tempered Gumbel-max: argmax(logits / T + Gumbel noise) ~ softmax(logits / T), since -log(E)
-    with E ~ Exp(1) is Gumbel. -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0."""
+    """Inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform draw times
+    the total. -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0. (On CPU this is
+    ~10x cheaper than Gumbel noise for every vocabulary entry; the kernel's one streaming pass needs Gumbel.)"""
     gen = _next_generator(rng)
     x = logits.float()  # [B, V]
     if temperature == 0:
         tokens = x.argmax(-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
-    x = x / temperature
-    tokens = (x - torch.empty_like(x).exponential_(generator=gen).log()).argmax(-1)
-    return tokens, x.gather(-1, tokens[:, None])[:, 0] - x.logsumexp(-1)
+    x = x * (1 / temperature)
+    top = x.amax(-1, keepdim=True)  # [B, 1]
+    cdf = (x - top).exp_().cumsum_(-1)  # [B, V] nondecreasing, so tokens of probability 0 are never hit
+    u = torch.rand(top.shape, generator=gen, device=x.device) * cdf[:, -1:]
+    last = cdf.argmax(-1, keepdim=True)  # the last token of nonzero probability: u * total may round up
+    tokens = torch.searchsorted(cdf, u, right=True).minimum(last)  # [B, 1]
+    return tokens[:, 0], (x.gather(-1, tokens) - top - cdf[:, -1:].log())[:, 0]
 
 
 def token_logprobs_ref(logits, tokens, temperature):

@@ -150,6 +150,13 @@ class KVCache:
 # ---------------------------------------------------------------- transformer
 
 
+def linear(x, w, bias=None):
+    """x @ w.T + bias; w may be a oneDNN-packed weight (`pack_for_cpu`)."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, w, bias)
+
+
 def rms_norm(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -170,7 +177,7 @@ class Block(torch.nn.Module):
 
     def forward(self, x, cos, sin, cache, layer, r):
         c = self.c
-        qkv = F.linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv)
+        qkv = linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv)
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
         q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)  # [..., T, Hq, D]
         k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)  # [..., T, Hkv, D]
@@ -180,9 +187,9 @@ class Block(torch.nn.Module):
             o = cache.attend_prefill(layer, q, k, v, scale, r)
         else:
             o = cache.attend_step(layer, q, k, v, scale)
-        x = x + F.linear(o.flatten(-2), self.wo)
-        gate, up = F.linear(rms_norm(x, self.ffn_norm, c.norm_eps), self.w13).chunk(2, -1)
-        return x + F.linear(F.silu(gate) * up, self.w2)
+        x = x + linear(o.flatten(-2), self.wo)
+        gate, up = linear(rms_norm(x, self.ffn_norm, c.norm_eps), self.w13).chunk(2, -1)
+        return x + linear(F.silu(gate) * up, self.w2)
 
 
 class Transformer(torch.nn.Module):
@@ -204,11 +211,14 @@ class Transformer(torch.nn.Module):
         return self.embed.device
 
     def num_params(self):
-        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied head once
+        tied_copy = self.config.tie_embeddings and self.lm_head is not self.embed  # packed for the CPU
+        return sum(p.numel() for p in self.parameters() if not (tied_copy and p is self.lm_head))
 
     def weight_bytes(self):
-        """Bytes one full forward reads from weights: the memory-bandwidth roofline's numerator."""
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes one full forward reads from weights (all but the embedding table, of which it reads a few
+        rows, unless that is also the head): the memory-bandwidth roofline's numerator."""
+        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not self.embed
+                   or p is self.lm_head)
 
     def _hidden(self, x, cos, sin, cache, r):
         for i, layer in enumerate(self.layers):
@@ -216,7 +226,7 @@ class Transformer(torch.nn.Module):
         return rms_norm(x, self.norm, self.config.norm_eps)
 
     def _logits(self, h):
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, tokens, cache, r=0, all_logits=False):
@@ -231,13 +241,15 @@ class Transformer(torch.nn.Module):
         return logits
 
     @torch.inference_mode()
-    def step(self, tokens, cache):
-        """tokens [R, N, T] continue every particle at suffix_len -> logits [R, N, T, V] (float32).
-        Writes their K/V at suffix_len .. suffix_len+T-1; advancing suffix_len is the caller's choice."""
+    def step(self, tokens, cache, last_only=False):
+        """tokens [R, N, T] continue every particle at suffix_len -> logits [R, N, T, V] (float32), or only the
+        last position's [R, N, V]. Writes their K/V at suffix_len .. suffix_len+T-1; advancing suffix_len is
+        the caller's choice."""
         T = tokens.shape[-1]
         pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + torch.arange(T, device=tokens.device)
         cos, sin = self.cos[pos][:, None, :, None], self.sin[pos][:, None, :, None]  # [R, 1, T, 1, D]
-        return self._logits(self._hidden(self.embed[tokens], cos, sin, cache, 0))
+        h = self._hidden(self.embed[tokens], cos, sin, cache, 0)  # [R, N, T, dim]
+        return self._logits(h[:, :, -1] if last_only else h)
 
 
 # ---------------------------------------------------------------- weights: Hugging Face names
@@ -294,6 +306,20 @@ def fill_weights(model, get):
         b.w2.copy_(get(p + "mlp.down_proj.weight"))
         b.attn_norm.copy_(get(p + "input_layernorm.weight"))
         b.ffn_norm.copy_(get(p + "post_attention_layernorm.weight"))
+
+
+def pack_for_cpu(model):
+    """Hand every matmul weight to oneDNN once, in its blocked layout: on CPU the matmuls of a few rows that
+    decoding runs are 1.4-2x faster than F.linear's (bf16 and float32, measured on AVX-512). A tied head gets a
+    packed copy of its own, since the embedding lookup needs the plain rows. No-op without oneDNN support."""
+    dtype = model.embed.dtype
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16) or (
+            dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return
+    pack = lambda w: torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
+    for b in model.layers:
+        b.wqkv, b.wo, b.w13, b.w2 = pack(b.wqkv), pack(b.wo), pack(b.w13), pack(b.w2)
+    model.lm_head = pack(model.lm_head)
 
 
 # ---------------------------------------------------------------- weights: Hugging Face directories
@@ -514,9 +540,16 @@ def open_weights(path):
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 
+def build(c, get, device="cpu", dtype=None):
+    """-> Transformer with every weight from get(name) in memory on `device`, packed for oneDNN on CPU."""
+    model = Transformer(c, device, dtype or torch.bfloat16)  # bf16 is fast on GPUs and on this CPU kind
+    fill_weights(model, get)
+    if model.device.type == "cpu":
+        pack_for_cpu(model)
+    return model
+
+
 def load(path, device="cpu", dtype=None):
     """-> (Transformer, Tokenizer) with every weight in memory on `device`."""
     c, get, tok = open_weights(path)
-    model = Transformer(c, device, dtype or torch.bfloat16)  # bf16 is fast on GPUs and on this CPU kind
-    fill_weights(model, get)
-    return model, tok
+    return build(c, get, device, dtype), tok

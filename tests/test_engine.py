@@ -210,12 +210,13 @@ def test_finished_particles_stay_and_can_be_ancestors():
     with torch.inference_mode():
         st = e.start(PROMPT, s, 22)
         e.smc_cycle(st, s)
+        before = int(st.resamples[0])
         st.finished[0] = torch.tensor([False, True, False, False])
         st.hist[0, 1, :3] = torch.tensor([7, 0, 0])
         st.logw[0] = torch.tensor([-50.0, 0.0, -50.0, -50.0])
         e.resample(st, s)
     assert st.finished.all() and (st.hist[0, :, :3] == torch.tensor([7, 0, 0])).all()
-    assert st.logw.eq(0).all() and st.resamples[0] == 1
+    assert st.logw.eq(0).all() and st.resamples[0] == before + 1
 
 
 def test_same_seed_same_output_other_seeds_other_outputs():

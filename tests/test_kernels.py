@@ -100,11 +100,19 @@ def test_sample_logprobs_are_exact(sampler, temperature):
     gen = torch.Generator().manual_seed(1)
     logits = (3 * torch.randn(40, 2500, generator=gen)).to(DEVICE, torch.float16)  # several tiles and chunks
     logits[:, 512:1536] = float("-inf")  # masked-out tiles must not poison the running sums
+    logits[:, :3] = logits[:, -3:] = float("-inf")  # nor be drawn at either end of the vocabulary
     tokens, logprobs = sampler(logits, temperature, kernels.make_rng(0, DEVICE))
     exact = torch.log_softmax(logits.double() / temperature, -1).gather(-1, tokens[:, None])[:, 0]
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
-    assert ((tokens < 512) | (tokens >= 1536)).all()
+    assert (((tokens >= 3) & (tokens < 512)) | ((tokens >= 1536) & (tokens < 2497))).all()
     torch.testing.assert_close(logprobs.double(), exact, atol=1e-4, rtol=1e-4)
+
+
+def test_sample_ref_draws_only_tokens_of_nonzero_probability():
+    logits = torch.full((20000, 6), float("-inf"))
+    logits[:, 0], logits[:, 4] = 0.0, -30.0  # token 4 is rare but possible; 5 has probability 0 at the end
+    tokens = kernels.sample_ref(logits, 1.0, kernels.make_rng(0, "cpu"))[0]
+    assert set(tokens.tolist()) <= {0, 4}
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
