@@ -295,9 +295,13 @@ def pass_rates(e, draft_alone, args):
         start = time.perf_counter()
         completions = [[complete(runner, e.tokenizer, p["prompt"], method, N, K, seed, args)
                         for seed in range(args.samples)] for p in problems]
-        mean, stderr = quality.pass_at_1(quality.score(problems, completions))
+        results = quality.score(problems, completions)
+        mean, stderr = quality.pass_at_1(results)
         out[label] = {"pass_at_1": mean, "stderr": stderr, "problems": len(problems), "samples": args.samples,
-                      "seconds": time.perf_counter() - start}
+                      "seconds": time.perf_counter() - start, "results": results}
+    for q in out.values():
+        if "ar" in out and q is not out["ar"]:
+            q["vs_ar"], q["vs_ar_stderr"] = quality.paired_difference(q["results"], out["ar"]["results"])
     return out
 
 
@@ -337,9 +341,10 @@ def peer_table(rows):
 
 
 def quality_table(scores):
-    lines = ["| method | pass@1 | standard error | problems x samples |", "|---|---|---|---|"]
-    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | {q['problems']} x {q['samples']} |"
-              for label, q in scores.items()]
+    lines = ["| method | pass@1 | standard error | minus ar (paired) | problems x samples |", "|---|---|---|---|---|"]
+    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | "
+              + (f"{q['vs_ar']:+.3f} ± {q['vs_ar_stderr']:.3f}" if "vs_ar" in q else "")
+              + f" | {q['problems']} x {q['samples']} |" for label, q in scores.items()]
     return "\n".join(lines)
 
 

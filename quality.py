@@ -16,6 +16,8 @@ API (bench.py imports these):
         passes() for every sample: completions[i] lists the raw samples for problems[i].
     pass_at_1(results) -> (mean, standard_error)
         pass@1 over problems from score()'s results, with its standard error.
+    paired_difference(results, baseline) -> (mean, standard_error)
+        pass@1(results) - pass@1(baseline) on the same problems, with the paired standard error.
 """
 
 import json
@@ -121,3 +123,15 @@ def pass_at_1(results: list[list[bool]]) -> tuple[float, float]:
     if len(fractions) < 2:
         return mean, math.nan
     return mean, statistics.stdev(fractions) / math.sqrt(len(fractions))
+
+
+def paired_difference(results: list[list[bool]], baseline: list[list[bool]]) -> tuple[float, float]:
+    """pass@1(results) - pass@1(baseline) over the same problems, and its standard error.
+
+    Which problems are easy dominates the spread of a single pass@1; taking the difference per
+    problem first cancels that, so two methods can be told apart with far fewer problems than
+    their two separate standard errors would suggest.
+    """
+    if len(results) != len(baseline):
+        raise ValueError(f"{len(results)} problems against a baseline of {len(baseline)}")
+    return pass_at_1([[sum(a) / len(a) - sum(b) / len(b)] for a, b in zip(results, baseline)])

@@ -107,6 +107,17 @@ def test_pass_at_1_on_a_hand_computed_example():
     assert se == pytest.approx(math.sqrt(0.6875 / 3 / 4))
 
 
+def test_paired_difference_cancels_problem_difficulty():
+    # Per-problem differences 0.5, 0.5, 0, 0: mean 0.25, sample variance 1/12, standard error sqrt(1/48).
+    method = [[True, True], [True, False], [False, False], [True, True]]
+    baseline = [[True, False], [False, False], [False, False], [True, True]]
+    mean, se = quality.paired_difference(method, baseline)
+    assert mean == pytest.approx(0.25)
+    assert se == pytest.approx(math.sqrt(1 / 48))
+    with pytest.raises(ValueError, match="3 problems against a baseline of 4"):
+        quality.paired_difference(method[:3], baseline)
+
+
 def test_pass_at_1_of_one_problem_has_no_standard_error():
     mean, se = quality.pass_at_1([[True, False, False, False]])
     assert mean == 0.25
