@@ -369,6 +369,7 @@ def test_cli_json(pair):
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert set(out) == {"text", "tokens", "stats"} and out["stats"]["method"] == "smc"
+    assert out["stats"]["particles"] == 2  # the default on a CPU
     assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
     api = engine.Engine(target, draft).generate("w1 w2 w3", max_new_tokens=12)  # the API, from the same paths
     assert api.tokens == out["tokens"] and api.text == out["text"]
@@ -385,6 +386,7 @@ def test_cli_streams_text_then_a_summary(pair):
     (["--temperature", "0"], "error: smc needs temperatures > 0"),
     (["--prompt-file", os.devnull], "error: .*: the prompt file is empty"),
     (["--particles", "0"], "error: particles must be at least 1"),
+    (["--device", "gpu0"], "error: unknown device 'gpu0'; use cpu or cuda"),
 ])
 def test_cli_errors_are_one_line(pair, args, message):
     run = cli("--target", pair[0], "--draft", pair[1], *args)
