@@ -121,13 +121,6 @@ def prompts(args, e):
 # ---------------------------------------------------------------- roofline
 
 
-def weight_read_bytes(m):
-    """Weight bytes one forward reads: all of them, except an untied embedding table, of which a forward
-    gathers only the rows of its tokens."""
-    untied_embedding = 0 if m.config.tie_embeddings else m.embed.numel() * m.embed.element_size()
-    return m.weight_bytes() - untied_embedding
-
-
 def kv_bytes_per_token(m):
     return model.KVCache.nbytes(m.config, 1, 1, 0, m.embed.dtype)
 
@@ -137,7 +130,7 @@ def bytes_per_cycle(e, method, N, K, prompt_len, new_tokens):
     once), plus the KV cache: the prompt once for all particles and each particle's suffix, at its mean
     length over the run. ar: 1 target forward; sd and smc: K draft forwards and 1 target forward."""
     def forward(m, rows):
-        return weight_read_bytes(m) + kv_bytes_per_token(m) * (prompt_len + rows * new_tokens / 2)
+        return m.weight_bytes() + kv_bytes_per_token(m) * (prompt_len + rows * new_tokens / 2)
     if method == "ar":
         return forward(e.target, 1)
     return K * forward(e.draft, N) + forward(e.target, N)
@@ -410,7 +403,7 @@ def main(argv=None):
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(device),
               "settings": dict(vars(args))}
     e, draft_alone, paths = load_engines(args, device)
-    report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": weight_read_bytes(m)}
+    report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": m.weight_bytes()}
                         for role, m in (("draft", e.draft), ("target", e.target))}
     ids_by_prompt = prompts(args, e)
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}

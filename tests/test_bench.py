@@ -38,9 +38,9 @@ def test_quick_run_on_random_models(tmp_path, capsys):
 def test_bytes_per_cycle_counts_each_forward_once():
     e, _, _ = bench.load_engines(bench.parse(["--random", "tiny:tiny", "--device", "cpu"]), bench.torch.device("cpu"))
     ar = bench.bytes_per_cycle(e, "ar", 1, 1, prompt_len=0, new_tokens=0)
-    assert ar == bench.weight_read_bytes(e.target)
+    assert ar == e.target.weight_bytes()
     smc = bench.bytes_per_cycle(e, "smc", 4, 3, prompt_len=0, new_tokens=0)
-    assert smc == 3 * bench.weight_read_bytes(e.draft) + ar
+    assert smc == 3 * e.draft.weight_bytes() + ar
 
 
 @pytest.mark.parametrize("text, complete", [
