@@ -292,9 +292,10 @@ def pass_rates(e, draft_alone, args):
         mean, stderr = quality.pass_at_1(results)
         out[label] = {"pass_at_1": mean, "stderr": stderr, "problems": len(problems), "samples": args.samples,
                       "seconds": time.perf_counter() - start, "results": results}
-    for q in out.values():
-        if "ar" in out and q is not out["ar"]:
-            q["vs_ar"], q["vs_ar_stderr"] = quality.paired_difference(q["results"], out["ar"]["results"])
+    for q in out.values():  # paired: the same problems and samples per problem, so their difficulty cancels
+        for base, key in (("ar", "vs_ar"), ("draft alone", "vs_draft")):
+            if base in out and q is not out[base]:
+                q[key], q[key + "_stderr"] = quality.paired_difference(q["results"], out[base]["results"])
     return out
 
 
@@ -334,10 +335,12 @@ def peer_table(rows):
 
 
 def quality_table(scores):
-    lines = ["| method | pass@1 | standard error | minus ar (paired) | problems x samples |", "|---|---|---|---|---|"]
-    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | "
-              + (f"{q['vs_ar']:+.3f} ± {q['vs_ar_stderr']:.3f}" if "vs_ar" in q else "")
-              + f" | {q['problems']} x {q['samples']} |" for label, q in scores.items()]
+    def paired(q, key):
+        return f"{q[key]:+.3f} ± {q[key + '_stderr']:.3f}" if key in q else ""
+    lines = ["| method | pass@1 | standard error | minus ar (paired) | minus draft (paired) | problems x samples |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | {paired(q, 'vs_ar')} | {paired(q, 'vs_draft')} "
+              f"| {q['problems']} x {q['samples']} |" for label, q in scores.items()]
     return "\n".join(lines)
 
 
@@ -365,7 +368,7 @@ def parse(argv):
     p.add_argument("--problems", type=int, default=len(quality.load_problems()), help="quality: the first P problems")
     p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
     p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
-    p.add_argument("--quality-smc", type=grid, default=grid("4x4"), help="quality: smc N x K cells")
+    p.add_argument("--quality-smc", type=grid, default=grid("2x4,4x4"), help="quality: smc N x K cells")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
