@@ -55,7 +55,7 @@ class Result:
 def default_particles(device):
     """smc's N when none is given. On a GPU decoding is memory-bound: a verify forward of N x (K+1) rows reads
     the same weights as one of a single row, so 4 particles cost little more than 2. On a CPU every row costs
-    compute: there N=4, K=4 measured 1.26x `ar` and N=2, K=4 1.48x (README, Results)."""
+    compute: there N=4, K=4 measured 1.23x `ar` on code and N=2, K=4 1.48x (README, Results)."""
     return 2 if device.type == "cpu" else 4
 
 
