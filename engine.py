@@ -218,6 +218,8 @@ class Engine:
             raise UsageError(f"{draft}: vocabulary size {configs[1].vocab_size} differs from the target's "
                              f"{configs[0].vocab_size}")
         weights = sum(math.prod(s) for o in opened if o for s in model.expected_shapes(o[0]).values())
+        if device.type == "cpu":  # pack_for_cpu gives a tied head a copy of its own
+            weights += sum(o[0].vocab_size * o[0].dim for o in opened if o and o[0].tie_embeddings)
         check_fits(weights * dtype.itemsize, device, "the weights", "try a smaller model or another --device")
         self.target, self.draft = (model.build(*o[:2], device, dtype) if o else m for m, o in zip(models, opened))
         self.tokenizer = opened[0] and opened[0][2]
