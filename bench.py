@@ -94,8 +94,7 @@ def random_model(shape, device, dtype, seed):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    if m.device.type == "cpu":
-        model.pack_for_cpu(m)
+    model.pack_for_cpu(m)
     return m
 
 
