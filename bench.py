@@ -158,7 +158,7 @@ def configs(args):
             out.append(("ar", 1, 1))
         elif method == "sd":
             out.append(("sd", 1, args.sd_draft_len))
-        else:
+        elif method == "smc":
             out += [("smc", n, k) for n, k in args.grid]
     return out
 
@@ -274,19 +274,25 @@ def complete(e, tokenizer, prompt, method, N, K, seed, args):
     return tokenizer.decode(result.tokens)
 
 
+def quality_seed(problem, sample):
+    """A seed of its own for every (problem, sample): seeding sample j of every problem alike would correlate
+    the samples across problems and make the standard errors optimistic."""
+    return 1000 * problem + sample
+
+
 def pass_rates(e, draft_alone, args):
     """pass@1 with its standard error for the methods asked for (smc at each --quality-smc cell, sd at
-    --sd-draft-len) and the draft alone, on the first --problems problems."""
+    --sd-draft-len, "draft": the draft alone), on the first --problems problems."""
     problems = quality.load_problems()[:args.problems]
     runners = {"ar": (e, "ar", 1, 1)} if "ar" in args.methods else {}
     runners |= {"sd": (e, "sd", 1, args.sd_draft_len)} if "sd" in args.methods else {}
     runners |= {f"smc {N}x{K}": (e, "smc", N, K) for N, K in args.quality_smc if "smc" in args.methods}
-    runners["draft alone"] = (draft_alone, "ar", 1, 1)
+    runners |= {"draft alone": (draft_alone, "ar", 1, 1)} if "draft" in args.methods else {}
     out = {}
     for label, (runner, method, N, K) in runners.items():
         start = time.perf_counter()
-        completions = [[complete(runner, e.tokenizer, p["prompt"], method, N, K, seed, args)
-                        for seed in range(args.samples)] for p in problems]
+        completions = [[complete(runner, e.tokenizer, p["prompt"], method, N, K, quality_seed(i, j), args)
+                        for j in range(args.samples)] for i, p in enumerate(problems)]
         results = quality.score(problems, completions)
         mean, stderr = quality.pass_at_1(results)
         out[label] = {"pass_at_1": mean, "stderr": stderr, "problems": len(problems), "samples": args.samples,
@@ -358,7 +364,8 @@ def parse(argv):
     p.add_argument("--random", metavar="DRAFT:TARGET",
                    help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
     p.add_argument("--quick", action="store_true", help="smoke run: one prompt, 32 new tokens, 4x4, 2 problems")
-    p.add_argument("--methods", default="ar,sd,smc", help="comma-separated subset of ar,sd,smc")
+    p.add_argument("--methods", default="ar,sd,smc,draft",
+                   help="comma-separated subset of ar,sd,smc,draft (draft: the draft alone, quality only)")
     p.add_argument("--grid", type=grid, default=grid("2x2,2x4,2x8,4x2,4x4,4x8,8x2,8x4,8x8"), help="smc N x K cells")
     p.add_argument("--sd-draft-len", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -380,6 +387,8 @@ def parse(argv):
                        skip_peer=True)
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
+    if unknown := set(args.methods) - {"ar", "sd", "smc", "draft"}:
+        p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from ar,sd,smc,draft)")
     return args
 
 
