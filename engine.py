@@ -308,7 +308,7 @@ class Engine:
         if s.method != "ar":  # the draft leaves the last prompt token to the first draft step, beside x0
             st.dcache = model.KVCache(self.draft.config, N, max(len(ids) - 1, 1), capacity, device, dtype)
             if len(ids) > 1:  # a one-token prompt leaves the draft's prefix empty
-                self.draft.prefill(prompt[:-1], st.dcache, all_logits=True)
+                self.draft.prefill(prompt[:-1], st.dcache, logits=None)
         st.prev = prompt[-1:].expand(1, N).clone()
         st.hist = torch.zeros(1, N, capacity, dtype=torch.int64, device=device)
         st.hist[..., 0] = st.x0

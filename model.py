@@ -229,16 +229,16 @@ class Transformer(torch.nn.Module):
         return linear(h, self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill(self, tokens, cache, r=0, all_logits=False):
-        """tokens [T] -> logits [V] of the last position ([T, V] with all_logits) for request r's prompt.
+    def prefill(self, tokens, cache, r=0, logits="last"):
+        """tokens [T] -> logits [V] of the last position, [T, V] of all (logits="all") or None (logits=None:
+        the LM head is skipped, as a draft's prefill needs) for request r's prompt.
         Sets prefix_len[r] = T and suffix_len[r] = 0."""
         T = tokens.shape[0]
         cos, sin = self.cos[:T, None], self.sin[:T, None]  # [T, 1, D]
         h = self._hidden(self.embed[tokens], cos, sin, cache, r)  # [T, dim]
-        logits = self._logits(h if all_logits else h[-1])
         cache.prefix_len[r] = T
         cache.suffix_len[r] = 0
-        return logits
+        return None if logits is None else self._logits(h if logits == "all" else h[-1])
 
     @torch.inference_mode()
     def step(self, tokens, cache, last_only=False):

@@ -86,7 +86,7 @@ def test_full_forward_matches_transformers_float32(tiny):
     m, _ = model.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = model.KVCache(m.config, 1, 64, 8, "cpu", torch.float32)
-    ours = m.prefill(torch.tensor(ids), cache, all_logits=True)
+    ours = m.prefill(torch.tensor(ids), cache, logits="all")
     assert (ours - hf_logits(hf, ids)).abs().max() < 1e-4
 
 
@@ -113,7 +113,7 @@ def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     ref = hf_logits(hf, ids)
     tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
     cache = model.KVCache(m.config, 1, 32, 32, "cpu", torch.bfloat16)
-    full = m.prefill(torch.tensor(ids), cache, all_logits=True)
+    full = m.prefill(torch.tensor(ids), cache, logits="all")
     assert (full - ref).abs().max() < tol
     m.prefill(torch.tensor(ids[:8]), cache)
     steps = m.step(torch.tensor([[ids[8:]]]), cache)[0, 0]
@@ -143,7 +143,7 @@ def test_one_at_a_time_equals_one_forward(qwen_tiny):
     m = qwen_tiny
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
     cache = model.KVCache(m.config, 1, 32, 32, "cpu", torch.float32)
-    full = m.prefill(ids, cache, all_logits=True)
+    full = m.prefill(ids, cache, logits="all")
     m.prefill(ids[:5], cache)
     block = m.step(ids[5:][None, None], cache)[0, 0]  # 15 new tokens in one step
     assert (block - full[5:]).abs().max() < 1e-5
@@ -169,7 +169,7 @@ def test_particles_each_equal_their_own_sequence(qwen_tiny):
     rest = m.step(suffixes[None, :, 2:], cache)[0]  # [N, 4, V]
     for i in range(4):
         solo = model.KVCache(m.config, 1, 16, 16, "cpu", torch.float32)
-        full = m.prefill(torch.cat([prompt, suffixes[i]]), solo, all_logits=True)[7:]
+        full = m.prefill(torch.cat([prompt, suffixes[i]]), solo, logits="all")[7:]
         assert (torch.cat([first[i], rest[i]]) - full).abs().max() < 1e-5
     assert torch.equal(rest[2], rest[3])
 
@@ -199,7 +199,7 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm):
     m, tok = model.load(smollm_gguf(), dtype=torch.float32)
     ids = tok.encode("The three primary colors are")
     cache = model.KVCache(m.config, 1, 64, 40, "cpu", torch.float32)
-    logits = m.prefill(torch.tensor(ids), cache, all_logits=True)
+    logits = m.prefill(torch.tensor(ids), cache, logits="all")
     assert (logits - hf_logits(hf, ids)).abs().max() < 1e-3
     ours, x = [], int(logits[-1].argmax())
     for _ in range(32):
@@ -253,7 +253,7 @@ def test_converted_directory_loads_in_transformers(qwen_draft):
     assert AutoTokenizer.from_pretrained(qwen_draft)(text).input_ids == ids
     cache = model.KVCache(m.config, 1, len(ids), 1, "cpu", torch.float32)
     ref = hf_logits(hf, ids)
-    assert (m.prefill(torch.tensor(ids), cache, all_logits=True) - ref).abs().max() < 1e-3 * ref.abs().max()
+    assert (m.prefill(torch.tensor(ids), cache, logits="all") - ref).abs().max() < 1e-3 * ref.abs().max()
 
 
 def test_qwen_draft_completes_code(qwen_draft):
