@@ -80,6 +80,9 @@ def check_settings(s, has_draft):
         raise UsageError(f"max-new-tokens must be at least 1, got {s.max_new_tokens}")
     if s.top_k < 0 or not 0 < s.top_p <= 1:
         raise UsageError("top-k must be >= 0 and top-p in (0, 1]")
+    if s.method == "smc" and (s.top_k or s.top_p < 1):
+        raise UsageError("smc cannot honour top-k/top-p: its draft proposes tokens the restricted target "
+                         "forbids, whose weight is zero; use --method sd or --method ar with --top-k/--top-p")
     if s.select not in ("sample", "argmax"):
         raise UsageError(f"select must be 'sample' or 'argmax', got {s.select!r}")
 
@@ -147,34 +150,37 @@ class State:
 
 
 def publish(st, max_new_tokens):
-    """flags = [done, settled]: done when every particle has ended or the budget is spent; settled = how many
-    leading tokens all particles share (they can never change again, so they may be printed)."""
+    """flags = [done, settled, degenerate]: done when every particle has ended or the budget is spent; settled =
+    how many leading tokens all particles share (they can never change again, so they may be printed);
+    degenerate when no particle has a positive, finite weight left (smc), which ends the run."""
     H = st.hist.shape[-1]
-    done = st.finished.all() | (st.gen_len[0] >= max_new_tokens)
+    done = st.finished.all() | (st.gen_len[0] >= max_new_tokens) | st.degenerate[0]
     shared = (st.hist == st.hist[:, :1]).all(1)[0] & (torch.arange(H, device=st.hist.device) < st.gen_len[0])
-    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(0).sum().int()]))
+    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(0).sum().int(), st.degenerate[0].int()]))
 
 
-def append(st, tokens, kept, eos):
+def append(st, tokens, kept, is_eos):
     """Commit the first `kept` (int32 [R]) of tokens [R, N, T]: history, lengths, pending token, finished.
     The target already holds K/V for the pending token and the kept tokens but the last, the new pending one."""
     R, N, T = tokens.shape
     at = st.gen_len.long()[:, None, None] + torch.arange(T, device=tokens.device)  # [R, 1, T]
     st.hist.scatter_(2, at.expand(R, N, T), tokens)
     real = torch.arange(T, device=tokens.device) < kept[:, None, None]  # [R, 1, T]
-    st.finished |= (torch.isin(tokens, eos) & real).any(-1)
+    st.finished |= (is_eos[tokens] & real).any(-1)
     st.x0.copy_(tokens.gather(2, (kept.long() - 1)[:, None, None].expand(R, N, 1))[..., 0])
     st.gen_len += kept
     st.tcache.suffix_len += kept
 
 
-def settle(x0, t, b, logp, logq, finished, eos, pad):
+def settle(x0, t, b, logp, logq, finished, is_eos, pad):
     """EOS is absorbing. The draft token t_k [R, N, K] weighs log p(t_k) - log q(t_k) unless an EOS came before
     it (in x0 [R, N] or t_<k, or the particle had already finished); after a particle's first EOS its new
-    tokens become `pad` (an EOS). -> weight increments [R, N], the K + 1 new tokens [R, N, K+1] (t, then b)."""
+    tokens become `pad` (an EOS). -> weight increments [R, N], the K + 1 new tokens [R, N, K+1] (t, then b).
+    is_eos [V] bool: a table lookup costs the same for any number of EOS ids (torch.isin sorts, and syncs with
+    the host, once there are about ten)."""
     K = t.shape[-1]
     block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
-    ended = (torch.isin(block, eos).cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
+    ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
     increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1)
     return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])
 
@@ -182,10 +188,9 @@ def settle(x0, t, b, logp, logq, finished, eos, pad):
 # ---------------------------------------------------------------- cuda graphs
 
 
-def captured(cycle, st):
-    """The cycle as a CUDA graph replay. Warmed up first on a side stream (Triton compiles, cuBLAS picks its
-    kernels), then captured; the state the warm-up advanced is restored, so a seed gives the eager output."""
-    saved = [t.clone() for t in st.small_tensors()]
+def record(cycle):
+    """-> the replay of a CUDA graph of cycle(), run once first on a side stream (Triton compiles, cuBLAS picks
+    its kernels) so that the capture records warm kernels. The warm-up cycle advances the state."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -194,9 +199,31 @@ def captured(cycle, st):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         cycle()
-    for t, value in zip(st.small_tensors(), saved):
-        t.copy_(value)
     return graph.replay
+
+
+def graphs_apply(s, st):
+    return s.cuda_graphs and st.hist.is_cuda
+
+
+class Captured:
+    """The cycle as a CUDA-graph replay, recorded at its first call: a request that is done before its first
+    cycle (max_new_tokens=1) never runs the warm-up cycle, which would write past the end of its history. The
+    state the warm-up advanced is restored, so a seed gives the eager output; `seconds` is the recording time,
+    which is not decoding time."""
+
+    def __init__(self, cycle, st):
+        self.cycle, self.st, self.replay, self.seconds = cycle, st, None, 0.0
+
+    def __call__(self):
+        if self.replay is None:
+            start = time.perf_counter()
+            saved = [t.clone() for t in self.st.small_tensors()]
+            self.replay = record(self.cycle)
+            for t, value in zip(self.st.small_tensors(), saved):
+                t.copy_(value)
+            self.seconds = time.perf_counter() - start
+        self.replay()
 
 
 # ---------------------------------------------------------------- engine
@@ -204,76 +231,104 @@ def captured(cycle, st):
 
 class Engine:
     """A target model and an optional draft, each a path (Hugging Face directory or .gguf file) or a loaded
-    model.Transformer (then prompts are token ids and results carry no text)."""
+    model.Transformer (then prompts are token ids and results carry no text). Paths are opened at once (config,
+    tokenizer, the weight files' headers), so that a bad request is refused before any weight is read; the
+    weights are read by `load()`, which the first `generate` calls."""
 
     def __init__(self, target, draft=None, device=None, dtype=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.bfloat16
-        models = (target, draft)
-        opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m) for m in models]
-        configs = [o[0] if o else m and m.config for m, o in zip(models, opened)]
-        if configs[1] and configs[1].vocab_size != configs[0].vocab_size:
-            raise UsageError(f"{draft}: vocabulary size {configs[1].vocab_size} differs from the target's "
-                             f"{configs[0].vocab_size}")
-        weights = sum(math.prod(s) for o in opened if o for s in model.expected_shapes(o[0]).values())
-        if device.type == "cpu":  # pack_for_cpu gives a tied head a copy of its own
-            weights += sum(o[0].vocab_size * o[0].dim for o in opened if o and o[0].tie_embeddings)
-        check_fits(weights * dtype.itemsize, device, "the weights", "try a smaller model or another --device")
-        self.target, self.draft = (model.build(*o[:2], device, dtype) if o else m for m, o in zip(models, opened))
-        self.tokenizer = opened[0] and opened[0][2]
-        self.eos = torch.tensor(self.target.config.eos_ids, dtype=torch.int64, device=self.target.device)
-        self.pad = (self.target.config.eos_ids or [0])[0]
+        self.target, self.draft = (m if isinstance(m, model.Transformer) else None for m in (target, draft))
+        self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
+                       for m in (target, draft)]
+        self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
+        if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
+            raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
+                             f"{self.config.vocab_size}")
+        self.device, self.dtype = (self.target.device, self.target.embed.dtype) if self.target else (device, dtype)
+        check_fits(self.unread_bytes(), self.device, "the weights", "try a smaller model or another --device")
+        self.tokenizer = self.opened[0] and self.opened[0][2]
+        self.is_eos = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)  # [V]
+        self.is_eos[self.config.eos_ids] = True
+        self.pad = (self.config.eos_ids or [0])[0]
+
+    def unread_bytes(self):
+        """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
+        opened = [o for o in self.opened if o]
+        n = sum(math.prod(s) for o in opened for s in model.expected_shapes(o[0]).values())
+        if self.device.type == "cpu":
+            n += sum(o[0].vocab_size * o[0].dim for o in opened if o[0].tie_embeddings)
+        return n * self.dtype.itemsize
+
+    def load(self):
+        """Read the weights (once) -> self."""
+        if self.target is None:
+            self.target = model.build(*self.opened[0][:2], self.device, self.dtype)
+        if self.draft is None and self.opened[1]:
+            self.draft = model.build(*self.opened[1][:2], self.device, self.dtype)
+        self.opened = [None, None]
+        return self
 
     def encode(self, prompt):
         if not isinstance(prompt, str):
             ids = [int(i) for i in prompt]
         elif self.tokenizer is None:
             raise UsageError("this engine has no tokenizer: give the prompt as token ids")
+        elif not prompt.strip():
+            raise UsageError("the prompt is empty or only whitespace")
         else:
             ids = self.tokenizer.encode(prompt)
         if not ids:
             raise UsageError("the prompt is empty")
-        if not all(0 <= i < self.target.config.vocab_size for i in ids):
-            raise UsageError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
+        if not all(0 <= i < self.config.vocab_size for i in ids):
+            raise UsageError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         return ids
 
-    def generate(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
-                 target_temperature=None, particles=None, draft_len=4, ess_threshold=0.5, top_k=0, top_p=1.0, seed=0,
-                 select="sample", cuda_graphs=True, on_tokens=None):
-        """prompt: text or token ids -> Result(text, tokens, stats). temperature sets both the draft's and the
-        target's; particles: smc's N (None: `default_particles` for the device); select: the final particle by
-        "sample" (in proportion to its weight) or "argmax". on_tokens, if given, is called with the settled tokens
-        (up to the first EOS) whenever more have settled; returning True stops generation there (a stop
-        condition: the settled tokens are the result)."""
+    def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
+                target_temperature=None, particles=None, draft_len=4, ess_threshold=0.5, top_k=0, top_p=1.0, seed=0,
+                select="sample", cuda_graphs=True):
+        """Check a request against the models' configs and the free memory, before any weight is read ->
+        (token ids, Settings, suffix capacity). Raises UsageError."""
         if method != "smc":
             particles = 1
         elif particles is None:
-            particles = default_particles(self.target.device)
+            particles = default_particles(self.device)
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
                      temperature if target_temperature is None else target_temperature, particles,
                      draft_len if method != "ar" else 1, ess_threshold, top_k, top_p, seed, select, cuda_graphs)
-        check_settings(s, self.draft is not None)
+        check_settings(s, self.draft_config is not None)
         ids = self.encode(prompt)
-        capacity = self.check_request(len(ids), s)
+        return ids, s, self.check_request(len(ids), s)
+
+    def generate(self, prompt, on_tokens=None, **options):
+        """prompt: text or token ids -> Result(text, tokens, stats). Options (see `request`): method, max_new_tokens,
+        temperature (the draft's and the target's) or draft_temperature / target_temperature, particles (smc's N;
+        None: `default_particles` for the device), draft_len, ess_threshold, top_k, top_p (ar and sd), seed,
+        select (the final particle by "sample", in proportion to its weight, or "argmax"), cuda_graphs.
+        on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
+        returning True stops generation there (a stop condition: the settled tokens are the result). stats["stop"]
+        says why it ended: "eos", "length", "stopped", "interrupted", or "degenerate" (smc: no particle kept a
+        positive, finite weight; the result is what had settled before)."""
+        ids, s, capacity = self.request(prompt, **options)
+        self.load()
         with torch.inference_mode():
             start = time.perf_counter()
             st = self.start(ids, s, capacity)
-            cycle = {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[method]
+            prefill = time.perf_counter() - start
+            cycle = {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[s.method]
 
             def step():
                 cycle(st, s)
                 publish(st, s.max_new_tokens)
-            if s.cuda_graphs and st.hist.is_cuda:
-                setup = time.perf_counter()
-                step = captured(step, st)
-                start += time.perf_counter() - setup  # capture time is not decoding time
+            if graphs_apply(s, st):
+                step = Captured(step, st)
             settled, cycles, stop = self.decode(st, step, s, on_tokens)
             tokens = settled if settled is not None else self.pick(st, s)
-            seconds = time.perf_counter() - start
-            stats = self.statistics(st, s, cycles, seconds, tokens, stop)
-        tokens = until_eos(tokens, self.target.config.eos_ids)
+            seconds = time.perf_counter() - start - getattr(step, "seconds", 0.0)  # recording is not decoding
+            stats = self.statistics(st, s, cycles, seconds, prefill, tokens, stop)
+        tokens = until_eos(tokens, self.config.eos_ids)
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         return Result(text, tokens, stats)
 
@@ -281,24 +336,25 @@ class Engine:
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
         extra = 0 if s.method == "ar" else s.draft_len
         capacity = s.max_new_tokens + extra
-        models = [m for m in (self.target, self.draft if s.method != "ar" else None) if m is not None]
-        context = min(m.config.max_seq_len for m in models)
+        configs = [c for c in (self.config, self.draft_config if s.method != "ar" else None) if c is not None]
+        context = min(c.max_seq_len for c in configs)
         if prompt_len >= context:
             raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
         if prompt_len + capacity > context:
             raise UsageError(f"max-new-tokens {s.max_new_tokens} does not fit the context of {context} after a "
                              f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}")
-        dtype = self.target.embed.dtype
-        need = sum(model.KVCache.nbytes(m.config, s.particles, prompt_len, capacity, dtype) for m in models)
-        need += 4 * s.particles * (extra + 1) * self.target.config.vocab_size * 4  # float32 logits, a few copies
-        check_fits(need, self.target.device, "the KV caches and logits", "lower --particles or --max-new-tokens")
+        need = sum(model.KVCache.nbytes(c, s.particles, prompt_len, capacity, self.dtype) for c in configs)
+        need += 4 * s.particles * (extra + 1) * self.config.vocab_size * 4  # float32 logits, a few copies
+        need += self.unread_bytes()  # free memory is measured before the weights are read
+        check_fits(need, self.device, "the KV caches and logits" + (" with the weights" if self.opened[0] else ""),
+                   "lower --particles or --max-new-tokens")
         return capacity
 
     def start(self, ids, s, capacity):
         """Allocate the caches, prefill the prompt once, sample every particle's first token x0 from the target."""
-        device, dtype, N = self.target.device, self.target.embed.dtype, s.particles
+        device, dtype, N = self.device, self.dtype, s.particles
         st = State()
-        st.tcache = model.KVCache(self.target.config, N, len(ids), capacity, device, dtype)
+        st.tcache = model.KVCache(self.config, N, len(ids), capacity, device, dtype)
         st.dcache = None
         st.rng = kernels.make_rng(s.seed, device)
         prompt = torch.tensor(ids, device=device)
@@ -306,34 +362,38 @@ class Engine:
         logits = restrict(logits.expand(N, -1), s.target_temperature, s.top_k, s.top_p)
         st.x0 = kernels.sample(logits, s.target_temperature, st.rng)[0].view(1, N)
         if s.method != "ar":  # the draft leaves the last prompt token to the first draft step, beside x0
-            st.dcache = model.KVCache(self.draft.config, N, max(len(ids) - 1, 1), capacity, device, dtype)
+            st.dcache = model.KVCache(self.draft_config, N, max(len(ids) - 1, 1), capacity, device, dtype)
             if len(ids) > 1:  # a one-token prompt leaves the draft's prefix empty
                 self.draft.prefill(prompt[:-1], st.dcache, logits=None)
         st.prev = prompt[-1:].expand(1, N).clone()
         st.hist = torch.zeros(1, N, capacity, dtype=torch.int64, device=device)
         st.hist[..., 0] = st.x0
         st.gen_len = torch.ones(1, dtype=torch.int32, device=device)
-        st.finished = torch.isin(st.x0, self.eos)
+        st.finished = self.is_eos[st.x0]
+        st.degenerate = torch.zeros(1, dtype=torch.bool, device=device)
         st.logw = torch.zeros(1, N, device=device)
         st.log_z = torch.zeros(1, device=device)
         st.accepted, st.resamples = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
         st.ess_sum = torch.zeros(1, device=device)
-        st.flags = torch.zeros(2, dtype=torch.int32, device=device)
+        st.flags = torch.zeros(3, dtype=torch.int32, device=device)
         publish(st, s.max_new_tokens)
         return st
 
     def decode(self, st, step, s, on_tokens):
-        """Run cycles until done, reading [done, settled] once per cycle and passing new settled tokens on.
-        -> (None, cycles, None), or (the settled tokens, cycles, "stopped" | "interrupted") when on_tokens
-        asked to stop or after Ctrl-C."""
+        """Run cycles until done, reading the flags once per cycle and passing new settled tokens on.
+        -> (None, cycles, None), or (the settled tokens, cycles, "stopped" | "interrupted" | "degenerate") when
+        on_tokens asked to stop, after Ctrl-C, or when the last cycle left no particle a usable weight (what it
+        made is not passed on)."""
         settled, cycles = [], 0
         try:
             while True:
-                done, count = st.flags.tolist()
+                done, count, degenerate = st.flags.tolist()
+                if degenerate:
+                    return settled, cycles, "degenerate"
                 count = min(count, s.max_new_tokens)
                 if count > len(settled):
                     settled += st.hist[0, 0, len(settled):count].tolist()
-                    if on_tokens and on_tokens(until_eos(settled, self.target.config.eos_ids)):
+                    if on_tokens and on_tokens(until_eos(settled, self.config.eos_ids)):
                         return settled, cycles, "stopped"
                 if done:
                     return None, cycles, None
@@ -350,9 +410,11 @@ class Engine:
             i = kernels.sample(st.logw, 1.0, st.rng)[0]
         return st.hist[0, i[0], :min(int(st.gen_len[0]), s.max_new_tokens)].tolist()
 
-    def statistics(self, st, s, cycles, seconds, tokens, stop):
-        new = len(until_eos(tokens, self.target.config.eos_ids))
+    def statistics(self, st, s, cycles, seconds, prefill, tokens, stop):
+        """seconds: from the start of the prefill to the last token; prefill: until the first token was drawn."""
+        new = len(until_eos(tokens, self.config.eos_ids))
         stats = {"method": s.method, "new_tokens": new, "seconds": round(seconds, 4),
+                 "prefill_seconds": round(prefill, 4),
                  "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
                  "stop": stop or ("eos" if new < len(tokens) else "length")}
         if s.method == "sd":
@@ -373,7 +435,7 @@ class Engine:
         logits = self.target.step(st.x0[..., None], st.tcache)[:, :, 0]  # [1, 1, V]
         logits = restrict(logits[0], s.target_temperature, s.top_k, s.top_p)
         x = kernels.sample(logits, s.target_temperature, st.rng)[0]  # [1]
-        append(st, x.view(1, 1, 1), torch.ones_like(st.gen_len), self.eos)
+        append(st, x.view(1, 1, 1), torch.ones_like(st.gen_len), self.is_eos)
 
     def draft_block(self, st, s):
         """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left
@@ -416,7 +478,7 @@ class Engine:
         tokens = torch.where(torch.arange(K + 1, device=device) < n, torch.cat([t, c]), c)  # t_1..t_n, c, filler
         st.dcache.suffix_len -= (K - n).int()  # the draft keeps K/V up to t_{n-1}
         st.accepted += n
-        append(st, tokens.view(1, 1, K + 1), (n + 1).int(), self.eos)
+        append(st, tokens.view(1, 1, K + 1), (n + 1).int(), self.is_eos)
 
     def smc_cycle(self, st, s):
         """Draft K tokens per particle, score them with the target in one forward, weight, append K + 1
@@ -426,17 +488,20 @@ class Engine:
         logits = self.verify(st, t, s)  # [R, N, K+1, V]
         logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), s.target_temperature)
         b = kernels.sample(logits[:, :, K].flatten(0, 1), s.target_temperature, st.rng)[0].view(R, N)
-        increments, tokens = settle(st.x0, t, b, logp.view(R, N, K), logq, st.finished, self.eos, self.pad)
+        increments, tokens = settle(st.x0, t, b, logp.view(R, N, K), logq, st.finished, self.is_eos, self.pad)
         st.logw += increments
         st.prev.copy_(tokens[..., K - 1])
-        append(st, tokens, torch.full_like(st.gen_len, K + 1), self.eos)
+        append(st, tokens, torch.full_like(st.gen_len, K + 1), self.is_eos)
         self.resample(st, s)
 
     def resample(self, st, s):
         """Systematic resampling where ESS < threshold * N: each particle's suffix K/V (target and draft),
         history, pending tokens and finished flag become its ancestor's; the log-normaliser takes the mean
-        weight, and the weights restart at 0."""
-        ancestors, ess, resampled, _ = kernels.resample(st.logw, s.ess_threshold, st.rng)
+        weight, and the weights restart at 0. A population without a positive, finite weight (all zero: the
+        target forbids every particle's draft tokens; or NaN) is degenerate: resampling it would be a uniform
+        draw that hides the failure, so the run ends (publish)."""
+        ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
+        st.degenerate |= degenerate
         st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
         st.logw.masked_fill_(resampled[:, None], 0.0)
         for cache in (st.tcache, st.dcache):
@@ -502,8 +567,20 @@ def summary(stats):
     return line + ("" if stats["stop"] != "interrupted" else ", interrupted") + "]"
 
 
+def read_prompt(path):
+    """The text of a prompt file, UTF-8; a missing, unreadable or non-UTF-8 file is a one-line UsageError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it "
+                         "as UTF-8") from None
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
     p.add_argument("--draft", help="draft model, same vocabulary as the target")
     p.add_argument("--method", choices=METHODS, default="smc")
@@ -518,7 +595,7 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
     p.add_argument("--particles", type=int, help="smc: particles N (default: 4 on a GPU, 2 on a CPU)")
     p.add_argument("--draft-len", type=int, default=4, help="sd, smc: draft tokens K per cycle")
-    p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS <= this * N")
+    p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -537,22 +614,17 @@ def main(argv=None):
                    draft_len=args.draft_len, ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
     try:
-        check_settings(Settings(**options, select="sample"), has_draft=bool(args.draft or not args.target))
-        prompt = args.prompt
-        if args.prompt_file:
-            try:
-                with open(args.prompt_file) as f:
-                    prompt = f.read()
-            except OSError as e:
-                raise UsageError(f"{args.prompt_file}: {e.strerror}") from None
-            if not prompt.strip():
-                raise UsageError(f"{args.prompt_file}: the prompt file is empty")
+        check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched
         if args.draft and not args.target:
             raise UsageError("--draft needs --target")
+        prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
+        if not prompt.strip():
+            raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
         draft, target = (args.draft, args.target) if args.target else default_pair()
-        engine = Engine(target, draft, device, args.dtype)
+        engine = Engine(target, draft, device, args.dtype)  # opens the files; reads no weights yet
         if args.chat:
             prompt = apply_chat(engine.tokenizer, prompt)
+        engine.request(prompt, **options)  # every check, before the weights are read and the prompt is echoed
         stream = None if args.json else TextStream(engine.tokenizer)
         if stream and not args.chat:
             print(prompt, end="", flush=True)
@@ -569,6 +641,9 @@ def main(argv=None):
         print(summary(result.stats), file=sys.stderr)
     if result.stats["stop"] == "interrupted":
         sys.exit(130)
+    if result.stats["stop"] == "degenerate":
+        sys.exit("error: smc stopped: no particle kept a positive, finite weight (the models' log-probabilities "
+                 "are not finite); the text above is what had settled")
 
 
 if __name__ == "__main__":

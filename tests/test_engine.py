@@ -177,7 +177,7 @@ def test_draft_and_target_caches_hold_every_particle_context():
 def test_tokens_after_eos_carry_no_weight():
     """EOS (0) at t_2 of a K = 4 block: t_1 and t_2 weigh, t_3 and t_4 not; later tokens become EOS. A finished
     particle weighs nothing."""
-    eos = torch.tensor([0])
+    eos = torch.arange(V) == 0  # [V] the EOS table
     x0, t, b = torch.tensor([[5, 5]]), torch.tensor([[[4, 0, 6, 7], [4, 4, 6, 7]]]), torch.tensor([[3, 3]])
     logp, logq = torch.full((1, 2, 4), -1.0), torch.full((1, 2, 4), -2.0)
     increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), eos, 0)
@@ -267,6 +267,79 @@ def test_on_tokens_can_stop_generation():
     assert r.stats["stop"] == "stopped" and r.tokens[:5] == full[:5] and len(r.tokens) < 20
 
 
+def test_a_population_without_weight_stops_the_run(monkeypatch):
+    """From the second cycle on the target forbids every particle's draft tokens (their logits -inf, as a
+    restricted target would) or its logits are NaN: the run stops ("degenerate") with only what had settled
+    before, instead of resampling a weightless population uniformly and going on."""
+    e = engine.Engine(TARGET, DRAFT)
+    options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=1.0, seed=1)
+    full = e.generate(PROMPT, **options).tokens
+    verify = e.verify
+
+    def broken(st, t, s):
+        logits = verify(st, t, s)  # [R, N, K+1, V]
+        calls.append(1)
+        if len(calls) == 1:
+            return logits
+        if how == "nan":
+            return logits.fill_(float("nan"))
+        logits[:, :, :-1].scatter_(-1, t[..., None], float("-inf"))
+        return logits
+    for how in ("forbidden", "nan"):
+        calls = []
+        monkeypatch.setattr(e, "verify", broken)
+        r = e.generate(PROMPT, **options)
+        assert r.stats["stop"] == "degenerate" and r.stats["cycles"] == 2
+        assert r.tokens == full[:len(r.tokens)] and len(r.tokens) < 30
+
+
+@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("budget", [1, 2])
+def test_cuda_graph_warm_up_stays_inside_the_history(monkeypatch, method, budget):
+    """The CUDA-graph path with its recording swapped for the warm-up cycle alone (replays run eagerly), so its
+    logic runs on a CPU: a request done before its first cycle runs no warm-up (one wrote past the end of the
+    history), and the output is the eager one."""
+    warm_ups = []
+
+    def record(cycle):
+        warm_ups.append(1)
+        cycle()
+        return cycle
+    e = engine.Engine(TARGET, DRAFT)
+    options = dict(method=method, max_new_tokens=budget, seed=2, particles=3, draft_len=3)
+    eager = e.generate(PROMPT, **options)
+    monkeypatch.setattr(engine, "record", record)
+    monkeypatch.setattr(engine, "graphs_apply", lambda s, st: True)
+    graph = e.generate(PROMPT, **options)
+    assert graph.tokens == eager.tokens and len(graph.tokens) == budget
+    assert len(warm_ups) == budget - 1
+
+
+def test_the_draft_prefill_computes_no_logits(monkeypatch):
+    """The draft's prompt logits are never used: computing them cost +350 ms on a 62-token prompt and
+    prompt x vocabulary floats of memory."""
+    shapes, logits = [], DRAFT._logits
+    monkeypatch.setattr(DRAFT, "_logits", lambda h: shapes.append(tuple(h.shape[:-1])) or logits(h))
+    e = engine.Engine(TARGET, DRAFT)
+    for method in ("sd", "smc"):
+        e.generate(PROMPT, method=method, max_new_tokens=6, particles=2, draft_len=2)
+    assert shapes and all(len(shape) == 2 for shape in shapes)  # [R, N]: draft steps only
+
+
+def test_many_eos_ids_use_a_table_not_isin(monkeypatch):
+    """Twelve EOS ids: torch.isin would sort them (a host sync that breaks CUDA-graph capture); the EOS table
+    gives the same stops at a cost that does not depend on how many there are."""
+    eos = list(range(20, 32))
+    target = tiny(0, 0.8, vocab=32, eos=eos)
+    e = engine.Engine(target, perturbed(target, 1, 0.3))
+    monkeypatch.setattr(torch, "isin", lambda *a, **k: pytest.fail("torch.isin called"))
+    for method in engine.METHODS:
+        results = [e.generate(PROMPT, method=method, max_new_tokens=12, seed=seed) for seed in range(4)]
+        assert any(r.stats["stop"] == "eos" for r in results)
+        for r in results:
+            assert not set(r.tokens) & set(eos) and (r.stats["stop"] == "eos" or len(r.tokens) == 12)
+
+
 def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", True)
     if not kernels.use_triton(torch.empty(0)):
@@ -297,6 +370,8 @@ def test_cuda_graphs_give_the_eager_output():
     (dict(max_new_tokens=100), "max-new-tokens 100 does not fit the context of 64 .* at most 57"),
     (dict(particles=10 ** 9, max_new_tokens=8), "KV caches and logits need .* GiB but only"),
     (dict(method="beam"), "unknown method"),
+    (dict(top_k=1), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
+    (dict(top_p=0.9), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
 ])
 def test_bad_requests_are_one_line_errors(options, message):
     with pytest.raises(engine.UsageError, match=message):
@@ -384,7 +459,9 @@ def test_cli_streams_text_then_a_summary(pair):
 
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "0"], "error: smc needs temperatures > 0"),
-    (["--prompt-file", os.devnull], "error: .*: the prompt file is empty"),
+    (["--target", "/no/such/model"], "error: /no/such/model: no such file or directory"),
+    (["--prompt-file", os.devnull], "error: .*: the prompt is empty or only whitespace"),
+    (["--prompt", " \n\t "], "error: --prompt: the prompt is empty or only whitespace"),
     (["--particles", "0"], "error: particles must be at least 1"),
     (["--device", "gpu0"], "error: unknown device 'gpu0'; use cpu or cuda"),
 ])
@@ -392,3 +469,31 @@ def test_cli_errors_are_one_line(pair, args, message):
     run = cli("--target", pair[0], "--draft", pair[1], *args)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and re.match(message, lines[0])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "w1 " * 64], "the prompt is 64 tokens, longer than the context of 64"),
+    (["--max-new-tokens", "100"], "max-new-tokens 100 does not fit the context of 64"),
+    (["--particles", str(10 ** 9), "--max-new-tokens", "8"], "the KV caches and logits with the weights need"),
+    (["--prompt", " \n "], "--prompt: the prompt is empty or only whitespace"),
+    (["--top-p", "0.5"], "smc cannot honour top-k/top-p"),
+])
+def test_cli_refuses_before_reading_weights_or_echoing(pair, monkeypatch, capsys, args, message):
+    monkeypatch.setattr(model, "build", lambda *a: pytest.fail("the weights were read"))
+    with pytest.raises(SystemExit) as exit:
+        engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", *args])
+    assert re.match("error: .*" + re.escape(message), str(exit.value.code)) and capsys.readouterr().out == ""
+
+
+def test_cli_prompt_file_not_utf8(pair, tmp_path, capsys):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"def f():\n    return '\xff'\n")
+    with pytest.raises(SystemExit) as exit:
+        engine.main(["--target", pair[0], "--draft", pair[1], "--prompt-file", str(bad)])
+    assert str(exit.value.code) == f"error: {bad}: not UTF-8 text (byte 0xff at offset 21); save it as UTF-8"
+
+
+def test_cli_help_describes_the_program_in_full(capsys):
+    with pytest.raises(SystemExit):
+        engine.main(["--help"])
+    assert "from the command line or from Python." in " ".join(capsys.readouterr().out.split())
