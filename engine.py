@@ -376,6 +376,7 @@ class Engine:
         st.accepted, st.resamples = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
         st.ess_sum = torch.zeros(1, device=device)
         st.flags = torch.zeros(3, dtype=torch.int32, device=device)
+        st.streamed = 0
         publish(st, s.max_new_tokens)
         return st
 
@@ -383,7 +384,8 @@ class Engine:
         """Run cycles until done, reading the flags once per cycle and passing new settled tokens on.
         -> (None, cycles, None), or (the settled tokens, cycles, "stopped" | "interrupted" | "degenerate") when
         on_tokens asked to stop, after Ctrl-C, or when the last cycle left no particle a usable weight (what it
-        made is not passed on)."""
+        made is not passed on). st.streamed: how many tokens had settled before the last cycle, i.e. could be
+        shown while generating rather than at the end."""
         settled, cycles = [], 0
         try:
             while True:
@@ -394,9 +396,11 @@ class Engine:
                 if count > len(settled):
                     settled += st.hist[0, 0, len(settled):count].tolist()
                     if on_tokens and on_tokens(until_eos(settled, self.config.eos_ids)):
+                        st.streamed = len(settled)
                         return settled, cycles, "stopped"
                 if done:
                     return None, cycles, None
+                st.streamed = len(settled)
                 step()
                 cycles += 1
         except KeyboardInterrupt:
@@ -414,7 +418,7 @@ class Engine:
         """seconds: from the start of the prefill to the last token; prefill: until the first token was drawn."""
         new = len(until_eos(tokens, self.config.eos_ids))
         stats = {"method": s.method, "new_tokens": new, "seconds": round(seconds, 4),
-                 "prefill_seconds": round(prefill, 4),
+                 "prefill_seconds": round(prefill, 4), "streamed": min(st.streamed, new),
                  "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
                  "stop": stop or ("eos" if new < len(tokens) else "length")}
         if s.method == "sd":

@@ -267,6 +267,15 @@ def test_on_tokens_can_stop_generation():
     assert r.stats["stop"] == "stopped" and r.tokens[:5] == full[:5] and len(r.tokens) < 20
 
 
+def test_streamed_counts_what_settled_before_the_last_cycle():
+    """Without resampling the particles never coalesce and nearly nothing can be shown while generating."""
+    e = engine.Engine(TARGET, DRAFT)
+    assert e.generate(PROMPT, method="ar", max_new_tokens=10).stats["streamed"] == 9
+    smc = {threshold: e.generate(PROMPT, method="smc", particles=4, draft_len=2, max_new_tokens=30,
+                                 ess_threshold=threshold).stats["streamed"] for threshold in (0.0, 1.0)}
+    assert smc[0.0] < 5 and smc[1.0] > 15
+
+
 def test_a_population_without_weight_stops_the_run(monkeypatch):
     """From the second cycle on the target forbids every particle's draft tokens (their logits -inf, as a
     restricted target would) or its logits are NaN: the run stops ("degenerate") with only what had settled
