@@ -1,9 +1,11 @@
 """Side-by-side benchmark: speed of ar, sd and smc (a grid of N particles x K draft tokens) against the
-memory-bandwidth roofline, the transformers peer baseline, and pass@1 on the code-completion set.
+memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
+code-completion requests, the transformers peer baseline, and pass@1 on the code-completion set.
 
     python bench.py                                  # default pair, code and prose prompts, 128 new tokens
     python bench.py --quick                          # one-prompt smoke run
     python bench.py --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256 --new-tokens 256
+    python bench.py --skip-quality --prompt-lengths 100,4000 --short-requests 0  # two lengths, no short requests
 
 Prints markdown tables and writes every figure, the settings, the machine and the date to --out (JSON).
 Methods run interleaved per prompt in one process: ratios within a run are what count on a noisy machine."""
@@ -33,6 +35,7 @@ CODE_PROMPT = '''def merge_intervals(intervals):
 '''
 PROSE_PROMPT = "The history of the printing press is a story of how ideas travel. In the fifteenth century,"
 TEMPERATURE = 0.7
+SHORT_MAX_TOKENS = 256  # short requests stop at the end of their function, well within this
 SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim, tied embeddings
     "tiny": (64, 32, 2, 2, 1, 16, 64, False),
     "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True),  # Llama-3.2-1B
@@ -105,7 +108,8 @@ def load_engines(args, device):
         draft, target = (random_model(name, device, dtype, seed) for seed, name in enumerate(args.random.split(":")))
         return engine.Engine(target, draft, device, dtype), None, None
     draft, target = (args.draft, args.target) if args.target else engine.default_pair()
-    return engine.Engine(target, draft, device, dtype), engine.Engine(draft, None, device, dtype), (draft, target)
+    return (engine.Engine(target, draft, device, dtype).load(), engine.Engine(draft, None, device, dtype).load(),
+            (draft, target))
 
 
 def prompts(args, e):
@@ -150,8 +154,8 @@ def roofline(e, row, prompt_len, new_tokens, bandwidth):
 # ---------------------------------------------------------------- speed
 
 
-def configs(args):
-    """(method, N, K) in run order; N and K are 1 where a method has none."""
+def configs(args, cells):
+    """(method, N, K) in run order, smc at each N x K cell; N and K are 1 where a method has none."""
     out = []
     for method in args.methods:
         if method == "ar":
@@ -159,7 +163,7 @@ def configs(args):
         elif method == "sd":
             out.append(("sd", 1, args.sd_draft_len))
         elif method == "smc":
-            out += [("smc", n, k) for n, k in args.grid]
+            out += [("smc", n, k) for n, k in cells]
     return out
 
 
@@ -173,11 +177,11 @@ def speed(e, ids_by_prompt, args):
     median tokens/s and the statistics of the median run."""
     runs = {}
     for name, ids in ids_by_prompt.items():  # warm-up: first calls allocate and pick kernels
-        for method, N, K in configs(args):
+        for method, N, K in configs(args, args.grid):
             run_engine(e, ids, method, N, K, 4 * K, 0)
     for repeat in range(args.repeats):
         for name, ids in ids_by_prompt.items():
-            for method, N, K in configs(args):
+            for method, N, K in configs(args, args.grid):
                 stats = run_engine(e, ids, method, N, K, args.new_tokens, repeat)
                 runs.setdefault((name, method, N, K), []).append(stats)
     rows = []
@@ -234,6 +238,82 @@ def profile_phases(e, ids, N, K, new_tokens, device):
             "weights_resample_ms": ms["smc_cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["smc_cycle"]}
 
 
+# ---------------------------------------------------------------- prompt lengths and short requests
+
+
+def long_prompts(e, lengths):
+    """length -> token ids: the code-completion set's functions end to end (repeated if need be), cut to length;
+    random ids for random models."""
+    if e.tokenizer is None:
+        g = torch.Generator().manual_seed(1)
+        return {n: torch.randint(0, e.config.vocab_size, (n,), generator=g).tolist() for n in lengths}
+    ids = e.encode("\n\n".join(p["prompt"] + p["solution"] for p in quality.load_problems()))
+    ids *= max(lengths) // len(ids) + 1
+    return {n: ids[:n] for n in lengths}
+
+
+def decode_rate(stats):
+    """Tokens/s after the prefill, which draws the first token."""
+    return (stats["new_tokens"] - 1) / max(stats["seconds"] - stats["prefill_seconds"], 1e-9)
+
+
+def versus_ar(rows, fields, key=None):
+    """Each row's fields divided by those of ar's row (the one with the same `key`, if given), as "<field>_vs_ar"."""
+    ar = {r.get(key): r for r in rows if r["method"] == "ar"}
+    for r in rows:
+        for f in fields if r.get(key) in ar else ():
+            r[f + "_vs_ar"] = r[f] / ar[r.get(key)][f]
+
+
+def length_axis(e, args):
+    """Every method at every prompt length, interleaved, `repeats` times -> one row per (length, config) with the
+    median decode tokens/s (prefill excluded) and prefill seconds, and their ratios to ar's at that length."""
+    ids_by_length = long_prompts(e, args.prompt_lengths)
+    cells = configs(args, args.smc_cells)
+    for method, N, K in cells:  # warm-up: first calls allocate and pick kernels
+        run_engine(e, ids_by_length[min(args.prompt_lengths)], method, N, K, 4 * K, 0)
+    runs = {}
+    for repeat in range(args.repeats):
+        for n, ids in ids_by_length.items():
+            for method, N, K in cells:
+                runs.setdefault((n, method, N, K), []).append(run_engine(e, ids, method, N, K, args.new_tokens, repeat))
+    rows = [{"prompt_tokens": n, "method": method, "N": N, "K": K,
+             "decode_tokens_per_s": statistics.median(decode_rate(s) for s in all_stats),
+             "prefill_s": statistics.median(s["prefill_seconds"] for s in all_stats),
+             "runs": [decode_rate(s) for s in all_stats]} for (n, method, N, K), all_stats in runs.items()]
+    versus_ar(rows, ("decode_tokens_per_s", "prefill_s"), key="prompt_tokens")
+    return rows
+
+
+def short_requests(e, args):
+    """End-to-end tokens/s, prefill included, over the first --short-requests code-completion problems, each
+    stopped at the end of its function as the quality run stops (random models: random prompts of about the same
+    length, --new-tokens each): every method on each problem in turn, with the problem's seed."""
+    problems = quality.load_problems()[:args.short_requests]
+    g = torch.Generator().manual_seed(2)
+    prompts = [p["prompt"] for p in problems] if e.tokenizer else [
+        torch.randint(0, e.config.vocab_size, (len(p["prompt"]) // 4,), generator=g).tolist() for p in problems]
+    cells = configs(args, args.smc_cells)
+    for method, N, K in cells:  # warm-up
+        run_engine(e, prompts[0], method, N, K, 4 * K, 0)
+    totals = {cell: {"requests": 0, "new_tokens": 0, "seconds": 0.0, "prefill_s": 0.0} for cell in cells}
+    for i, prompt in enumerate(prompts):
+        for method, N, K in cells:
+            if e.tokenizer:
+                stats = complete(e, prompt, method, N, K, i, SHORT_MAX_TOKENS).stats
+            else:
+                stats = run_engine(e, prompt, method, N, K, args.new_tokens, i)
+            t = totals[method, N, K]
+            t["requests"] += 1
+            t["new_tokens"] += stats["new_tokens"]
+            t["seconds"] += stats["seconds"]
+            t["prefill_s"] += stats["prefill_seconds"]
+    rows = [{"method": method, "N": N, "K": K, **t, "tokens_per_s": t["new_tokens"] / t["seconds"]}
+            for (method, N, K), t in totals.items()]
+    versus_ar(rows, ("tokens_per_s",))
+    return rows
+
+
 # ---------------------------------------------------------------- peer baseline
 
 
@@ -265,13 +345,12 @@ def peer(paths, ids_by_prompt, pad, args):
 # ---------------------------------------------------------------- quality
 
 
-def complete(e, tokenizer, prompt, method, N, K, seed, args):
-    """One sampled completion, stopped as soon as its function body is complete."""
+def complete(e, prompt, method, N, K, seed, max_new_tokens):
+    """One sampled completion (a Result), stopped as soon as its function body is complete."""
     def done(tokens):
-        return quality.body_complete(tokenizer.decode(tokens))
-    result = e.generate(prompt, method=method, max_new_tokens=args.quality_tokens, temperature=TEMPERATURE,
-                        particles=N, draft_len=K, seed=seed, on_tokens=done)
-    return tokenizer.decode(result.tokens)
+        return quality.body_complete(e.tokenizer.decode(tokens))
+    return e.generate(prompt, method=method, max_new_tokens=max_new_tokens, temperature=TEMPERATURE, particles=N,
+                      draft_len=K, seed=seed, on_tokens=done)
 
 
 def quality_seed(problem, sample):
@@ -281,17 +360,17 @@ def quality_seed(problem, sample):
 
 
 def pass_rates(e, draft_alone, args):
-    """pass@1 with its standard error for the methods asked for (smc at each --quality-smc cell, sd at
+    """pass@1 with its standard error for the methods asked for (smc at each --smc-cells cell, sd at
     --sd-draft-len, "draft": the draft alone), on the first --problems problems."""
     problems = quality.load_problems()[:args.problems]
     runners = {"ar": (e, "ar", 1, 1)} if "ar" in args.methods else {}
     runners |= {"sd": (e, "sd", 1, args.sd_draft_len)} if "sd" in args.methods else {}
-    runners |= {f"smc {N}x{K}": (e, "smc", N, K) for N, K in args.quality_smc if "smc" in args.methods}
+    runners |= {f"smc {N}x{K}": (e, "smc", N, K) for N, K in args.smc_cells if "smc" in args.methods}
     runners |= {"draft alone": (draft_alone, "ar", 1, 1)} if "draft" in args.methods else {}
     out = {}
     for label, (runner, method, N, K) in runners.items():
         start = time.perf_counter()
-        completions = [[complete(runner, e.tokenizer, p["prompt"], method, N, K, quality_seed(i, j), args)
+        completions = [[complete(runner, p["prompt"], method, N, K, quality_seed(i, j), args.quality_tokens).text
                         for j in range(args.samples)] for i, p in enumerate(problems)]
         results = quality.score(problems, completions)
         mean, stderr = quality.pass_at_1(results)
@@ -311,13 +390,18 @@ def fmt(x, spec=".2f"):
     return "" if x is None else format(x, spec)
 
 
+def cells_nk(r):
+    """A row's N and K cells: blank where its method has none."""
+    return (r["N"] if r["method"] == "smc" else ""), (r["K"] if r["method"] != "ar" else "")
+
+
 def speed_table(rows, bandwidth):
     lines = [f"copy bandwidth {bandwidth:.1f} GB/s (read + write)", "",
              "| prompt | method | N | K | tok/s | x ar | tokens/cycle | SD accepted/cycle | resample rate | "
              "mean ESS | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        N, K = (r["N"] if r["method"] == "smc" else ""), (r["K"] if r["method"] != "ar" else "")
+        N, K = cells_nk(r)
         cells = [r["prompt"], r["method"], N, K, fmt(r["tokens_per_s"]), fmt(r.get("speedup")),
                  fmt(r.get("tokens_per_cycle")),
                  fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
@@ -331,6 +415,24 @@ def phase_table(phases):
     lines = ["| N | K | draft ms | verify ms | weights + resampling ms | cycle ms |", "|---|---|---|---|---|---|"]
     lines += [f"| {p['N']} | {p['K']} | {p['draft_ms']:.1f} | {p['verify_ms']:.1f} | {p['weights_resample_ms']:.1f}"
               f" | {p['cycle_ms']:.1f} |" for p in phases]
+    return "\n".join(lines)
+
+
+def length_table(rows):
+    lines = ["| prompt tokens | method | N | K | decode tok/s | x ar | prefill s | prefill x ar |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['prompt_tokens']} | {r['method']} | {' | '.join(map(str, cells_nk(r)))} | "
+              f"{r['decode_tokens_per_s']:.2f} | {fmt(r.get('decode_tokens_per_s_vs_ar'))} | {r['prefill_s']:.2f} | "
+              f"{fmt(r.get('prefill_s_vs_ar'))} |" for r in rows]
+    return "\n".join(lines)
+
+
+def short_table(rows):
+    lines = ["| method | N | K | requests | new tokens per request | tok/s (prefill included) | x ar | "
+             "prefill s per request |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {' | '.join(map(str, cells_nk(r)))} | {r['requests']} | "
+              f"{r['new_tokens'] / r['requests']:.0f} | {r['tokens_per_s']:.2f} | {fmt(r.get('tokens_per_s_vs_ar'))} | "
+              f"{r['prefill_s'] / r['requests']:.2f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -357,13 +459,19 @@ def grid(text):
     return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",")]
 
 
+def numbers(text):
+    """"100,1000" -> [100, 1000]; "" -> []."""
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", help="target model directory or .gguf (default: the weights/ pair)")
     p.add_argument("--draft", help="draft model, same vocabulary")
     p.add_argument("--random", metavar="DRAFT:TARGET",
                    help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
-    p.add_argument("--quick", action="store_true", help="smoke run: one prompt, 32 new tokens, 4x4, 2 problems")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems")
     p.add_argument("--methods", default="ar,sd,smc,draft",
                    help="comma-separated subset of ar,sd,smc,draft (draft: the draft alone, quality only)")
     p.add_argument("--grid", type=grid, default=grid("2x2,2x4,2x8,4x2,4x4,4x8,8x2,8x4,8x8"), help="smc N x K cells")
@@ -374,7 +482,12 @@ def parse(argv):
     p.add_argument("--problems", type=int, default=len(quality.load_problems()), help="quality: the first P problems")
     p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
     p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
-    p.add_argument("--quality-smc", type=grid, default=grid("2x4,4x4"), help="quality: smc N x K cells")
+    p.add_argument("--smc-cells", "--quality-smc", type=grid, default=grid("2x4,4x4"),
+                   help="smc N x K cells of the prompt-length axis, the short requests and the quality run")
+    p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"),
+                   help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")
+    p.add_argument("--short-requests", type=int, default=10, metavar="P",
+                   help="end-to-end speed, prefill included, on the first P code-completion problems (0: skip)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
@@ -384,7 +497,7 @@ def parse(argv):
     p.add_argument("--out", default="bench.json")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
         p.set_defaults(grid=[(4, 4)], new_tokens=32, repeats=1, problems=2, samples=1, quality_tokens=64,
-                       skip_peer=True)
+                       skip_peer=True, prompt_lengths=[100, 1000], short_requests=2)
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
     if unknown := set(args.methods) - {"ar", "sd", "smc", "draft"}:
@@ -393,7 +506,8 @@ def parse(argv):
 
 
 def speed_report(e, ids_by_prompt, args, device):
-    """The speed table with its roofline, then the phase split of each smc cell on the first prompt."""
+    """The speed table with its roofline, the phase split of each smc cell on the first prompt, the prompt-length
+    axis and the short requests."""
     bandwidth = copy_bandwidth(device)
     rows = speed(e, ids_by_prompt, args)
     annotate(e, rows, ids_by_prompt, args, bandwidth)
@@ -404,6 +518,12 @@ def speed_report(e, ids_by_prompt, args, device):
         tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
         report["phases"] = [profile_phases(e, first, N, K, tokens, device) for N, K in args.grid]
         print(phase_table(report["phases"]), "\n", flush=True)
+    if args.prompt_lengths:
+        report["lengths"] = length_axis(e, args)
+        print(length_table(report["lengths"]), "\n", flush=True)
+    if args.short_requests:
+        report["short_requests"] = short_requests(e, args)
+        print(short_table(report["short_requests"]), "\n", flush=True)
     return report
 
 

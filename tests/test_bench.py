@@ -17,10 +17,11 @@ def reference_kernels(monkeypatch):
 def test_quick_run_on_random_models(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench.main(["--quick", "--random", "tiny:tiny", "--prompt-len", "8", "--grid", "2x2,4x4", "--repeats", "2",
-                "--threads", "1", "--out", str(out)])
+                "--threads", "1", "--prompt-lengths", "8,40", "--smc-cells", "4x4", "--out", str(out)])
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert "| prompt | method |" in printed and "| N | K | draft ms |" in printed
+    assert "| prompt tokens | method |" in printed and "| method | N | K | requests |" in printed
     assert report["machine"]["threads"] == 1 and report["date"] and report["copy_bandwidth_gbs"] > 0
     rows = {(r["method"], r["N"], r["K"]): r for r in report["speed"]}
     assert set(rows) == {("ar", 1, 1), ("sd", 1, 4), ("smc", 2, 2), ("smc", 4, 4)}
@@ -33,6 +34,33 @@ def test_quick_run_on_random_models(tmp_path, capsys):
     for phase in report["phases"]:
         assert min(phase["draft_ms"], phase["verify_ms"]) > 0 and phase["cycle_ms"] >= phase["draft_ms"]
     assert "quality" not in report  # random models have no tokenizer
+    lengths = {(r["prompt_tokens"], r["method"], r["N"], r["K"]): r for r in report["lengths"]}
+    assert set(lengths) == {(n, *cell) for n in (8, 40) for cell in (("ar", 1, 1), ("sd", 1, 4), ("smc", 4, 4))}
+    for (n, method, _, _), r in lengths.items():
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and len(r["runs"]) == 2
+        assert r["decode_tokens_per_s_vs_ar"] == pytest.approx(r["decode_tokens_per_s"] /
+                                                               lengths[n, "ar", 1, 1]["decode_tokens_per_s"])
+    short = {r["method"]: r for r in report["short_requests"]}
+    assert set(short) == {"ar", "sd", "smc"} and short["ar"]["tokens_per_s_vs_ar"] == 1.0
+    for r in short.values():  # --quick: 2 problems, 32 new tokens each
+        assert r["requests"] == 2 and r["new_tokens"] == 64 and r["tokens_per_s"] > 0 and r["prefill_s"] > 0
+
+
+def test_lengths_and_short_requests_are_skippable(tmp_path):
+    out = tmp_path / "bench.json"
+    report = bench.main(["--quick", "--random", "tiny:tiny", "--methods", "ar", "--prompt-len", "8", "--threads", "1",
+                         "--prompt-lengths", "", "--short-requests", "0", "--out", str(out)])
+    assert "lengths" not in report and "short_requests" not in report and report["speed"]
+
+
+def test_long_prompts_are_real_code_cut_to_length():
+    class Engine:  # a character-level tokenizer
+        tokenizer = True
+        encode = staticmethod(lambda text: [ord(c) for c in text])
+    prompts = bench.long_prompts(Engine, [10, 100_000])
+    text = "".join(map(chr, prompts[100_000]))
+    assert len(prompts[10]) == 10 and prompts[10] == prompts[100_000][:10]
+    assert text.startswith(quality.load_problems()[0]["prompt"]) and "    return" in text
 
 
 def test_bytes_per_cycle_counts_each_forward_once():
