@@ -152,7 +152,7 @@ class State:
 def publish(st, max_new_tokens):
     """flags = [done, settled, degenerate]: done when every particle has ended or the budget is spent; settled =
     how many leading tokens all particles share (they can never change again, so they may be printed);
-    degenerate when no particle has a positive, finite weight left (smc), which ends the run."""
+    degenerate (smc) when no particle has a positive weight left or a weight is NaN, which ends the run."""
     H = st.hist.shape[-1]
     done = st.finished.all() | (st.gen_len[0] >= max_new_tokens) | st.degenerate[0]
     shared = (st.hist == st.hist[:, :1]).all(1)[0] & (torch.arange(H, device=st.hist.device) < st.gen_len[0])
@@ -310,7 +310,7 @@ class Engine:
         on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
         returning True stops generation there (a stop condition: the settled tokens are the result). stats["stop"]
         says why it ended: "eos", "length", "stopped", "interrupted", or "degenerate" (smc: no particle kept a
-        positive, finite weight; the result is what had settled before)."""
+        positive weight, or one is NaN; the result is what had settled before)."""
         ids, s, capacity = self.request(prompt, **options)
         self.load()
         with torch.inference_mode():
@@ -383,7 +383,7 @@ class Engine:
     def decode(self, st, step, s, on_tokens):
         """Run cycles until done, reading the flags once per cycle and passing new settled tokens on.
         -> (None, cycles, None), or (the settled tokens, cycles, "stopped" | "interrupted" | "degenerate") when
-        on_tokens asked to stop, after Ctrl-C, or when the last cycle left no particle a usable weight (what it
+        on_tokens asked to stop, after Ctrl-C, or when the last cycle left the weights degenerate (what it
         made is not passed on). st.streamed: how many tokens had settled before the last cycle, i.e. could be
         shown while generating rather than at the end."""
         settled, cycles = [], 0
@@ -501,9 +501,9 @@ class Engine:
     def resample(self, st, s):
         """Systematic resampling where ESS < threshold * N: each particle's suffix K/V (target and draft),
         history, pending tokens and finished flag become its ancestor's; the log-normaliser takes the mean
-        weight, and the weights restart at 0. A population without a positive, finite weight (all zero: the
-        target forbids every particle's draft tokens; or NaN) is degenerate: resampling it would be a uniform
-        draw that hides the failure, so the run ends (publish)."""
+        weight, and the weights restart at 0. A population with no positive weight (the target forbids every
+        particle's draft tokens) or a NaN weight (non-finite logits) is degenerate: resampling it would be a
+        uniform draw that hides the failure, so the run ends (publish)."""
         ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
         st.degenerate |= degenerate
         st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
@@ -646,8 +646,8 @@ def main(argv=None):
     if result.stats["stop"] == "interrupted":
         sys.exit(130)
     if result.stats["stop"] == "degenerate":
-        sys.exit("error: smc stopped: no particle kept a positive, finite weight (the models' log-probabilities "
-                 "are not finite); the text above is what had settled")
+        sys.exit("error: smc stopped: no particle kept a positive weight, or one is NaN (the models' "
+                 "log-probabilities are not finite); the text above is what had settled")
 
 
 if __name__ == "__main__":
