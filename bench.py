@@ -206,6 +206,7 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth):
         if r["method"] == "smc":
             r["resample_rate"] = s["resamples"] / max(s["cycles"], 1)
             r["mean_ess"] = s["mean_ess"]
+        r["streamed"] = s["streamed"] / max(s["new_tokens"], 1)  # shown while generating, not at the end
         r |= roofline(e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens, bandwidth)
 
 
@@ -398,14 +399,14 @@ def cells_nk(r):
 def speed_table(rows, bandwidth):
     lines = [f"copy bandwidth {bandwidth:.1f} GB/s (read + write)", "",
              "| prompt | method | N | K | tok/s | x ar | tokens/cycle | SD accepted/cycle | resample rate | "
-             "mean ESS | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean ESS | streamed | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         N, K = cells_nk(r)
         cells = [r["prompt"], r["method"], N, K, fmt(r["tokens_per_s"]), fmt(r.get("speedup")),
                  fmt(r.get("tokens_per_cycle")),
                  fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
-                 fmt(r.get("cycle_ms"), ".0f"), fmt(r.get("gb_per_cycle")), fmt(r.get("achieved_gbs"), ".1f"),
+                 fmt(r.get("streamed")), fmt(r.get("cycle_ms"), ".0f"), fmt(r.get("gb_per_cycle")), fmt(r.get("achieved_gbs"), ".1f"),
                  fmt(r.get("ideal_tokens_per_s"), ".1f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -465,7 +466,7 @@ def numbers(text):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model directory or .gguf (default: the weights/ pair)")
     p.add_argument("--draft", help="draft model, same vocabulary")
     p.add_argument("--random", metavar="DRAFT:TARGET",

@@ -29,6 +29,7 @@ def test_quick_run_on_random_models(tmp_path, capsys):
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and len(r["runs"]) == 2 and r["achieved_gbs"] > 0
         assert r["stats"]["new_tokens"] == 32  # random models have no EOS
+        assert 0 <= r["streamed"] <= 1
     assert 0 <= rows["sd", 1, 4]["accepted_per_cycle"] <= 4
     assert rows["smc", 4, 4]["tokens_per_cycle"] > 4 and 0 < rows["smc", 4, 4]["mean_ess"] <= 4
     for phase in report["phases"]:
@@ -80,3 +81,9 @@ def test_bytes_per_cycle_counts_each_forward_once():
 ])
 def test_body_complete(text, complete):
     assert quality.body_complete(text) == complete
+
+
+def test_help_describes_the_benchmark_in_full(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse(["--help"])
+    assert "and pass@1 on the code-completion set." in " ".join(capsys.readouterr().out.split())
