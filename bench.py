@@ -406,8 +406,8 @@ def speed_table(rows, bandwidth):
         cells = [r["prompt"], r["method"], N, K, fmt(r["tokens_per_s"]), fmt(r.get("speedup")),
                  fmt(r.get("tokens_per_cycle")),
                  fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
-                 fmt(r.get("streamed")), fmt(r.get("cycle_ms"), ".0f"), fmt(r.get("gb_per_cycle")), fmt(r.get("achieved_gbs"), ".1f"),
-                 fmt(r.get("ideal_tokens_per_s"), ".1f")]
+                 fmt(r.get("streamed")), fmt(r.get("cycle_ms"), ".0f"), fmt(r.get("gb_per_cycle")),
+                 fmt(r.get("achieved_gbs"), ".1f"), fmt(r.get("ideal_tokens_per_s"), ".1f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -483,7 +483,7 @@ def parse(argv):
     p.add_argument("--problems", type=int, default=len(quality.load_problems()), help="quality: the first P problems")
     p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
     p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
-    p.add_argument("--smc-cells", "--quality-smc", type=grid, default=grid("2x4,4x4"),
+    p.add_argument("--smc-cells", type=grid, default=grid("2x4,4x4"),
                    help="smc N x K cells of the prompt-length axis, the short requests and the quality run")
     p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"),
                    help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")
