@@ -286,9 +286,16 @@ def length_axis(e, args):
     return rows
 
 
+def body_tokens(tokenizer, tokens):
+    """How many of tokens it took to complete the function body: a method that cannot stop there (smc whose
+    particles have not settled on the end) makes more, which the request did not need."""
+    return next((i for i in range(1, len(tokens) + 1) if quality.body_complete(tokenizer.decode(tokens[:i]))),
+                len(tokens))
+
+
 def short_requests(e, args):
     """End-to-end tokens/s, prefill included, over the first --short-requests code-completion problems, each
-    stopped at the end of its function as the quality run stops (random models: random prompts of about the same
+    stopped at the end of its function as the quality run stops (tokens past that end do not count) (random models: random prompts of about the same
     length, --new-tokens each): every method on each problem in turn, with the problem's seed."""
     problems = quality.load_problems()[:args.short_requests]
     g = torch.Generator().manual_seed(2)
@@ -301,12 +308,14 @@ def short_requests(e, args):
     for i, prompt in enumerate(prompts):
         for method, N, K in cells:
             if e.tokenizer:
-                stats = complete(e, prompt, method, N, K, i, SHORT_MAX_TOKENS).stats
+                result = complete(e, prompt, method, N, K, i, SHORT_MAX_TOKENS)
+                stats, useful = result.stats, body_tokens(e.tokenizer, result.tokens)
             else:
                 stats = run_engine(e, prompt, method, N, K, args.new_tokens, i)
+                useful = stats["new_tokens"]
             t = totals[method, N, K]
             t["requests"] += 1
-            t["new_tokens"] += stats["new_tokens"]
+            t["new_tokens"] += useful
             t["seconds"] += stats["seconds"]
             t["prefill_s"] += stats["prefill_seconds"]
     rows = [{"method": method, "N": N, "K": K, **t, "tokens_per_s": t["new_tokens"] / t["seconds"]}
@@ -429,7 +438,7 @@ def length_table(rows):
 
 
 def short_table(rows):
-    lines = ["| method | N | K | requests | new tokens per request | tok/s (prefill included) | x ar | "
+    lines = ["| method | N | K | requests | body tokens per request | tok/s (prefill included) | x ar | "
              "prefill s per request |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {' | '.join(map(str, cells_nk(r)))} | {r['requests']} | "
               f"{r['new_tokens'] / r['requests']:.0f} | {r['tokens_per_s']:.2f} | {fmt(r.get('tokens_per_s_vs_ar'))} | "
