@@ -203,6 +203,7 @@ def record(cycle):
 
 
 def graphs_apply(s, st):
+    """Whether cycles run as CUDA-graph replays (a function of its own so a test can take that path on a CPU)."""
     return s.cuda_graphs and st.hist.is_cuda
 
 
