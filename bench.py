@@ -484,7 +484,7 @@ def parse(argv):
                    help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems")
     p.add_argument("--methods", default="ar,sd,smc,draft",
                    help="comma-separated subset of ar,sd,smc,draft (draft: the draft alone, quality only)")
-    p.add_argument("--grid", type=grid, default=grid("2x2,2x4,2x8,4x2,4x4,4x8,8x2,8x4,8x8"), help="smc N x K cells")
+    p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"), help="smc N x K cells")
     p.add_argument("--sd-draft-len", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
@@ -492,7 +492,7 @@ def parse(argv):
     p.add_argument("--problems", type=int, default=len(quality.load_problems()), help="quality: the first P problems")
     p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
     p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
-    p.add_argument("--smc-cells", type=grid, default=grid("2x4,4x4"),
+    p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"),
                    help="smc N x K cells of the prompt-length axis, the short requests and the quality run")
     p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"),
                    help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")

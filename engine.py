@@ -52,11 +52,17 @@ class Result:
     stats: dict
 
 
-def default_particles(device):
-    """smc's N when none is given. On a GPU decoding is memory-bound: a verify forward of N x (K+1) rows reads
-    the same weights as one of a single row, so 4 particles cost little more than 2. On a CPU every row costs
-    compute: there N=4, K=4 measured 1.23x `ar` on code and N=2, K=4 1.48x (README, Results)."""
-    return 2 if device.type == "cpu" else 4
+def shape(method, particles, draft_len, device):
+    """A request's (N particles, K draft tokens) where not given: ar 1 x 1, sd K=4; smc by device, from the
+    bench grid's cells that resample and so stream text as they go (N=2 at the default threshold 0.5 never
+    resamples: ESS >= 1 always). On a CPU every verify row costs compute: N=3, K=2 measured 1.65x `ar` on code
+    and 1.51x on prose, 0.99 of the text streamed (README, Results). On a GPU decoding is memory-bound, a verify
+    of N x (K+1) rows reads the same weights as one of a single row: N=4, K=4 (not yet measured)."""
+    if method == "ar":
+        return 1, 1
+    default_n, default_k = ((3, 2) if device.type == "cpu" else (4, 4)) if method == "smc" else (1, 4)
+    n = default_n if particles is None or method != "smc" else particles
+    return n, default_k if draft_len is None else draft_len
 
 
 def check_settings(s, has_draft):
@@ -288,25 +294,22 @@ class Engine:
         return ids
 
     def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
-                target_temperature=None, particles=None, draft_len=4, ess_threshold=0.5, top_k=0, top_p=1.0, seed=0,
-                select="sample", cuda_graphs=True):
+                target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
+                seed=0, select="sample", cuda_graphs=True):
         """Check a request against the models' configs and the free memory, before any weight is read ->
         (token ids, Settings, suffix capacity). Raises UsageError."""
-        if method != "smc":
-            particles = 1
-        elif particles is None:
-            particles = default_particles(self.device)
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
-                     temperature if target_temperature is None else target_temperature, particles,
-                     draft_len if method != "ar" else 1, ess_threshold, top_k, top_p, seed, select, cuda_graphs)
+                     temperature if target_temperature is None else target_temperature,
+                     *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
+                     cuda_graphs)
         check_settings(s, self.draft_config is not None)
         ids = self.encode(prompt)
         return ids, s, self.check_request(len(ids), s)
 
     def generate(self, prompt, on_tokens=None, **options):
         """prompt: text or token ids -> Result(text, tokens, stats). Options (see `request`): method, max_new_tokens,
-        temperature (the draft's and the target's) or draft_temperature / target_temperature, particles (smc's N;
-        None: `default_particles` for the device), draft_len, ess_threshold, top_k, top_p (ar and sd), seed,
+        temperature (the draft's and the target's) or draft_temperature / target_temperature, particles (smc's N)
+        and draft_len (K; None for either: `shape`'s defaults), ess_threshold, top_k, top_p (ar and sd), seed,
         select (the final particle by "sample", in proportion to its weight, or "argmax"), cuda_graphs.
         on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
         returning True stops generation there (a stop condition: the settled tokens are the result). stats["stop"]
@@ -598,8 +601,9 @@ def main(argv=None):
     p.add_argument("--target-temperature", type=float)
     p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest target tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
-    p.add_argument("--particles", type=int, help="smc: particles N (default: 4 on a GPU, 2 on a CPU)")
-    p.add_argument("--draft-len", type=int, default=4, help="sd, smc: draft tokens K per cycle")
+    p.add_argument("--particles", type=int, help="smc: particles N (default: 3 on a CPU, 4 on a GPU)")
+    p.add_argument("--draft-len", type=int, help="sd, smc: draft tokens K per cycle (default: sd 4; smc 2 on a "
+                   "CPU, 4 on a GPU)")
     p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -613,11 +617,11 @@ def main(argv=None):
         sys.exit(f"error: unknown device {args.device!r}; use cpu or cuda")
     draft_temperature, target_temperature = (args.temperature if t is None else t
                                              for t in (args.draft_temperature, args.target_temperature))
+    particles, draft_len = shape(args.method, args.particles, args.draft_len, device)
     options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=draft_temperature,
-                   target_temperature=target_temperature,
-                   particles=default_particles(device) if args.particles is None else args.particles,
-                   draft_len=args.draft_len, ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, cuda_graphs=not args.no_cuda_graphs)
+                   target_temperature=target_temperature, particles=particles, draft_len=draft_len,
+                   ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   cuda_graphs=not args.no_cuda_graphs)
     try:
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched
         if args.draft and not args.target:

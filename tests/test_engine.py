@@ -267,6 +267,17 @@ def test_on_tokens_can_stop_generation():
     assert r.stats["stop"] == "stopped" and r.tokens[:5] == full[:5] and len(r.tokens) < 20
 
 
+def test_default_shapes_resample():
+    """smc's default N on every device can resample at the default threshold (ESS < 0.5 N is reachable, since
+    ESS >= 1; N=2 never would); given values win; sd drafts 4 tokens, ar is one row."""
+    for device, expected in (("cpu", (3, 2)), ("cuda", (4, 4))):
+        n, k = engine.shape("smc", None, None, torch.device(device))
+        assert (n, k) == expected and 0.5 * n > 1
+    assert engine.shape("smc", 5, None, torch.device("cpu")) == (5, 2)
+    assert engine.shape("sd", 5, None, torch.device("cpu")) == (1, 4)
+    assert engine.shape("ar", None, 3, torch.device("cpu")) == (1, 1)
+
+
 def test_streamed_counts_what_settled_before_the_last_cycle():
     """Without resampling the particles never coalesce and nearly nothing can be shown while generating."""
     e = engine.Engine(TARGET, DRAFT)
@@ -376,7 +387,7 @@ def test_cuda_graphs_give_the_eager_output():
     (dict(particles=0), "particles must be at least 1"),
     (dict(draft_len=0), "draft-len must be at least 1"),
     (dict(ess_threshold=1.5), r"ess-threshold must lie in \[0, 1\]"),
-    (dict(max_new_tokens=100), "max-new-tokens 100 does not fit the context of 64 .* at most 57"),
+    (dict(max_new_tokens=100), "max-new-tokens 100 does not fit the context of 64 .* at most 59"),
     (dict(particles=10 ** 9, max_new_tokens=8), "KV caches and logits need .* GiB but only"),
     (dict(method="beam"), "unknown method"),
     (dict(top_k=1), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
@@ -453,7 +464,7 @@ def test_cli_json(pair):
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert set(out) == {"text", "tokens", "stats"} and out["stats"]["method"] == "smc"
-    assert out["stats"]["particles"] == 2  # the default on a CPU
+    assert out["stats"]["particles"] == 3 and out["stats"]["draft_len"] == 2  # the defaults on a CPU
     assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
     api = engine.Engine(target, draft).generate("w1 w2 w3", max_new_tokens=12)  # the API, from the same paths
     assert api.tokens == out["tokens"] and api.text == out["text"]
