@@ -1,19 +1,24 @@
 """Generation: plain autoregressive decoding (ar), speculative sampling (sd) and sequential Monte Carlo
-speculative decoding (smc), from the command line or from Python.
+speculative decoding (smc), for one prompt or many, from the command line or from Python.
 
     python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
     python engine.py --method sd --temperature 0 --prompt-file p.txt
+    python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
     Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
 
-Every method runs as the same loop: a fixed-shape cycle that updates device tensors in place (captured once
-as a CUDA graph on CUDA, called eagerly elsewhere), then one small read of [done, settled] by the host."""
+Every method runs as the same loop: a fixed-shape cycle over a batch of slots that updates device tensors in
+place (captured once as a CUDA graph on CUDA, called eagerly elsewhere), then one small read of every slot's
+[done, settled, degenerate] by the host, which passes settled text on, ends finished requests and admits
+waiting ones into the freed slots (continuous batching)."""
 import argparse
+import copy
 import json
 import math
 import os
+import queue
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,11 +49,26 @@ class Settings:
     select: str
     cuda_graphs: bool
 
+    def shape(self):
+        """What the requests of one batch share: the cycle's shape."""
+        return Shape(self.method, self.particles, self.draft_len,
+                     self.ess_threshold if self.method == "smc" else None, self.cuda_graphs)
+
+
+@dataclass(frozen=True)
+class Shape:
+    method: str
+    particles: int
+    draft_len: int
+    ess_threshold: float | None
+    cuda_graphs: bool
+    restrict: bool = False  # some request in the batch has top-k or top-p: the cycle restricts the target
+
 
 @dataclass
 class Result:
     text: str | None  # None when the engine was given models without a tokenizer
-    tokens: list  # generated ids, without the EOS that ended them
+    tokens: list  # generated ids, without the EOS that ended them (a stop string cuts the text, not the ids)
     stats: dict
 
 
@@ -111,34 +131,116 @@ def check_fits(need, device, what, advice):
                          f"{device}; {advice}")
 
 
-# ---------------------------------------------------------------- distributions
+# ---------------------------------------------------------------- distributions (settings per request: [R])
+
+
+def per_request(x, like):
+    """x [R] viewed to broadcast against like [R, ..., V]."""
+    return x.view(-1, *[1] * (like.dim() - 1))
 
 
 def restrict(logits, temperature, top_k, top_p):
-    """logits [..., V] with the tokens outside the top-k and outside the top-p nucleus of softmax(logits / T)
-    set to -inf: the target distribution every method samples from."""
-    if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1 and temperature > 0:
-        ordered, order = logits.sort(-1, descending=True)
-        p = (ordered / temperature).softmax(-1)
-        outside = p.cumsum(-1) - p >= top_p  # the mass before this token already reaches top_p
-        logits = logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-    return logits
+    """logits [R, ..., V] with the tokens outside request r's top-k (top_k [R], 0 = all) and outside its top-p
+    nucleus of softmax(logits / T) (top_p [R]) set to -inf: the target distribution every method samples from."""
+    ordered, order = logits.sort(-1, descending=True)
+    k = per_request(torch.where(top_k > 0, top_k, logits.shape[-1]), logits) - 1
+    ordered = ordered.masked_fill(ordered < ordered.gather(-1, k.expand(*logits.shape[:-1], 1)), float("-inf"))
+    p = (ordered / per_request(torch.where(temperature > 0, temperature, 1.0), logits)).softmax(-1)
+    top_p = per_request(top_p, logits)
+    outside = ((top_p < 1) & (p.cumsum(-1) - p >= top_p)) | (ordered == float("-inf"))  # mass before reaches p
+    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
 
 
 def probs(logits, temperature):
-    """The distribution sampled at `temperature`: softmax(logits / T), one-hot on the argmax at T = 0."""
-    if temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return (logits / temperature).softmax(-1)
+    """The distribution sampled at request r's temperature (temperature [R], logits [R, ..., V]):
+    softmax(logits / T), one-hot on the argmax where T = 0."""
+    t = per_request(temperature, logits)
+    soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
+    return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
 
 
 def bernoulli(p, rng):
-    """True with probability p [B], drawn on the device from rng: a two-way categorical draw."""
-    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [B, 2]
-    return kernels.sample(logits, 1.0, rng)[0] == 0
+    """True with probability p [R, M], drawn on the device from each request's rng: a two-way categorical."""
+    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [R, M, 2]
+    return (kernels.sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Request:
+    """A checked prompt (ids) with its settings on its way through a batch. Callbacks, all called on the
+    thread that decodes: on_tokens(settled ids) whenever more have settled (returning True stops the request
+    there), on_text(piece) with new settled text (whole UTF-8 characters; text that may begin a stop string is
+    held back), on_done(Result) once at the end. A stop string in the text ends the request; the text ends
+    before it."""
+
+    def __init__(self, ids, s, capacity, stop=(), on_tokens=None, on_text=None, on_done=None, tokenizer=None):
+        self.ids, self.s, self.capacity, self.stop, self.tokenizer = ids, s, capacity, list(stop), tokenizer
+        self.on_tokens, self.on_text, self.on_done = on_tokens, on_text, on_done
+        self.restricts = bool(s.top_k or s.top_p < 1)
+        self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0
+        self.cancelled, self.result = False, None
+
+    def cancel(self):
+        """Thread-safe: the request ends at its batch's next cycle, with stats["stop"] = "cancelled"."""
+        self.cancelled = True
+
+    def settle(self, tokens, eos_ids):
+        """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request."""
+        self.settled += tokens
+        tokens = until_eos(self.settled, eos_ids)
+        if self.on_tokens and self.on_tokens(tokens):
+            self.streamed = len(self.settled)
+            return "stopped"
+        if self.tokenizer and (self.on_text or self.stop):
+            text, cut = self.cut(self.tokenizer.decode(tokens))
+            self.show(text, final=cut)
+            return "stop" if cut else None
+
+    def cut(self, text):
+        """-> (text before the first stop string, whether there was one)."""
+        at = min((i for i in (text.find(s) for s in self.stop if s) if i >= 0), default=-1)
+        return (text, False) if at < 0 else (text[:at], True)
+
+    def show(self, text, final):
+        """Pass on the text not shown yet, holding back (until final) a half-decoded character and a tail that
+        may be the start of a stop string."""
+        end = len(text)
+        if not final:
+            end = len(text.rstrip("\ufffd"))
+            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        if self.on_text and end > self.shown:
+            self.on_text(text[self.shown:end])
+        self.shown = max(self.shown, end)
+
+    def finish(self, tokens, stats, eos_ids):
+        """The result from the returned particle's tokens; on_done."""
+        tokens = until_eos(tokens, eos_ids)
+        text = self.tokenizer.decode(tokens) if self.tokenizer else None
+        if text is not None:
+            text, cut = self.cut(text)
+            stats["stop"] = "stop" if cut else stats["stop"]
+            self.show(text, final=True)
+        self.result = Result(text, tokens, stats)
+        if self.on_done:
+            self.on_done(self.result)
+
+
+def until_eos(tokens, eos_ids):
+    """tokens up to, without, the first EOS."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos_ids), tokens)
+
+
+def take(inbox, block):
+    """Everything in the queue now, waiting for a first item if block -> list."""
+    items = []
+    try:
+        items.append(inbox.get(block=block))
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        return items
 
 
 # ---------------------------------------------------------------- decoding state
@@ -146,8 +248,9 @@ def bernoulli(p, rng):
 
 class State:
     """Everything a cycle reads and writes, as device tensors updated in place: the static buffers a CUDA
-    graph replays on. R = 1 request of N particles; hist [R, N, H] holds each particle's generated tokens, the
-    last of which, x0, is pending (not in any cache yet); prev is the one before it."""
+    graph replays on. R slots of N particles; hist [R, N, H] holds each particle's generated tokens, the last
+    of which, x0, is pending (not in any cache yet); prev is the one before it. Each slot has its own settings
+    (temperatures, top-k, top-p, budget) and rng row, so a request's draws do not depend on its neighbours."""
 
     def small_tensors(self):
         """All state except the K/V, which a warm-up only writes beyond the lengths it restores."""
@@ -155,25 +258,40 @@ class State:
         return [v for v in vars(self).values() if torch.is_tensor(v)] + lengths
 
 
-def publish(st, max_new_tokens):
-    """flags = [done, settled, degenerate]: done when every particle has ended or the budget is spent; settled =
-    how many leading tokens all particles share (they can never change again, so they may be printed);
-    degenerate (smc) when no particle has a positive weight left or a weight is NaN, which ends the run."""
+def first_slots(x, n):
+    """A State or KVCache narrowed to its first n slots, as views, so a cycle over them updates x in place.
+    The K/V tensors [L, R, ...] (5 or 6 dimensions) have the slot second, every other tensor first."""
+    part = copy.copy(x)
+    for name, v in vars(x).items():
+        if isinstance(v, model.KVCache):
+            setattr(part, name, first_slots(v, n))
+        elif torch.is_tensor(v):
+            setattr(part, name, v.narrow(int(v.dim() >= 5), 0, n))
+    return part
+
+
+def publish(st):
+    """flags [R, 3] = [done, settled, degenerate] per slot: done when every particle has ended or the budget
+    is spent; settled = how many leading tokens all particles share (they can never change again, so they may
+    be shown); degenerate (smc) when no particle has a positive weight left or a weight is NaN."""
     H = st.hist.shape[-1]
-    done = st.finished.all() | (st.gen_len[0] >= max_new_tokens) | st.degenerate[0]
-    shared = (st.hist == st.hist[:, :1]).all(1)[0] & (torch.arange(H, device=st.hist.device) < st.gen_len[0])
-    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(0).sum().int(), st.degenerate[0].int()]))
+    done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
+    shared = (st.hist == st.hist[:, :1]).all(1) & (torch.arange(H, device=st.hist.device) < st.gen_len[:, None])
+    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int()], -1))
 
 
 def append(st, tokens, kept, is_eos):
-    """Commit the first `kept` (int32 [R]) of tokens [R, N, T]: history, lengths, pending token, finished.
-    The target already holds K/V for the pending token and the kept tokens but the last, the new pending one."""
+    """Commit the first `kept` (int32 [R]; none in an empty slot) of tokens [R, N, T]: history, lengths,
+    pending token, finished. The target already holds K/V for the pending token and the kept tokens but the
+    last, the new pending one."""
     R, N, T = tokens.shape
+    kept = kept * st.live
     at = st.gen_len.long()[:, None, None] + torch.arange(T, device=tokens.device)  # [R, 1, T]
     st.hist.scatter_(2, at.expand(R, N, T), tokens)
     real = torch.arange(T, device=tokens.device) < kept[:, None, None]  # [R, 1, T]
     st.finished |= (is_eos[tokens] & real).any(-1)
-    st.x0.copy_(tokens.gather(2, (kept.long() - 1)[:, None, None].expand(R, N, 1))[..., 0])
+    st.x0.copy_(torch.where(st.live[:, None], tokens.gather(2, (kept.long() - 1).clamp(min=0)[:, None, None]
+                                                            .expand(R, N, 1))[..., 0], st.x0))
     st.gen_len += kept
     st.tcache.suffix_len += kept
 
@@ -231,6 +349,152 @@ class Captured:
                 t.copy_(value)
             self.seconds = time.perf_counter() - start
         self.replay()
+
+
+# ---------------------------------------------------------------- batches
+
+
+class Batch:
+    """`slots` requests of one shape decoded together (continuous batching): a request is prefilled into a free
+    slot between cycles and leaves its slot when it ends. An empty slot has lengths 0 and appends nothing, so
+    it costs no attention work; on a CUDA graph (captured once for all slots) it still costs its rows of the
+    matmuls, which memory-bound decoding does not notice, while an eager cycle (the CPU) runs only the slots up
+    to the last busy one, since there every row costs compute."""
+
+    def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
+        e, N, R = engine, shape.particles, slots
+        self.engine, self.shape, self.requests, self.graphs = e, shape, [None] * R, {}
+        self.prefix_cap, self.suffix_cap = prefix_cap, suffix_cap
+        configs = [e.config] + ([e.draft_config] if shape.method != "ar" else [])
+        need = sum(model.KVCache.nbytes(c, N, prefix_cap, suffix_cap, e.dtype, R) for c in configs)
+        need += 4 * R * N * (shape.draft_len + 1) * e.config.vocab_size * 4  # float32 logits, a few copies
+        check_fits(need, e.device, f"{R} slots' KV caches and logits", "lower --slots, --particles or the budget")
+        new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=e.device)
+        st = self.st = State()
+        st.tcache, st.dcache = (model.KVCache(c, N, prefix_cap, suffix_cap, e.device, e.dtype, R) for c in configs)\
+            if len(configs) == 2 else (model.KVCache(e.config, N, prefix_cap, suffix_cap, e.device, e.dtype, R), None)
+        st.rng = new(R, 2, dtype=torch.int64)
+        st.temp_d, st.temp_t, st.top_p = new(R), new(R), new(R, value=1.0)
+        st.top_k, st.max_new = new(R, dtype=torch.int64), new(R, dtype=torch.int32)
+        st.live, st.degenerate, st.finished = new(R, dtype=torch.bool), new(R, dtype=torch.bool), \
+            new(R, N, dtype=torch.bool, value=True)
+        st.x0, st.prev = new(R, N, dtype=torch.int64, value=e.pad), new(R, N, dtype=torch.int64, value=e.pad)
+        st.hist = new(R, N, suffix_cap, dtype=torch.int64)
+        st.gen_len = new(R, dtype=torch.int32)
+        st.logw, st.log_z, st.ess_sum = new(R, N), new(R), new(R)
+        st.accepted, st.resamples = new(R, dtype=torch.int64), new(R, dtype=torch.int64)
+        st.flags = new(R, 3, dtype=torch.int32)
+
+    def busy(self):
+        return any(self.requests)
+
+    def fits(self, req):
+        return len(req.ids) <= self.prefix_cap and req.capacity <= self.suffix_cap
+
+    def admit(self, req):
+        """Prefill the prompt into a free slot (False if none), sample every particle's first token x0 from the
+        target, and reset the slot's state."""
+        if None not in self.requests:
+            return False
+        e, st, s, r, N = self.engine, self.st, req.s, self.requests.index(None), self.shape.particles
+        req.start, req.capture_start = time.perf_counter(), self.capture_seconds()
+        prompt = torch.tensor(req.ids, device=e.device)
+        logits = e.target.prefill(prompt, st.tcache, r)  # [V]
+        st.rng[r] = torch.tensor([s.seed, 0])
+        st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature,
+                                                                s.top_k, s.top_p)
+        settings = [x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)]
+        logits = logits.expand(1, N, -1)
+        logits = restrict(logits, *settings) if req.restricts else logits
+        x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
+        if st.dcache:  # the draft leaves the last prompt token to the first draft step, beside x0
+            st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
+            if len(req.ids) > 1:
+                e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
+        st.x0[r], st.prev[r], st.hist[r], st.hist[r, :, 0] = x0, prompt[-1], 0, x0
+        st.gen_len[r], st.max_new[r], st.finished[r] = 1, s.max_new_tokens, e.is_eos[x0]
+        for x in (st.degenerate, st.logw, st.log_z, st.ess_sum, st.accepted, st.resamples):
+            x[r] = 0
+        st.live[r] = True
+        self.requests[r] = req
+        publish(st)
+        req.prefill_seconds = time.perf_counter() - req.start
+        return True
+
+    def leave(self, r):
+        """Empty slot r: lengths 0, every particle finished, nothing pending."""
+        st = self.st
+        self.requests[r] = None
+        for c in (st.tcache, st.dcache):
+            if c:
+                c.prefix_len[r], c.suffix_len[r] = 0, 0
+        st.live[r], st.gen_len[r], st.finished[r], st.x0[r], st.prev[r] = False, 0, True, self.engine.pad, \
+            self.engine.pad
+        st.degenerate[r], st.logw[r] = False, 0
+
+    def capture_seconds(self):
+        return sum(g.seconds for g in self.graphs.values())
+
+    def cycle(self):
+        """One cycle of every busy slot."""
+        s = replace(self.shape, restrict=any(r and r.restricts for r in self.requests))
+        if graphs_apply(s, self.st):
+            if s not in self.graphs:
+                self.graphs[s] = Captured(lambda: self.engine.cycle(self.st, s), self.st)
+            self.graphs[s]()
+        else:
+            self.engine.cycle(first_slots(self.st, 1 + max(i for i, r in enumerate(self.requests) if r)), s)
+        for req in self.requests:
+            if req:
+                req.cycles += 1
+
+    def collect(self, stop=None):
+        """Read every slot's flags (the host's one read of a cycle), pass settled tokens on, end the requests
+        that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
+        flags = self.st.flags.tolist()
+        for r, req in enumerate(self.requests):
+            if req is None:
+                continue
+            done, count, degenerate = flags[r]
+            why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
+            count = min(count, req.s.max_new_tokens)
+            if why is None and count > len(req.settled):
+                why = req.settle(self.st.hist[r, 0, len(req.settled):count].tolist(), self.engine.config.eos_ids)
+            if why or done:
+                tokens = req.settled if why else self.pick(r, req.s)
+                req.finish(tokens, self.statistics(r, req, tokens, why), self.engine.config.eos_ids)
+                self.leave(r)
+            else:
+                req.streamed = len(req.settled)
+
+    def pick(self, r, s):
+        """Slot r's returned particle: drawn in proportion to its weight, or the heaviest."""
+        st = self.st
+        if s.select == "argmax":
+            i = int(st.logw[r].argmax())
+        else:
+            i = int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
+        return st.hist[r, i, :min(int(st.gen_len[r]), s.max_new_tokens)].tolist()
+
+    def statistics(self, r, req, tokens, stop):
+        """seconds: from the start of the prefill to the last token; prefill: until the first token was drawn."""
+        st, s = self.st, req.s
+        seconds = time.perf_counter() - req.start - (self.capture_seconds() - req.capture_start)
+        new = len(until_eos(tokens, self.engine.config.eos_ids))
+        stats = {"method": s.method, "prompt_tokens": len(req.ids), "new_tokens": new, "seconds": round(seconds, 4),
+                 "prefill_seconds": round(req.prefill_seconds, 4), "streamed": min(req.streamed, new),
+                 "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": req.cycles,
+                 "stop": stop or ("eos" if new < len(tokens) else "length")}
+        if s.method == "sd":
+            accepted = int(st.accepted[r])
+            stats |= {"draft_len": s.draft_len, "accepted": accepted,
+                      "acceptance": round(accepted / max(req.cycles * s.draft_len, 1), 4)}
+        if s.method == "smc":
+            final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
+            stats |= {"particles": s.particles, "draft_len": s.draft_len, "resamples": int(st.resamples[r]),
+                      "mean_ess": round(float(st.ess_sum[r]) / max(req.cycles, 1), 3),
+                      "log_z": round(float(st.log_z[r] + final), 4)}
+        return stats
 
 
 # ---------------------------------------------------------------- engine
@@ -295,53 +559,26 @@ class Engine:
 
     def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
                 target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
-                seed=0, select="sample", cuda_graphs=True):
+                seed=0, select="sample", cuda_graphs=True, stop=(), on_tokens=None, on_text=None, on_done=None,
+                context=None):
         """Check a request against the models' configs and the free memory, before any weight is read ->
-        (token ids, Settings, suffix capacity). Raises UsageError."""
+        Request. Raises UsageError. context: the most tokens (prompt, new ones and a draft block) a slot of the
+        serving batch holds, when that is below the models' context."""
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
                      temperature if target_temperature is None else target_temperature,
                      *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
                      cuda_graphs)
         check_settings(s, self.draft_config is not None)
         ids = self.encode(prompt)
-        return ids, s, self.check_request(len(ids), s)
+        return Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
+                       on_tokens, on_text, on_done, self.tokenizer)
 
-    def generate(self, prompt, on_tokens=None, **options):
-        """prompt: text or token ids -> Result(text, tokens, stats). Options (see `request`): method, max_new_tokens,
-        temperature (the draft's and the target's) or draft_temperature / target_temperature, particles (smc's N)
-        and draft_len (K; None for either: `shape`'s defaults), ess_threshold, top_k, top_p (ar and sd), seed,
-        select (the final particle by "sample", in proportion to its weight, or "argmax"), cuda_graphs.
-        on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
-        returning True stops generation there (a stop condition: the settled tokens are the result). stats["stop"]
-        says why it ended: "eos", "length", "stopped", "interrupted", or "degenerate" (smc: no particle kept a
-        positive weight, or one is NaN; the result is what had settled before)."""
-        ids, s, capacity = self.request(prompt, **options)
-        self.load()
-        with torch.inference_mode():
-            start = time.perf_counter()
-            st = self.start(ids, s, capacity)
-            prefill = time.perf_counter() - start
-            cycle = {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[s.method]
-
-            def step():
-                cycle(st, s)
-                publish(st, s.max_new_tokens)
-            if graphs_apply(s, st):
-                step = Captured(step, st)
-            settled, cycles, stop = self.decode(st, step, s, on_tokens)
-            tokens = settled if settled is not None else self.pick(st, s)
-            seconds = time.perf_counter() - start - getattr(step, "seconds", 0.0)  # recording is not decoding
-            stats = self.statistics(st, s, cycles, seconds, prefill, tokens, stop)
-        tokens = until_eos(tokens, self.config.eos_ids)
-        text = self.tokenizer.decode(tokens) if self.tokenizer else None
-        return Result(text, tokens, stats)
-
-    def check_request(self, prompt_len, s):
+    def check_request(self, prompt_len, s, context=None):
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
         extra = 0 if s.method == "ar" else s.draft_len
         capacity = s.max_new_tokens + extra
         configs = [c for c in (self.config, self.draft_config if s.method != "ar" else None) if c is not None]
-        context = min(c.max_seq_len for c in configs)
+        context = min([c.max_seq_len for c in configs] + [context or math.inf])
         if prompt_len >= context:
             raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
         if prompt_len + capacity > context:
@@ -354,96 +591,145 @@ class Engine:
                    "lower --particles or --max-new-tokens")
         return capacity
 
-    def start(self, ids, s, capacity):
-        """Allocate the caches, prefill the prompt once, sample every particle's first token x0 from the target."""
-        device, dtype, N = self.device, self.dtype, s.particles
-        st = State()
-        st.tcache = model.KVCache(self.config, N, len(ids), capacity, device, dtype)
-        st.dcache = None
-        st.rng = kernels.make_rng(s.seed, device)
-        prompt = torch.tensor(ids, device=device)
-        logits = self.target.prefill(prompt, st.tcache)  # [V]
-        logits = restrict(logits.expand(N, -1), s.target_temperature, s.top_k, s.top_p)
-        st.x0 = kernels.sample(logits, s.target_temperature, st.rng)[0].view(1, N)
-        if s.method != "ar":  # the draft leaves the last prompt token to the first draft step, beside x0
-            st.dcache = model.KVCache(self.draft_config, N, max(len(ids) - 1, 1), capacity, device, dtype)
-            if len(ids) > 1:  # a one-token prompt leaves the draft's prefix empty
-                self.draft.prefill(prompt[:-1], st.dcache, logits=None)
-        st.prev = prompt[-1:].expand(1, N).clone()
-        st.hist = torch.zeros(1, N, capacity, dtype=torch.int64, device=device)
-        st.hist[..., 0] = st.x0
-        st.gen_len = torch.ones(1, dtype=torch.int32, device=device)
-        st.finished = self.is_eos[st.x0]
-        st.degenerate = torch.zeros(1, dtype=torch.bool, device=device)
-        st.logw = torch.zeros(1, N, device=device)
-        st.log_z = torch.zeros(1, device=device)
-        st.accepted, st.resamples = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
-        st.ess_sum = torch.zeros(1, device=device)
-        st.flags = torch.zeros(3, dtype=torch.int32, device=device)
-        st.streamed = 0
-        publish(st, s.max_new_tokens)
-        return st
+    def requests(self, prompts, **options):
+        """Checked Requests for a list of prompts, each text, ids, or {"prompt": ..., **options of its own}."""
+        out = []
+        for i, p in enumerate(prompts):
+            try:
+                out.append(self.request(**{**options, **p}) if isinstance(p, dict) else self.request(p, **options))
+            except TypeError as e:  # an option that does not exist
+                raise UsageError(f"prompt {i + 1}: {str(e).replace('Engine.request() ', '')}") from None
+        return out
 
-    def decode(self, st, step, s, on_tokens):
-        """Run cycles until done, reading the flags once per cycle and passing new settled tokens on.
-        -> (None, cycles, None), or (the settled tokens, cycles, "stopped" | "interrupted" | "degenerate") when
-        on_tokens asked to stop, after Ctrl-C, or when the last cycle left the weights degenerate (what it
-        made is not passed on). st.streamed: how many tokens had settled before the last cycle, i.e. could be
-        shown while generating rather than at the end."""
-        settled, cycles = [], 0
-        try:
-            while True:
-                done, count, degenerate = st.flags.tolist()
-                if degenerate:
-                    return settled, cycles, "degenerate"
-                count = min(count, s.max_new_tokens)
-                if count > len(settled):
-                    settled += st.hist[0, 0, len(settled):count].tolist()
-                    if on_tokens and on_tokens(until_eos(settled, self.config.eos_ids)):
-                        st.streamed = len(settled)
-                        return settled, cycles, "stopped"
-                if done:
-                    return None, cycles, None
-                st.streamed = len(settled)
-                step()
-                cycles += 1
-        except KeyboardInterrupt:
-            return settled, cycles, "interrupted"
+    def generate(self, prompt, on_tokens=None, slots=None, **options):
+        """prompt: text or token ids -> Result(text, tokens, stats); or a list of prompts (each text, ids, or a
+        dict {"prompt": ..., **options of its own}) -> [Result], decoded together, `slots` at a time (default: up
+        to 8), each request with its own randomness: its output does not depend on its neighbours.
+        Options (see `request`): method, max_new_tokens, temperature (the draft's and the target's) or
+        draft_temperature / target_temperature, particles (smc's N) and draft_len (K; None for either: `shape`'s
+        defaults), ess_threshold, top_k, top_p (ar and sd), seed, select (the final particle by "sample", in
+        proportion to its weight, or "argmax"), cuda_graphs, stop (strings that end the text).
+        on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
+        returning True stops generation there (the settled tokens are the result). stats["stop"] says why it
+        ended: "eos", "length", "stop" (a stop string), "stopped", "interrupted", or "degenerate" (smc: no
+        particle kept a positive weight, or one is NaN; the result is what had settled before)."""
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
+            return self.run(self.requests(prompt, **options), slots)
+        return self.run([self.request(prompt, on_tokens=on_tokens, **options)], 1)[0]
 
-    def pick(self, st, s):
-        """The returned particle's tokens: drawn in proportion to its weight, or the heaviest."""
-        if s.select == "argmax":
-            i = st.logw.argmax(-1)
-        else:
-            i = kernels.sample(st.logw, 1.0, st.rng)[0]
-        return st.hist[0, i[0], :min(int(st.gen_len[0]), s.max_new_tokens)].tolist()
+    def run(self, requests, slots=None):
+        """Decode checked Requests to the end -> their Results."""
+        inbox = queue.Queue()
+        for req in requests:
+            inbox.put(req)
+        self.serve(inbox, slots or min(len(requests), 8), until_idle=True)
+        return [req.result for req in requests]
 
-    def statistics(self, st, s, cycles, seconds, prefill, tokens, stop):
-        """seconds: from the start of the prefill to the last token; prefill: until the first token was drawn."""
-        new = len(until_eos(tokens, self.config.eos_ids))
-        stats = {"method": s.method, "new_tokens": new, "seconds": round(seconds, 4),
-                 "prefill_seconds": round(prefill, 4), "streamed": min(st.streamed, new),
-                 "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": cycles,
-                 "stop": stop or ("eos" if new < len(tokens) else "length")}
-        if s.method == "sd":
-            accepted = int(st.accepted[0])
-            stats |= {"draft_len": s.draft_len, "accepted": accepted,
-                      "acceptance": round(accepted / max(cycles * s.draft_len, 1), 4)}
-        if s.method == "smc":
-            final = st.logw.logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
-            stats |= {"particles": s.particles, "draft_len": s.draft_len, "resamples": int(st.resamples[0]),
-                      "mean_ess": round(float(st.ess_sum[0]) / max(cycles, 1), 3),
-                      "log_z": round(float(st.log_z[0] + final[0]), 4)}
-        return stats
+    def stream(self, prompts, slots=None, **options):
+        """generate's list form as it goes: yields (i, text, None) as the i-th prompt's text settles, then
+        (i, "", Result) when it ends (models without a tokenizer: the Results only)."""
+        events, requests = [], self.requests(prompts, **options)
+        inbox = queue.Queue()
+        for i, req in enumerate(requests):
+            req.on_text = lambda piece, i=i: events.append((i, piece, None))
+            req.on_done = lambda result, i=i: events.append((i, "", result))
+            inbox.put(req)
+        for _ in self.serving(inbox, slots or min(len(requests), 8), None, True):
+            yield from events
+            events.clear()
+        yield from events
+
+    def serve(self, inbox, slots=4, context=None, until_idle=False):
+        """Decode the Requests put in inbox (a queue.Queue) until None arrives (requests still running end
+        "cancelled") or, with until_idle, until none is left. Requests of one shape (method, particles,
+        draft_len, ess_threshold) share a batch of `slots` slots and join it as slots free up; batches of
+        different shapes take turns cycle by cycle. context: the tokens a slot holds (prompt, new tokens and a
+        draft block); without it a batch is sized for the requests waiting when it is made. A failure in one
+        batch ends its requests "error" (until_idle: raises) and serving goes on."""
+        for _ in self.serving(inbox, slots, context, until_idle):
+            pass
+
+    def serving(self, inbox, slots, context, until_idle):
+        """serve, as a generator that yields after every round of cycles."""
+        self.load()
+        batches, waiting = {}, []
+        with torch.inference_mode():
+            try:
+                while True:
+                    busy = bool(waiting) or any(b.busy() for b in batches.values())
+                    if until_idle and not busy and inbox.empty():
+                        return
+                    items = take(inbox, block=not busy)
+                    waiting += [item for item in items if item is not None]
+                    if None in items:
+                        return self.end(batches, waiting, "cancelled")
+                    for b in batches.values():
+                        b.collect()  # frees the slots of requests the last cycle ended
+                    self.admit(waiting, batches, slots, context, until_idle)
+                    for key, b in list(batches.items()):
+                        try:
+                            b.collect()  # a request can be done as it is admitted (max_new_tokens=1)
+                            if b.busy():
+                                b.cycle()
+                        except Exception as e:
+                            if until_idle:
+                                raise
+                            self.end({key: batches.pop(key)}, [], "error", e)
+                    yield
+            except KeyboardInterrupt:
+                self.end(batches, waiting, "interrupted")
+
+    def admit(self, waiting, batches, slots, context, until_idle):
+        """Move waiting requests into free slots of their shape's batch, making the batch if need be (again when
+        it is empty and too small for the next request)."""
+        for req in list(waiting):
+            key = req.s.shape()
+            b = batches.get(key)
+            if not req.cancelled and (b is None or not (b.busy() or b.fits(req))):
+                group = [w for w in waiting if w.s.shape() == key]
+                batches.pop(key, None)
+                try:
+                    b = batches[key] = Batch(self, key, slots, *((context, context) if context else (
+                        max(len(w.ids) for w in group), max(w.capacity for w in group))))
+                except UsageError as e:
+                    if until_idle:
+                        raise
+                    self.end({}, group, "error", e)
+                    waiting[:] = [w for w in waiting if w not in group]
+                    continue
+            if req.cancelled or (b.fits(req) and b.admit(req)):
+                waiting.remove(req)
+                if req.cancelled and req.result is None:
+                    self.end({}, [req], "cancelled")
+
+    def end(self, batches, waiting, why, error=None):
+        """End every request in batches and waiting with stats["stop"] = why."""
+        for b in batches.values():
+            b.collect(stop=why)
+        for req in waiting:
+            stats = {"method": req.s.method, "prompt_tokens": len(req.ids), "new_tokens": 0, "seconds": 0.0,
+                     "prefill_seconds": 0.0, "streamed": 0, "tokens_per_s": 0.0, "cycles": 0, "stop": why}
+            req.finish([], stats | ({"error": " ".join(str(error).split())} if error else {}),
+                       self.config.eos_ids)
+        waiting.clear()
 
     # ------------------------------------------------------------ cycles: fixed shapes, no host sync
 
+    def cycle(self, st, s):
+        """One cycle of s.method for the slots of st, then their flags for the host."""
+        {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[s.method](st, s)
+        if st.dcache:
+            st.dcache.suffix_len.mul_(st.live)  # an empty slot drafted into nothing
+        publish(st)
+
+    def restricted(self, logits, st, s):
+        return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
+
     def ar_cycle(self, st, s):
         """One target step on the pending token."""
-        logits = self.target.step(st.x0[..., None], st.tcache)[:, :, 0]  # [1, 1, V]
-        logits = restrict(logits[0], s.target_temperature, s.top_k, s.top_p)
-        x = kernels.sample(logits, s.target_temperature, st.rng)[0]  # [1]
-        append(st, x.view(1, 1, 1), torch.ones_like(st.gen_len), self.is_eos)
+        logits = self.restricted(self.target.step(st.x0[..., None], st.tcache)[:, 0, 0], st, s)  # [R, V]
+        x = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
+        append(st, x.view(-1, 1, 1), torch.ones_like(st.gen_len), self.is_eos)
 
     def draft_block(self, st, s):
         """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left
@@ -455,7 +741,7 @@ class Engine:
         for _ in range(s.draft_len):
             out = self.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
             st.dcache.suffix_len += x.shape[-1]
-            t, lq = kernels.sample(out.flatten(0, 1), s.draft_temperature, st.rng)
+            t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
             x = t.view(R, N, 1)
             tokens.append(x)
             logq.append(lq.view(R, N, 1))
@@ -465,37 +751,39 @@ class Engine:
     def verify(self, st, t, s):
         """One target forward over [x0, t_1..t_K] -> restricted logits [R, N, K+1, V]: row k - 1 scores t_k,
         row K is the bonus token's distribution."""
-        logits = self.target.step(torch.cat([st.x0[..., None], t], -1), st.tcache)
-        return restrict(logits, s.target_temperature, s.top_k, s.top_p)
+        return self.restricted(self.target.step(torch.cat([st.x0[..., None], t], -1), st.tcache), st, s)
 
     def sd_cycle(self, st, s):
-        """Speculative sampling: accept t_k with probability min(1, p/q); the first rejection is replaced by a
-        draw from normalise(max(p - q, 0)); if all K pass, a bonus token from p. Exact at any temperature."""
-        K, device = s.draft_len, st.x0.device
+        """Speculative sampling, each request accepting its own number of tokens: accept t_k with probability
+        min(1, p/q); the first rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a
+        bonus token from p. Exact at any temperature."""
+        K, R, device = s.draft_len, st.x0.shape[0], st.x0.device
         t, _, q_logits = self.draft_block(st, s)
-        p = probs(self.verify(st, t, s)[0, 0], s.target_temperature)  # [K+1, V]
-        q = probs(torch.cat(q_logits)[:, 0], s.draft_temperature)  # [K, V]
-        t = t[0, 0]  # [K]
-        pt, qt = p[:K].gather(1, t[:, None])[:, 0], q.gather(1, t[:, None])[:, 0]
-        accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [K]
-        n = accept.int().cumprod(0).sum(0, keepdim=True)  # [1] draft tokens accepted
-        fix = torch.cat([(p[:K] - q).clamp(min=0), p[K:]]).index_select(0, n)  # [1, V]
-        fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.index_select(0, n))  # p == q: nothing to fix
-        c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [1]
-        st.prev.copy_(torch.cat([st.x0[0], t]).index_select(0, n)[None])
-        tokens = torch.where(torch.arange(K + 1, device=device) < n, torch.cat([t, c]), c)  # t_1..t_n, c, filler
-        st.dcache.suffix_len -= (K - n).int()  # the draft keeps K/V up to t_{n-1}
+        p = probs(self.verify(st, t, s)[:, 0], st.temp_t)  # [R, K+1, V]
+        q = probs(torch.stack(q_logits, 1)[:, :, 0], st.temp_d)  # [R, K, V]
+        t = t[:, 0]  # [R, K]
+        pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
+        accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
+        n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
+        at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
+        fix = torch.cat([(p[:, :K] - q).clamp(min=0), p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
+        fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
+        c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
+        st.prev.copy_(torch.cat([st.x0, t], 1).gather(1, n.long()[:, None]))
+        tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
+                             c[:, None])  # t_1..t_n, c, filler
+        st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
         st.accepted += n
-        append(st, tokens.view(1, 1, K + 1), (n + 1).int(), self.is_eos)
+        append(st, tokens[:, None], n + 1, self.is_eos)
 
     def smc_cycle(self, st, s):
         """Draft K tokens per particle, score them with the target in one forward, weight, append K + 1
-        tokens (the last a bonus token from the target), resample when the ESS falls below the threshold."""
+        tokens (the last a bonus token from the target), resample where the ESS falls below the threshold."""
         K, (R, N) = s.draft_len, st.x0.shape
         t, logq, _ = self.draft_block(st, s)
         logits = self.verify(st, t, s)  # [R, N, K+1, V]
-        logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), s.target_temperature)
-        b = kernels.sample(logits[:, :, K].flatten(0, 1), s.target_temperature, st.rng)[0].view(R, N)
+        logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t)
+        b = kernels.sample(logits[:, :, K].flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
         increments, tokens = settle(st.x0, t, b, logp.view(R, N, K), logq, st.finished, self.is_eos, self.pad)
         st.logw += increments
         st.prev.copy_(tokens[..., K - 1])
@@ -503,13 +791,13 @@ class Engine:
         self.resample(st, s)
 
     def resample(self, st, s):
-        """Systematic resampling where ESS < threshold * N: each particle's suffix K/V (target and draft),
-        history, pending tokens and finished flag become its ancestor's; the log-normaliser takes the mean
-        weight, and the weights restart at 0. A population with no positive weight (the target forbids every
-        particle's draft tokens) or a NaN weight (non-finite logits) is degenerate: resampling it would be a
-        uniform draw that hides the failure, so the run ends (publish)."""
+        """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
+        draft), history, pending tokens and finished flag become its ancestor's; the log-normaliser takes the
+        mean weight, and the weights restart at 0. A population with no positive weight (the target forbids
+        every particle's draft tokens) or a NaN weight (non-finite logits) is degenerate: resampling it would be
+        a uniform draw that hides the failure, so the request ends (publish)."""
         ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
-        st.degenerate |= degenerate
+        st.degenerate |= degenerate & st.live
         st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
         st.logw.masked_fill_(resampled[:, None], 0.0)
         for cache in (st.tcache, st.dcache):
@@ -522,11 +810,6 @@ class Engine:
         st.ess_sum += ess
 
 
-def until_eos(tokens, eos_ids):
-    """tokens up to, without, the first EOS."""
-    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos_ids), tokens)
-
-
 # ---------------------------------------------------------------- command line
 
 
@@ -537,19 +820,20 @@ def default_pair():
     return tuple(fetch.fetch(name) for name in fetch.DEFAULT_PAIR)
 
 
-def apply_chat(tokenizer, text):
-    """The text as a user message in the tokenizer's chat template, ending where the reply begins; the text
-    itself when there is no template."""
+def apply_chat(tokenizer, messages):
+    """messages (a list of {"role", "content"}, or one text: a user message) in the tokenizer's chat template,
+    ending where the reply begins; the texts joined by newlines when there is no template."""
+    messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
     if not tokenizer or not tokenizer.chat_template:
-        return text
+        return "\n".join(m["content"] for m in messages)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def fail(message):
         raise UsageError(f"chat template: {message}")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = fail
-    return env.from_string(tokenizer.chat_template).render(
-        messages=[{"role": "user", "content": text}], add_generation_prompt=True, bos_token="", eos_token="")
+    return env.from_string(tokenizer.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                           bos_token="", eos_token="")
 
 
 class TextStream:
@@ -587,13 +871,32 @@ def read_prompt(path):
                          "as UTF-8") from None
 
 
+def read_jsonl(path):
+    """The prompts of a JSONL file: one object per line, {"prompt": text, ...its own options}."""
+    items = []
+    for n, line in enumerate(read_prompt(path).splitlines(), 1):
+        if line.strip():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise UsageError(f'{path}:{n}: expected an object with a "prompt" string')
+            items.append(item)
+    if not items:
+        raise UsageError(f"{path}: no prompts")
+    return items
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
     p.add_argument("--draft", help="draft model, same vocabulary as the target")
     p.add_argument("--method", choices=METHODS, default="smc")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--prompt-file", help="read the prompt from this file instead")
+    p.add_argument("--prompt-file", help="read the prompt from this file instead; a .jsonl file holds one "
+                   '{"prompt": ...} per line (with options of its own) and gives one JSON result per line')
+    p.add_argument("--slots", type=int, default=4, help="prompts of a .jsonl file decoded together")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7, help="draft and target temperature; 0 = greedy")
@@ -622,15 +925,25 @@ def main(argv=None):
                    target_temperature=target_temperature, particles=particles, draft_len=draft_len,
                    ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    cuda_graphs=not args.no_cuda_graphs)
+    batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     try:
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched
         if args.draft and not args.target:
             raise UsageError("--draft needs --target")
-        prompt = read_prompt(args.prompt_file) if args.prompt_file else args.prompt
-        if not prompt.strip():
+        if args.slots < 1:
+            raise UsageError(f"--slots must be at least 1, got {args.slots}")
+        prompt = read_jsonl(args.prompt_file) if batch else read_prompt(args.prompt_file) if args.prompt_file \
+            else args.prompt
+        if not batch and not prompt.strip():
             raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
         draft, target = (args.draft, args.target) if args.target else default_pair()
         engine = Engine(target, draft, device, args.dtype)  # opens the files; reads no weights yet
+        if batch:
+            chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
+            requests = engine.requests([item | {"prompt": chat(item["prompt"])} for item in prompt], **options)
+            for result in engine.run(requests, args.slots):  # every check ran before the weights are read
+                print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}), flush=True)
+            return
         if args.chat:
             prompt = apply_chat(engine.tokenizer, prompt)
         engine.request(prompt, **options)  # every check, before the weights are read and the prompt is echoed

@@ -151,13 +151,20 @@ def test_smc_approaches_the_target_as_particles_grow():
 # ---------------------------------------------------------------- pitfalls and mechanics
 
 
+def started(e, **options):
+    """A one-slot batch with PROMPT admitted -> its State and Shape (call inside torch.inference_mode)."""
+    req = e.request(PROMPT, **options)
+    b = engine.Batch(e.load(), req.s.shape(), 1, len(PROMPT), req.capacity)
+    b.admit(req)
+    return b.st, b.shape
+
+
 def test_draft_and_target_caches_hold_every_particle_context():
     """After cycles with resampling at every one, each particle's suffix K/V equal a fresh prefill of its own
     tokens: the target's up to x0 (pending), the draft's up to t_K (its first draft step writes t_K and b)."""
     e = engine.Engine(TARGET, DRAFT)
-    s = engine.Settings("smc", 20, 1.0, 1.0, 4, 3, 1.0, 0, 1.0, 0, "sample", False)
     with torch.inference_mode():
-        st = e.start(PROMPT, s, 24)
+        st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=3, ess_threshold=1.0)
         for _ in range(3):
             e.smc_cycle(st, s)
         n = int(st.gen_len[0])
@@ -206,9 +213,8 @@ def test_eos_inside_a_draft_block_ends_the_text():
 
 def test_finished_particles_stay_and_can_be_ancestors():
     e = engine.Engine(eos_prone(0), eos_prone(1))
-    s = engine.Settings("smc", 20, 1.0, 1.0, 4, 2, 0.5, 0, 1.0, 0, "sample", False)
     with torch.inference_mode():
-        st = e.start(PROMPT, s, 22)
+        st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=2)
         e.smc_cycle(st, s)
         before = int(st.resamples[0])
         st.finished[0] = torch.tensor([False, True, False, False])
@@ -243,10 +249,13 @@ def test_top_k_one_is_greedy():
         assert e.generate(PROMPT, method=method, top_k=1, max_new_tokens=15).tokens == greedy
 
 
-def test_top_p_keeps_the_nucleus():
-    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log()  # probabilities 0.5, 0.33, 0.17, 0
-    kept = engine.restrict(logits, 1.0, 0, 0.8).isfinite()
-    assert kept.tolist() == [[True, True, False, False]]
+def test_top_p_and_top_k_per_request():
+    """One call, three requests: top-p 0.8 keeps the nucleus, no restriction keeps every possible token, top-k 1
+    keeps the argmax."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log().expand(3, 4)  # probabilities 0.5, 0.33, 0.17, 0
+    kept = engine.restrict(logits, torch.ones(3), torch.tensor([0, 0, 1]), torch.tensor([0.8, 1.0, 1.0]))
+    assert kept.isfinite().tolist() == [[True, True, False, False], [True, True, True, False],
+                                        [True, False, False, False]]
 
 
 def test_ctrl_c_returns_what_has_settled():
@@ -379,6 +388,100 @@ def test_cuda_graphs_give_the_eager_output():
         assert graph.tokens == eager.tokens and graph.stats["cycles"] == eager.stats["cycles"]
 
 
+# ---------------------------------------------------------------- batching
+
+
+def mixed_requests(method):
+    """Four requests of different prompt lengths, seeds and budgets; for ar and sd also a greedy one and one
+    with top-p (so the batch's cycles restrict the target's logits, which must not touch the others)."""
+    requests = [dict(prompt=[1, 2, 3], seed=0, max_new_tokens=12), dict(prompt=[4, 5], seed=1, max_new_tokens=7),
+                dict(prompt=[6, 1, 2, 3, 4], seed=0, max_new_tokens=15), dict(prompt=[2], seed=3, max_new_tokens=9)]
+    if method != "smc":
+        requests[1]["temperature"], requests[2]["top_p"] = 0, 0.9
+    return requests
+
+
+@pytest.mark.parametrize("method", engine.METHODS)
+def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
+    """Each request's randomness is its own (seed and counter per slot) and its lengths are its own, so its
+    output does not depend on its neighbours: alone, four at once, and two slots shared by four requests that
+    join as others end (EOS ends some early)."""
+    e = engine.Engine(eos_prone(0), eos_prone(1))
+    options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
+    requests = mixed_requests(method)
+    alone = [e.generate(**(options | r)) for r in requests]
+    assert {r.stats["stop"] for r in alone} == {"eos", "length"}
+    for slots in (4, 2):
+        together = e.generate(requests, slots=slots, **options)
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+        assert [r.stats["stop"] for r in together] == [r.stats["stop"] for r in alone]
+
+
+def test_requests_of_different_shapes_share_a_call():
+    """Different methods (or N, K) make different batches, which take turns; each output is the one alone."""
+    e = engine.Engine(TARGET, DRAFT)
+    requests = [dict(prompt=PROMPT, method=m, seed=3, max_new_tokens=8) for m in engine.METHODS]
+    requests.append(dict(prompt=PROMPT, method="smc", particles=2, seed=3, max_new_tokens=8))
+    alone = [e.generate(**r).tokens for r in requests]
+    assert [r.tokens for r in e.generate(requests)] == alone
+
+
+def test_empty_slots_run_no_rows_on_a_cpu(monkeypatch):
+    """An eager cycle runs only the slots up to the last busy one: one request in a batch of four costs one."""
+    e = engine.Engine(TARGET, DRAFT).load()
+    rows, step = [], TARGET.step
+    monkeypatch.setattr(TARGET, "step", lambda tokens, *a, **k: rows.append(tokens.shape[0]) or step(tokens, *a, **k))
+    requests = [e.request(PROMPT, method="sd", max_new_tokens=n) for n in (12, 3)]
+    e.run(requests, slots=4)
+    assert max(rows) == 2 and rows[-1] == 1  # the short request left, the long one went on alone
+
+
+def test_a_cancelled_request_frees_its_slot():
+    e = engine.Engine(TARGET, DRAFT)
+    first = e.request(PROMPT, method="ar", max_new_tokens=30, on_tokens=lambda t: len(t) >= 4 and first.cancel())
+    second = e.request(PROMPT, method="ar", max_new_tokens=10, seed=4)
+    e.run([first, second], slots=1)
+    assert first.result.stats["stop"] == "cancelled" and 4 <= len(first.result.tokens) < 30
+    assert second.result.tokens == e.generate(PROMPT, method="ar", max_new_tokens=10, seed=4).tokens
+
+
+def test_serve_takes_requests_from_a_queue_until_none():
+    import queue
+    import threading
+    e = engine.Engine(TARGET, DRAFT)
+    inbox, done = queue.Queue(), []
+    worker = threading.Thread(target=e.serve, args=(inbox, 2))
+    worker.start()
+    for seed in range(3):
+        inbox.put(e.request(PROMPT, method="smc", seed=seed, max_new_tokens=6, on_done=done.append))
+    for _ in range(600):
+        if len(done) == 3:
+            break
+        threading.Event().wait(0.05)
+    inbox.put(None)
+    worker.join(30)
+    assert not worker.is_alive() and len(done) == 3 and all(len(r.tokens) == 6 for r in done)
+
+
+@pytest.mark.parametrize("method", engine.METHODS)
+def test_stop_strings_and_the_text_stream(tmp_path, method):
+    """The stream's pieces add up to the result's text; a stop string ends the text before it (and may not
+    appear in any piece shown before it was complete), with the same text up to there as without it."""
+    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), dtype="float32")
+    options = dict(method=method, max_new_tokens=30, temperature=1.0, seed=2)
+    full = e.generate("w1 w2 w3", **options)
+    words = full.text.split()
+    stop = " ".join(words[3:5])
+    for stops in ([], [stop, "never"]):
+        pieces, results = [], []
+        for i, piece, result in e.stream(["w1 w2 w3"], stop=stops, **options):
+            pieces.append(piece)
+            results += [result] if result else []
+        text = full.text[:full.text.find(stop)] if stops else full.text
+        assert "".join(pieces) == results[0].text == text
+        assert results[0].stats["stop"] == ("stop" if stops else full.stats["stop"])
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -468,6 +571,24 @@ def test_cli_json(pair):
     assert out["text"] == " ".join(f"w{t}" for t in out["tokens"])
     api = engine.Engine(target, draft).generate("w1 w2 w3", max_new_tokens=12)  # the API, from the same paths
     assert api.tokens == out["tokens"] and api.text == out["text"]
+
+
+def test_cli_jsonl_gives_one_result_per_line(pair, tmp_path):
+    target, draft = pair
+    lines = [{"prompt": "w1 w2 w3"}, {"prompt": "w4", "max_new_tokens": 5, "seed": 7}, {"prompt": "w5 w6"}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"), "--slots", "2",
+              "--max-new-tokens", "9")
+    assert run.returncode == 0, run.stderr
+    out = [json.loads(line) for line in run.stdout.splitlines()]
+    e = engine.Engine(target, draft)
+    assert [o["tokens"] for o in out] == [e.generate(**({"max_new_tokens": 9} | line)).tokens for line in lines]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n{"prompt": \n')
+    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "bad.jsonl"))
+    assert run.returncode == 1 and run.stderr.strip().startswith("error: ") and "bad.jsonl:2: not JSON" in run.stderr
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1", "colour": 3}\n')
+    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "bad.jsonl"))
+    assert run.returncode == 1 and "prompt 1: got an unexpected keyword argument 'colour'" in run.stderr
 
 
 def test_cli_streams_text_then_a_summary(pair):
