@@ -371,13 +371,13 @@ class Batch:
         check_fits(need, e.device, f"{R} slots' KV caches and logits", "lower --slots, --particles or the budget")
         new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=e.device)
         st = self.st = State()
-        st.tcache, st.dcache = (model.KVCache(c, N, prefix_cap, suffix_cap, e.device, e.dtype, R) for c in configs)\
-            if len(configs) == 2 else (model.KVCache(e.config, N, prefix_cap, suffix_cap, e.device, e.dtype, R), None)
+        st.tcache, st.dcache = [model.KVCache(c, N, prefix_cap, suffix_cap, e.device, e.dtype, R) for c in configs] \
+            + [None] * (2 - len(configs))
         st.rng = new(R, 2, dtype=torch.int64)
         st.temp_d, st.temp_t, st.top_p = new(R), new(R), new(R, value=1.0)
         st.top_k, st.max_new = new(R, dtype=torch.int64), new(R, dtype=torch.int32)
-        st.live, st.degenerate, st.finished = new(R, dtype=torch.bool), new(R, dtype=torch.bool), \
-            new(R, N, dtype=torch.bool, value=True)
+        st.live, st.degenerate = new(R, dtype=torch.bool), new(R, dtype=torch.bool)
+        st.finished = new(R, N, dtype=torch.bool, value=True)
         st.x0, st.prev = new(R, N, dtype=torch.int64, value=e.pad), new(R, N, dtype=torch.int64, value=e.pad)
         st.hist = new(R, N, suffix_cap, dtype=torch.int64)
         st.gen_len = new(R, dtype=torch.int32)
@@ -836,19 +836,6 @@ def apply_chat(tokenizer, messages):
                                                            bos_token="", eos_token="")
 
 
-class TextStream:
-    """Prints the text of the settled tokens as it grows, holding back a half-decoded UTF-8 character."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.shown = tokenizer, 0
-
-    def __call__(self, tokens):
-        text = self.tokenizer.decode(tokens)
-        if not text.endswith("\ufffd"):
-            print(text[self.shown:], end="", flush=True)
-            self.shown = len(text)
-
-
 def summary(stats):
     line = f"[{stats['method']}: {stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s"
     if stats["method"] == "sd":
@@ -946,11 +933,11 @@ def main(argv=None):
             return
         if args.chat:
             prompt = apply_chat(engine.tokenizer, prompt)
-        engine.request(prompt, **options)  # every check, before the weights are read and the prompt is echoed
-        stream = None if args.json else TextStream(engine.tokenizer)
-        if stream and not args.chat:
+        request = engine.request(prompt, on_text=None if args.json else lambda piece: print(piece, end="", flush=True),
+                                 **options)  # every check, before the weights are read and the prompt is echoed
+        if not args.json and not args.chat:
             print(prompt, end="", flush=True)
-        result = engine.generate(prompt, on_tokens=stream, **options)
+        result = engine.run([request])[0]
     except (model.LoadError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
@@ -958,7 +945,6 @@ def main(argv=None):
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
     else:
-        stream(result.tokens)
         print()
         print(summary(result.stats), file=sys.stderr)
     if result.stats["stop"] == "interrupted":

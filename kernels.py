@@ -5,11 +5,13 @@ Dispatch (`use_triton`): the Triton kernel on CUDA tensors, the reference on CPU
 TRITON_INTERPRET=1 was set before this module was imported (the tests). Without triton installed (macOS
 has no wheels) the references serve everywhere.
 
-Randomness: `rng` is an int64 tensor [2] = (seed, counter) on the data's device (`make_rng`). Each
-call that draws noise (`sample`, `resample`) keys its numbers on (seed, counter), then adds 1 to the
-counter in place on the device: a CUDA-graph replay draws fresh noise, the same seed replays the
-same run. Triton draws Philox numbers and the references draw from torch generators, so the two
-paths agree in distribution, not draw for draw."""
+Randomness: `rng` is an int64 tensor [R, 2] on the data's device, one (seed, counter) row per request
+(`make_rng`); the rows of the data are grouped by request, request r owning rows [r*M, (r+1)*M) of B = R*M.
+Each call that draws noise (`sample`, `resample`) keys request r's numbers on its own (seed, counter) and the
+row's index within the request, then adds 1 to every counter in place on the device: batching never changes
+a request's draws, a CUDA-graph replay draws fresh noise, the same seed replays the same run. Triton draws
+Philox numbers and the references draw from torch generators, so the two paths agree in distribution, not
+draw for draw."""
 import functools
 import os
 from types import SimpleNamespace
@@ -35,15 +37,37 @@ def use_triton(t):
 
 
 def make_rng(seed, device):
-    """The device-side random state every sampling call takes: int64 [2] = (seed, counter)."""
-    return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+    """The device-side random state every sampling call takes: int64 [R, 2], row r = (seed_r, counter 0),
+    from a seed per request (a list) or one seed (an int: R = 1)."""
+    seeds = [seed] if isinstance(seed, int) else seed
+    return torch.tensor([[s, 0] for s in seeds], dtype=torch.int64, device=device)
 
 
-def _next_generator(rng):
-    """A torch generator keyed on (seed, counter), for the references; advances the counter."""
-    seed, counter = rng.tolist()
-    rng[1] += 1
-    return torch.Generator(rng.device).manual_seed((seed * 0x9E3779B97F4A7C15 + counter) % 2**64)
+def _generators(rng):
+    """One torch generator per request keyed on its (seed, counter), for the references; advances the counters."""
+    keys = rng.tolist()
+    rng[:, 1] += 1
+    return [torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64) for s, c in keys]
+
+
+def _uniforms(gens, M, device):
+    """float32 [R * M, 1]: request r's M rows draw their uniforms from its own generator only."""
+    return torch.cat([torch.rand(M, 1, generator=g, device=device) for g in gens])
+
+
+def _temperatures(temperature, device, R=None):
+    """Temperature per request, float32 [R]: a tensor [R] as is, a Python float for all R requests
+    (R = None: the tensor's length, or 1)."""
+    if torch.is_tensor(temperature):
+        assert R in (None, len(temperature)), "one temperature per request"
+        return temperature.float().contiguous()
+    return torch.full((R or 1,), temperature, dtype=torch.float32, device=device)
+
+
+def _per_row(t, B):
+    """Request r's value for each of its rows [r*M, (r+1)*M) of B = R*M: [R] -> [B]. No host sync."""
+    assert B % len(t) == 0, "rows are grouped by request: B must be a multiple of R"
+    return t.repeat_interleave(B // len(t))
 
 
 @jit
@@ -282,41 +306,44 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
 
 def sample_ref(logits, temperature, rng):
     """Inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform draw times
-    the total. -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0. (On CPU this is
-    ~10x cheaper than Gumbel noise for every vocabulary entry; the kernel's one streaming pass needs Gumbel.)"""
-    gen = _next_generator(rng)
-    x = logits.float()  # [B, V]
-    if temperature == 0:
-        tokens = x.argmax(-1)
-        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
-    x = x * (1 / temperature)
+    the total. -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0. Request r's M rows
+    take their M uniforms from a generator keyed on rng[r] alone. (On CPU this is ~10x cheaper than Gumbel
+    noise for every vocabulary entry; the kernel's one streaming pass needs Gumbel.)"""
+    B, R = logits.shape[0], rng.shape[0]
+    t = _per_row(_temperatures(temperature, logits.device, R), B)[:, None]  # [B, 1]
+    x = logits.float() / t.where(t > 0, 1.0)  # [B, V]
     top = x.amax(-1, keepdim=True)  # [B, 1]
     cdf = (x - top).exp_().cumsum_(-1)  # [B, V] nondecreasing, so tokens of probability 0 are never hit
-    u = torch.rand(top.shape, generator=gen, device=x.device) * cdf[:, -1:]
+    u = _uniforms(_generators(rng), B // R, x.device) * cdf[:, -1:]  # greedy rows draw too: alone == batched
     last = cdf.argmax(-1, keepdim=True)  # the last token of nonzero probability: u * total may round up
-    tokens = torch.searchsorted(cdf, u, right=True).minimum(last)  # [B, 1]
-    return tokens[:, 0], (x.gather(-1, tokens) - top - cdf[:, -1:].log())[:, 0]
+    tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, x.argmax(-1, keepdim=True))
+    return tokens[:, 0], (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)[:, 0]
 
 
 def token_logprobs_ref(logits, tokens, temperature):
     """log softmax(logits / T)[tokens], float32 [B]. T = 0: 0 for the argmax token, -inf otherwise."""
-    x = logits.float()
-    picked = x.gather(-1, tokens[:, None])[:, 0]
-    if temperature == 0:
-        return torch.where(picked >= x.amax(-1), 0.0, float("-inf"))
-    return picked / temperature - (x / temperature).logsumexp(-1)
+    t = _per_row(_temperatures(temperature, logits.device), logits.shape[0])[:, None]  # [B, 1]
+    x = logits.float() / t.where(t > 0, 1.0)
+    picked = x.gather(-1, tokens[:, None])
+    greedy = torch.where(picked >= x.amax(-1, keepdim=True), 0.0, float("-inf"))
+    return (picked - x.logsumexp(-1, keepdim=True)).where(t > 0, greedy)[:, 0]
 
 
 @jit
-def _vocab_chunk_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, max_ptr, sum_ptr, key_ptr, x_ptr, at_ptr,
+def _vocab_chunk_kernel(logits_ptr, stride_b, V, M, temp_ptr, rng_ptr, max_ptr, sum_ptr, key_ptr, x_ptr, at_ptr,
                         CHUNK: tl.constexpr, SAMPLE: tl.constexpr, NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
     """One vocabulary chunk of one row, streamed once: the max of the tempered logits x and the sum of
-    exp(x - max); with SAMPLE also the chunk's Gumbel-max winner (key, x, index); NOISE off = greedy."""
+    exp(x - max); with SAMPLE also the chunk's Gumbel-max winner (key, x, index). The row belongs to
+    request b // M, whose temperature (0 = greedy: no noise) and (seed, counter) it reads; NOISE off = all
+    greedy."""
     b, c = tl.program_id(0), tl.program_id(1)
     row = logits_ptr + b.to(tl.int64) * stride_b
-    if NOISE:
-        seed = tl.load(rng_ptr)
-        stream = (tl.load(rng_ptr + 1) << 32) + b.to(tl.int64) * V  # Philox counter: (element, call)
+    r = b // M
+    temp = tl.load(temp_ptr + r)
+    inv_temp = 1.0 / tl.where(temp > 0, temp, 1.0)
+    if NOISE:  # Philox counter (element within the request, call): the request's other rows never enter
+        seed = tl.load(rng_ptr + 2 * r)
+        stream = (tl.load(rng_ptr + 2 * r + 1) << 32) + (b % M).to(tl.int64) * V
     m, total = -1e30, 0.0  # finite, so an all -inf tile adds nothing instead of NaN
     best, best_x, best_at = float("-inf"), 0.0, 0
     for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), BLOCK_V):
@@ -328,7 +355,7 @@ def _vocab_chunk_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, max_ptr, sum
         if SAMPLE:
             key = x
             if NOISE:
-                key = x - tl.log(-tl.log(tl.rand(seed, stream + v)))
+                key = tl.where(temp > 0, x - tl.log(-tl.log(tl.rand(seed, stream + v))), x)
             at = tl.argmax(key, 0)
             better = tl.max(key, 0) > best  # strict: ties keep the lowest index, like torch.argmax
             best = tl.where(better, tl.max(key, 0), best)
@@ -343,49 +370,58 @@ def _vocab_chunk_kernel(logits_ptr, stride_b, V, inv_temp, rng_ptr, max_ptr, sum
         tl.store(at_ptr + out, best_at.to(tl.int64))
 
 
-def _vocab_chunks(logits, temperature, rng, sample):
-    """Per (row, chunk) partials [B, C] of `_vocab_chunk_kernel`: max, sum and, when sampling, key, x,
-    index. Rows are cut into chunks so a few rows still spread over ~256 programs (the whole GPU)."""
+def _vocab_chunks(logits, temperature, rng, noise):
+    """Per (row, chunk) partials [B, C] of `_vocab_chunk_kernel`: max, sum and, given rng, key, x, index.
+    temperature float32 [R]. Rows are cut into chunks so one request's M rows spread over ~256 programs (the
+    whole GPU); sized by M, not B, so a request's partial sums come out the same to the bit in any batch."""
     B, V = logits.shape
-    assert B * V < 2**32 and logits.stride(-1) == 1, "Philox element offsets are 32-bit"
+    M = B // len(temperature)
+    assert M * len(temperature) == B, "rows are grouped by request: B must be a multiple of R"
+    assert M * V < 2**32 and logits.stride(-1) == 1, "Philox element offsets are 32-bit"
     block_v = 256 if INTERPRET else 2048
     tiles = triton.cdiv(V, block_v)
-    chunk = block_v * triton.cdiv(tiles, min(tiles, triton.cdiv(256, B)))
+    chunk = block_v * triton.cdiv(tiles, min(tiles, triton.cdiv(256, M)))
     floats = torch.empty(4, B, triton.cdiv(V, chunk), dtype=torch.float32, device=logits.device)
     at = torch.empty(floats.shape[1:], dtype=torch.int64, device=logits.device)
     _vocab_chunk_kernel[floats.shape[1:]](
-        logits, logits.stride(0), V, 1 / (temperature or 1.0), rng if sample else at, *floats, at,
-        CHUNK=chunk, SAMPLE=sample, NOISE=sample and temperature != 0, BLOCK_V=block_v, num_warps=8)
+        logits, logits.stride(0), V, M, temperature, at if rng is None else rng, *floats, at,
+        CHUNK=chunk, SAMPLE=rng is not None, NOISE=noise, BLOCK_V=block_v, num_warps=8)
     return (*floats, at)
 
 
-def _logprob(picked, chunk_max, chunk_sum, temperature):
-    """log-prob of the tempered logit `picked` [B] given each chunk's max and sum(exp(x - max)) [B, C]."""
-    if temperature == 0:
-        return torch.where(picked >= chunk_max.amax(-1), 0.0, float("-inf"))
-    return picked - (chunk_max + chunk_sum.log()).logsumexp(-1)
+def _logprob(picked, chunk_max, chunk_sum, t):
+    """log-prob of the tempered logit `picked` [B] given each chunk's max and sum(exp(x - max)) [B, C];
+    t: the row's temperature [B], greedy where 0."""
+    greedy = torch.where(picked >= chunk_max.amax(-1), 0.0, float("-inf"))
+    return (picked - (chunk_max + chunk_sum.log()).logsumexp(-1)).where(t > 0, greedy)
 
 
 def sample(logits, temperature, rng):
-    """Draw one token per row of logits [B, V] from softmax(logits / temperature) (a Python float;
-    0 = greedy) -> (tokens int64 [B], their log-probs float32 [B], 0 when greedy).
-    Noise keyed on rng = (seed, counter); the counter is incremented in place on the device."""
+    """Draw one token per row of logits [B, V], grouped by request, from softmax(logits / temperature) ->
+    (tokens int64 [B], their log-probs float32 [B], 0 when greedy). temperature: a Python float, or float32
+    [R] per request; 0 = greedy. Request r's noise is keyed on rng[r] = (seed, counter) [R, 2] and the row's
+    index within the request; every counter is incremented in place on the device. No host sync."""
     if not use_triton(logits):
         return sample_ref(logits, temperature, rng)
-    chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, temperature, rng, True)
-    rng[1:].add_(1)
+    t = _temperatures(temperature, logits.device, rng.shape[0])  # [R]
+    chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, t, rng, torch.is_tensor(temperature) or temperature != 0)
+    rng[:, 1].add_(1)
     winner = key.argmax(-1, keepdim=True)  # [B, 1] the chunk holding the row's Gumbel-max
-    return at.gather(1, winner)[:, 0], _logprob(x.gather(1, winner)[:, 0], chunk_max, chunk_sum, temperature)
+    picked = x.gather(1, winner)[:, 0]
+    return at.gather(1, winner)[:, 0], _logprob(picked, chunk_max, chunk_sum, _per_row(t, len(logits)))
 
 
 def token_logprobs(logits, tokens, temperature):
     """log softmax(logits [B, V] / temperature)[tokens [B]] -> float32 [B], in one pass over logits.
-    Temperature 0 is the greedy distribution: 0 for the argmax token, -inf for any other."""
+    temperature: a Python float, or float32 [R] for R requests of B // R rows each. Temperature 0 is the
+    greedy distribution: 0 for the argmax token, -inf for any other."""
     if not use_triton(logits):
         return token_logprobs_ref(logits, tokens, temperature)
-    chunk_max, chunk_sum = _vocab_chunks(logits, temperature, None, False)[:2]
-    picked = logits.gather(1, tokens[:, None])[:, 0].float() * (1 / (temperature or 1.0))  # as the kernel
-    return _logprob(picked, chunk_max, chunk_sum, temperature)
+    t = _temperatures(temperature, logits.device)  # [R]
+    chunk_max, chunk_sum = _vocab_chunks(logits, t, None, False)[:2]
+    rows = _per_row(t, len(logits))  # [B]
+    picked = logits.gather(1, tokens[:, None])[:, 0].float() * (1.0 / rows.where(rows > 0, 1.0))  # as the kernel
+    return _logprob(picked, chunk_max, chunk_sum, rows)
 
 
 # ---------------------------------------------------------------- resampling
@@ -405,6 +441,7 @@ def resample_ref(logw, threshold, rng):
     """Systematic resampling of logw [R, N] float32 where ESS < threshold * N.
     -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R]."""
     R, N = logw.shape
+    assert rng.shape == (R, 2), "one (seed, counter) per request"
     i = torch.arange(N, device=logw.device)
     nan = logw.isnan()
     x = logw.masked_fill(nan, float("-inf"))
@@ -414,7 +451,7 @@ def resample_ref(logw, threshold, rng):
     w = u / u.sum(-1, keepdim=True)
     ess = (u.sum(-1) ** 2 / (u * u).sum(-1)).clamp(1, N)  # k equal weights give exactly k, as the kernel
     resampled = ess < threshold * N
-    pos = (i + torch.rand(R, 1, generator=_next_generator(rng), device=logw.device)) / N  # [R, N]
+    pos = (i + _uniforms(_generators(rng), 1, logw.device)) / N  # [R, N], request r's uniform its own
     last = torch.where(w > 0, i, 0).amax(-1, keepdim=True)  # catches pos beyond a rounded-down total
     hit = (w.cumsum(-1)[:, None, :] > pos[:, :, None]) & (w[:, None, :] > 0)  # [R, slot, particle]
     systematic = torch.where(hit, i, last[:, :, None]).amin(-1)  # sorted; never a zero weight
@@ -441,7 +478,7 @@ def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, d
     w = u / total
     ess = tl.minimum(tl.maximum(total * total / tl.sum(u * u, 0), 1.0), N)
     resampled = ess < ess_limit
-    u = tl.rand(tl.load(rng_ptr), (tl.load(rng_ptr + 1) << 32) + r)
+    u = tl.rand(tl.load(rng_ptr + 2 * r), tl.load(rng_ptr + 2 * r + 1) << 32)  # keyed on request r's rng only
     pos = (i + u) / N
     last = tl.max(tl.where(w > 0, i, 0), 0)
     hit = (tl.cumsum(w, 0)[None, :] > pos[:, None]) & (w[None, :] > 0)  # [slot, particle]
@@ -465,20 +502,21 @@ def resample(logw, threshold, rng):
     the paper): threshold 0 never resamples, 1 whenever the weights are not all equal (equal weights
     would give every particle itself anyway). Ancestors put each particle with k >= 1 offspring (k is
     floor or ceil of N w) in its own slot and its k - 1 spare copies in the slots of particles with
-    none, so only childless particles are overwritten; rows not resampled get the identity. The
-    uniform is keyed on rng = (seed, counter) and the counter incremented in place. No host sync. The
-    caller resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)).
+    none, so only childless particles are overwritten; rows not resampled get the identity. Request r's
+    uniform is keyed on its own rng[r] = (seed, counter) only, and every counter incremented in place. No
+    host sync. The caller resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)).
     -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all
     -inf row)."""
     if not use_triton(logw):
         return resample_ref(logw, threshold, rng)
     R, N = logw.shape
+    assert rng.shape == (R, 2), "one (seed, counter) per request"
     ancestors = torch.empty(R, N, dtype=torch.int64, device=logw.device)
     ess = torch.empty(R, dtype=torch.float32, device=logw.device)
     resampled, degenerate = (torch.empty(R, dtype=torch.bool, device=logw.device) for _ in range(2))
     _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N, threshold * N,
                            BLOCK=max(triton.next_power_of_2(N), 2))  # threshold * N rounded as the reference does
-    rng[1:].add_(1)
+    rng[:, 1].add_(1)
     return ancestors, ess, resampled, degenerate
 
 

@@ -57,9 +57,14 @@ def cases():
                lambda: kernels.sample_ref(logits, 0.7, rng), logits.nbytes)
         yield ("token_logprobs", f"B={B} V={V}", lambda: kernels.token_logprobs(logits, tokens, 0.7),
                lambda: kernels.token_logprobs_ref(logits, tokens, 0.7), logits.nbytes)
-    logw = torch.randn(1, N, device=DEVICE)
-    yield ("resample", f"R=1 N={N}", lambda: kernels.resample(logw, 0.5, rng),
-           lambda: kernels.resample_ref(logw, 0.5, rng), None)
+    R, B = 4, N * (K + 1)  # batched requests, each with its own seed and temperature
+    logits = torch.randn(R * B, V, dtype=torch.bfloat16, device=DEVICE)
+    rngs, temperature = kernels.make_rng(list(range(R)), DEVICE), torch.tensor([0.7, 1.0, 0.0, 0.7], device=DEVICE)
+    yield ("sample", f"R={R} x B={B} V={V}, T per request", lambda: kernels.sample(logits, temperature, rngs),
+           lambda: kernels.sample_ref(logits, temperature, rngs), logits.nbytes)
+    for logw, rng in ((torch.randn(1, N, device=DEVICE), rng), (torch.randn(R, N, device=DEVICE), rngs)):
+        yield ("resample", f"R={len(logw)} N={N}", lambda: kernels.resample(logw, 0.5, rng),
+               lambda: kernels.resample_ref(logw, 0.5, rng), None)
     cache = torch.randn(LAYERS, 1, N, HKV, CACHE, D, dtype=torch.bfloat16, device=DEVICE)
     ancestors = torch.arange(N, device=DEVICE)[None].clone()
     ancestors[0, 1], ancestors[0, -1] = 0, 0  # 2 particles move

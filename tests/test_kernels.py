@@ -138,12 +138,18 @@ SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytes
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-def test_sample_frequencies_match_tempered_softmax(sampler):
-    logits, temperature, draws = torch.tensor([1.0, 0.0, -0.5, 0.5], device=DEVICE), 0.7, 600
-    tokens, _ = sampler(logits.expand(draws, 4), temperature, kernels.make_rng(3, DEVICE))
-    expected = draws * torch.softmax(logits / temperature, -1).cpu()
-    observed = torch.bincount(tokens.cpu(), minlength=4).double()
-    assert ((observed - expected) ** 2 / expected).sum() < chi2_quantile(3)
+@pytest.mark.parametrize("temperatures", [0.7, (0.7, 1.5)], ids=["float", "per-request"])
+def test_sample_frequencies_match_tempered_softmax(sampler, temperatures):
+    """A float for all rows, or a tensor [R]: each request's rows follow its own tempered softmax."""
+    logits, draws = torch.tensor([1.0, 0.0, -0.5, 0.5], device=DEVICE), 600
+    per_request = isinstance(temperatures, tuple)
+    rng = kernels.make_rng([3, 4] if per_request else 3, DEVICE)
+    t = torch.tensor(temperatures, device=DEVICE) if per_request else temperatures
+    tokens, _ = sampler(logits.expand(draws, 4), t, rng)
+    for rows, temperature in zip(tokens.view(len(rng), -1), temperatures if per_request else [t]):
+        expected = len(rows) * torch.softmax(logits / temperature, -1).cpu()
+        observed = torch.bincount(rows.cpu(), minlength=4).double()
+        assert ((observed - expected) ** 2 / expected).sum() < chi2_quantile(3)
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
@@ -180,9 +186,43 @@ def test_same_seed_same_tokens_new_counter_new_tokens(sampler):
     rng_a, rng_b = kernels.make_rng(7, DEVICE), kernels.make_rng(7, DEVICE)
     first = sampler(logits, 1.0, rng_a)[0]
     assert torch.equal(first, sampler(logits, 1.0, rng_b)[0])
-    assert rng_a.tolist() == [7, 1]
+    assert rng_a.tolist() == [[7, 1]]
     assert not torch.equal(first, sampler(logits, 1.0, rng_a)[0])
     assert not torch.equal(first, sampler(logits, 1.0, kernels.make_rng(8, DEVICE))[0])
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_sample_batching_never_changes_a_requests_draws(sampler):
+    """Request r's noise is keyed on its own (seed, counter) and its rows' index within it: alone or in
+    a batch, it draws the same tokens with the same log-probs. Requests 0 and 2 (same seed, temperature
+    and logits) are duplicates; request 1 is greedy; every counter advances by 1."""
+    M, seeds, temps = 4, [5, 9, 5, 11], [0.7, 0.0, 0.7, 1.3]
+    logits = torch.randn(M, 300, generator=torch.Generator().manual_seed(2)).to(DEVICE).repeat(len(seeds), 1)
+    temperature, rng = torch.tensor(temps, device=DEVICE), kernels.make_rng(seeds, DEVICE)
+    tokens, logprobs = (x.view(len(seeds), M) for x in sampler(logits, temperature, rng))
+    assert rng.tolist() == [[s, 1] for s in seeds]
+    for r, seed in enumerate(seeds):
+        alone = sampler(logits[r * M:(r + 1) * M], temperature[r:r + 1], kernels.make_rng(seed, DEVICE))
+        assert torch.equal(alone[0], tokens[r]) and torch.equal(alone[1], logprobs[r])
+    assert torch.equal(tokens[0], tokens[2]) and torch.equal(logprobs[0], logprobs[2])
+    assert torch.equal(tokens[1], logits[:M].argmax(-1)) and torch.equal(logprobs[1], torch.zeros(M, device=DEVICE))
+    assert len(set(tokens[0].tolist())) > 1  # a request's rows draw different noise
+
+
+LOGPROBS = [pytest.param(kernels.token_logprobs, marks=needs_triton, id="triton"),
+            pytest.param(kernels.token_logprobs_ref, id="ref")]
+
+
+@pytest.mark.parametrize("logprobs", LOGPROBS)
+def test_token_logprobs_per_request_temperature(logprobs):
+    """A temperature tensor [R] gives request r's rows what the float call on them alone gives."""
+    logits, temps = torch.randn(6, 300, device=DEVICE), [0.5, 0.0, 1.3]
+    tokens = logits.argmax(-1)
+    tokens[1::2] = (tokens[1::2] + 1) % 300  # each request: its argmax token, then another
+    out = logprobs(logits, tokens, torch.tensor(temps, device=DEVICE))
+    for r, t in enumerate(temps):
+        assert torch.equal(out[2 * r:2 * r + 2], logprobs(logits[2 * r:2 * r + 2], tokens[2 * r:2 * r + 2], t))
+    assert out[2:4].tolist() == [0.0, float("-inf")] and out[[0, 1, 4, 5]].isfinite().all()
 
 
 @needs_triton
@@ -223,19 +263,35 @@ def check_offspring(logw, ancestors):
 def test_resample_offspring_are_floor_or_ceil(resampler):
     gen = torch.Generator().manual_seed(0)
     logw = (2 * torch.randn(3, 8, generator=gen)).to(DEVICE)
-    rng = kernels.make_rng(0, DEVICE)
+    rng = kernels.make_rng([0, 1, 2], DEVICE)
     for _ in range(5):
         ancestors, _, resampled, _ = resampler(logw, 1.0, rng)
         assert resampled.all()
         check_offspring(logw, ancestors)
-    assert rng.tolist() == [0, 5]
+    assert rng.tolist() == [[0, 5], [1, 5], [2, 5]]
+
+
+@pytest.mark.parametrize("resampler", RESAMPLERS)
+def test_resample_batching_never_changes_a_requests_draws(resampler):
+    """Request r's uniform is keyed on its own (seed, counter) only: resampled alone or in a batch, a
+    row gets the same ancestors (rows 1 and 3, same weights and seed, are duplicates)."""
+    logw = (2 * torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).to(DEVICE)
+    logw[3] = logw[1]
+    seeds = [3, 1, 4, 1]
+    rng = kernels.make_rng(seeds, DEVICE)
+    batched = resampler(logw, 1.0, rng)
+    assert rng.tolist() == [[s, 1] for s in seeds] and batched[2].all()
+    for r, seed in enumerate(seeds):
+        alone = resampler(logw[r:r + 1], 1.0, kernels.make_rng(seed, DEVICE))
+        assert all(torch.equal(a[0], b[r]) for a, b in zip(alone, batched))
+    assert torch.equal(batched[0][1], batched[0][3])
 
 
 @pytest.mark.parametrize("resampler", RESAMPLERS)
 def test_resample_ess_and_thresholds(resampler):
     logw = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -1.0, -2.0, -30.0], [5.0, -30.0, -30.0, -30.0]], device=DEVICE)
     w = weights(logw)
-    rng = kernels.make_rng(0, DEVICE)
+    rng = kernels.make_rng([0, 1, 2], DEVICE)
     identity = torch.arange(4, device=DEVICE).expand(3, 4)
     ancestors, ess, resampled, degenerate = resampler(logw, 0.0, rng)
     torch.testing.assert_close(ess, 1 / (w * w).sum(-1))
@@ -269,7 +325,7 @@ def test_resample_exact_offspring(resampler):
     """N w integral: systematic resampling is deterministic, and childless slots fill in order."""
     inf, nan = float("inf"), float("nan")
     logw = torch.tensor([[0.0, -inf, 0.0, -inf], [-inf, -inf, 1.0, -inf], [-1.0, -1.0, nan, nan]], device=DEVICE)
-    ancestors, _, _, degenerate = resampler(logw, 1.0, kernels.make_rng(0, DEVICE))
+    ancestors, _, _, degenerate = resampler(logw, 1.0, kernels.make_rng([0, 1, 2], DEVICE))
     assert ancestors.tolist() == [[0, 0, 2, 2], [2, 2, 2, 2], [0, 1, 0, 1]]
     assert degenerate.tolist() == [False, False, True]
 
@@ -285,8 +341,9 @@ logw_rows = st.integers(1, 12).flatmap(lambda n: st.lists(st.lists(
 def test_resample_properties(rows, threshold, seed):
     logw = torch.tensor(rows, dtype=torch.float32, device=DEVICE)
     N = logw.shape[1]
-    out = kernels.resample(logw, threshold, kernels.make_rng(seed, DEVICE))
-    ref = kernels.resample_ref(logw, threshold, kernels.make_rng(seed, DEVICE))
+    seeds = [seed + r for r in range(len(rows))]
+    out = kernels.resample(logw, threshold, kernels.make_rng(seeds, DEVICE))
+    ref = kernels.resample_ref(logw, threshold, kernels.make_rng(seeds, DEVICE))
     ancestors, ess, resampled, degenerate = out
     torch.testing.assert_close(ess, ref[1])
     assert torch.equal(resampled, ref[2]) and torch.equal(degenerate, ref[3])
@@ -396,6 +453,6 @@ def test_cuda_graph_replays_draw_fresh_noise_and_read_lengths_on_device():
     first = tokens.clone()
     slen -= 60
     graph.replay()
-    assert not torch.equal(first, tokens) and rng.tolist() == [0, 3]
+    assert not torch.equal(first, tokens) and rng.tolist() == [[0, 3]]
     ref = kernels.particle_attention_ref(q, pk, pv, sk, sv, plen, slen, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
