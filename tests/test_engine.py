@@ -417,6 +417,21 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
         assert [r.stats["stop"] for r in together] == [r.stats["stop"] for r in alone]
 
 
+@pytest.mark.parametrize("method", engine.METHODS)
+def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, method):
+    """On a CUDA graph the cycle runs over all slots, empty ones included (recording swapped for the warm-up
+    cycle, so this runs on a CPU): empty slots append nothing and disturb no one; one recording per batch."""
+    e = engine.Engine(eos_prone(0), eos_prone(1))
+    options = dict(method=method, particles=3, draft_len=2, temperature=1.0, slots=3)
+    eager = e.generate(mixed_requests(method), **options)
+    recordings = []
+    monkeypatch.setattr(engine, "record", lambda cycle: recordings.append(1) or cycle() or cycle)
+    monkeypatch.setattr(engine, "graphs_apply", lambda s, st: True)
+    graph = e.generate(mixed_requests(method), **options)
+    assert [r.tokens for r in graph] == [r.tokens for r in eager]
+    assert 1 <= len(recordings) <= 2  # a graph with top-p in the batch, one without: each recorded once
+
+
 def test_requests_of_different_shapes_share_a_call():
     """Different methods (or N, K) make different batches, which take turns; each output is the one alone."""
     e = engine.Engine(TARGET, DRAFT)
