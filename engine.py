@@ -11,6 +11,7 @@ place (captured once as a CUDA graph on CUDA, called eagerly elsewhere), then on
 [done, settled, degenerate] by the host, which passes settled text on, ends finished requests and admits
 waiting ones into the freed slots (continuous batching)."""
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -74,10 +75,8 @@ class Result:
 
 def shape(method, particles, draft_len, device):
     """A request's (N particles, K draft tokens) where not given: ar 1 x 1, sd K=4; smc by device, from the
-    bench grid's cells that resample and so stream text as they go (N=2 at the default threshold 0.5 never
-    resamples: ESS >= 1 always). On a CPU every verify row costs compute: N=3, K=2 measured 1.65x `ar` on code
-    and 1.51x on prose, 0.99 of the text streamed (README, Results). On a GPU decoding is memory-bound, a verify
-    of N x (K+1) rows reads the same weights as one of a single row: N=4, K=4 (not yet measured)."""
+    bench grid's cells that resample and so stream text (README, Results): on a CPU, where every verify row costs
+    compute, N=3, K=2; on a GPU, where a verify of N x (K+1) rows reads the weights once, N=4, K=4."""
     if method == "ar":
         return 1, 1
     default_n, default_k = ((3, 2) if device.type == "cpu" else (4, 4)) if method == "smc" else (1, 4)
@@ -235,12 +234,11 @@ def until_eos(tokens, eos_ids):
 def take(inbox, block):
     """Everything in the queue now, waiting for a first item if block -> list."""
     items = []
-    try:
+    with contextlib.suppress(queue.Empty):
         items.append(inbox.get(block=block))
         while True:
             items.append(inbox.get_nowait())
-    except queue.Empty:
-        return items
+    return items
 
 
 # ---------------------------------------------------------------- decoding state
@@ -703,15 +701,18 @@ class Engine:
                     self.end({}, [req], "cancelled")
 
     def end(self, batches, waiting, why, error=None):
-        """End every request in batches and waiting with stats["stop"] = why."""
+        """End every request in batches and in waiting with what it made so far and stats["stop"] = why; after
+        an error (its message in stats["error"]) the batches' device state is not read again."""
         for b in batches.values():
-            b.collect(stop=why)
+            if error is None:
+                b.collect(stop=why)
+            waiting = waiting + ([req for req in b.requests if req] if error is not None else [])
         for req in waiting:
-            stats = {"method": req.s.method, "prompt_tokens": len(req.ids), "new_tokens": 0, "seconds": 0.0,
-                     "prefill_seconds": 0.0, "streamed": 0, "tokens_per_s": 0.0, "cycles": 0, "stop": why}
-            req.finish([], stats | ({"error": " ".join(str(error).split())} if error else {}),
+            stats = {"method": req.s.method, "prompt_tokens": len(req.ids), "new_tokens": len(until_eos(req.settled, self.config.eos_ids)),
+                     "seconds": 0.0, "prefill_seconds": 0.0, "streamed": 0, "tokens_per_s": 0.0, "cycles": req.cycles,
+                     "stop": why}
+            req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
                        self.config.eos_ids)
-        waiting.clear()
 
     # ------------------------------------------------------------ cycles: fixed shapes, no host sync
 

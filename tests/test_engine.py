@@ -478,6 +478,33 @@ def test_serve_takes_requests_from_a_queue_until_none():
     assert not worker.is_alive() and len(done) == 3 and all(len(r.tokens) == 6 for r in done)
 
 
+def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
+    import queue
+    e = engine.Engine(TARGET, DRAFT)
+    verify, calls = e.verify, []
+
+    def failing(st, t, s):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of\nmemory")
+        return verify(st, t, s)
+    monkeypatch.setattr(e, "verify", failing)
+    inbox, done = queue.Queue(), []
+    first = e.request(PROMPT, method="smc", max_new_tokens=20, on_done=done.append)
+    second = e.request(PROMPT, method="smc", max_new_tokens=20, seed=1, on_done=done.append)
+    inbox.put(first)
+    for item in e.serving(inbox, 1, None, False):
+        if len(done) == 1:
+            inbox.put(second)
+        if len(done) == 2:
+            break
+    assert first.result.stats["stop"] == "error" and first.result.stats["error"] == "out of memory"
+    assert second.result.stats["stop"] == "length" and len(second.result.tokens) == 20
+    with pytest.raises(RuntimeError):  # the API (until_idle) raises instead
+        calls.clear()
+        e.generate(PROMPT, method="smc", max_new_tokens=20)
+
+
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_stop_strings_and_the_text_stream(tmp_path, method):
     """The stream's pieces add up to the result's text; a stop string ends the text before it (and may not
