@@ -1,15 +1,18 @@
 """Side-by-side benchmark: speed of ar, sd and smc (a grid of N particles x K draft tokens) against the
 memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
-code-completion requests, the transformers peer baseline, and pass@1 on the code-completion set.
+code-completion requests, throughput and latency of R requests decoded together (continuous batching), the
+transformers peer baseline, and pass@1 on the code-completion set.
 
     python bench.py                                  # default pair, code and prose prompts, 128 new tokens
     python bench.py --quick                          # one-prompt smoke run
     python bench.py --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256 --new-tokens 256
     python bench.py --skip-quality --prompt-lengths 100,4000 --short-requests 0  # two lengths, no short requests
+    python bench.py --skip-quality --grid "" --prompt-lengths "" --short-requests 0 --concurrency 1,4  # batches only
 
 Prints markdown tables and writes every figure, the settings, the machine and the date to --out (JSON).
 Methods run interleaved per prompt in one process: ratios within a run are what count on a noisy machine."""
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -327,16 +330,27 @@ def short_requests(e, args):
 # ---------------------------------------------------------------- peer baseline
 
 
-def peer(paths, ids_by_prompt, pad, args):
+HF_GENERATE = "hf generate (static cache)"
+
+
+def peer_models(paths, args):
+    """-> (target, draft): the pair as transformers models, same dtype."""
+    from transformers import AutoModelForCausalLM
+    dtype = getattr(torch, args.dtype)
+    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in paths[::-1])
+
+
+def peer_options(pad):
+    """transformers' sampling as the engine's: temperature only, top-k and top-p off."""
+    return dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
+
+
+def peer(models, ids_by_prompt, pad, args):
     """transformers' generate on the same prompts: the target alone with a static cache, and assisted
     generation with the draft (its default dynamic cache), same dtype, sampling temperature and threads."""
-    from transformers import AutoModelForCausalLM
-    draft_dir, target_dir = paths
-    dtype = getattr(torch, args.dtype)
-    target, draft = (AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in (target_dir, draft_dir))
-    options = dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
-    runners = {"hf generate (static cache)": dict(cache_implementation="static"),
-               "hf assisted (draft)": dict(assistant_model=draft)}
+    target, draft = models
+    options = peer_options(pad)
+    runners = {HF_GENERATE: dict(cache_implementation="static"), "hf assisted (draft)": dict(assistant_model=draft)}
     rows = []
     for label, extra in runners.items():
         for name, ids in ids_by_prompt.items():
@@ -350,6 +364,132 @@ def peer(paths, ids_by_prompt, pad, args):
                 rates.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - start))
             rows.append({"prompt": name, "method": label, "tokens_per_s": statistics.median(rates), "runs": rates})
     return rows
+
+
+# ---------------------------------------------------------------- batches (continuous batching)
+#
+# R requests decoded together, as a server decodes R concurrent requests. A cycle over R slots reads the weights
+# once for all of them, so throughput grows with R almost for free until the rows of a forward (ar: R, sd: R x
+# (K+1), smc: R x N x (K+1) per verify) make it compute-bound. On a GPU that takes many rows: the aim is that smc
+# keeps its lead over ar as R grows, where sd loses it. On a 2-core CPU every row costs compute and only a few
+# rows are nearly free: ar (one row a request) gains most from batching, while sd and smc, which already verify
+# several rows a request, turn compute-bound after two or so requests, and ar overtakes them.
+
+
+def batch_prompts(e, args, n):
+    """n distinct prompts as token ids, the same for every method and R (R takes the first R): the first n
+    code-completion problems, alike in kind and length (about 150 tokens), so that R=1 and R=8 differ in
+    concurrency rather than in what is asked (sd is fast on code, slow on prose); random ids of --prompt-len
+    tokens for random models."""
+    if e.tokenizer is None:
+        g = torch.Generator().manual_seed(3)
+        return [torch.randint(0, e.config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+    return [e.encode(p["prompt"]) for p in quality.load_problems()[:n]]
+
+
+@contextlib.contextmanager
+def graph_recording():
+    """Yields a list that collects the seconds spent recording CUDA graphs inside the block: every generate call
+    makes a batch of its own, which records its cycle at its first cycle. That is set-up, not decoding, and the
+    engine's per-request seconds leave it out too. Nothing is recorded on a CPU."""
+    spent, record = [], engine.record
+
+    def timed(cycle):
+        start = time.perf_counter()
+        out = record(cycle)
+        spent.append(time.perf_counter() - start)
+        return out
+    engine.record = timed
+    try:
+        yield spent
+    finally:
+        engine.record = record
+
+
+def run_batch(e, prompts, method, N, K, new_tokens, seed):
+    """One generate call of len(prompts) requests in as many slots, each request seeded on its own -> the
+    figures of the call: throughput (all new tokens over the wall clock of the call, prefills included, CUDA-graph
+    recording excluded) and the per-request latency (stats["seconds"]: from its prefill to its last token)."""
+    requests = [{"prompt": ids, "seed": 1000 * seed + i} for i, ids in enumerate(prompts)]
+    with graph_recording() as recording:
+        start = time.perf_counter()
+        results = e.generate(requests, slots=len(prompts), method=method, max_new_tokens=new_tokens,
+                             temperature=TEMPERATURE, particles=N, draft_len=K)
+        wall = time.perf_counter() - start
+    stats = [r.stats for r in results]
+    seconds = wall - sum(recording)
+    latency = [s["seconds"] for s in stats]
+    prefill = sum(s["prefill_seconds"] for s in stats)
+    return {"new_tokens": sum(s["new_tokens"] for s in stats), "seconds": seconds, "capture_s": sum(recording),
+            "tokens_per_s": sum(s["new_tokens"] for s in stats) / seconds, "prefill_s": prefill,
+            "prefill_share": prefill / seconds, "mean_latency_s": statistics.mean(latency),
+            "max_latency_s": max(latency), "request_tokens_per_s": statistics.mean(s["tokens_per_s"] for s in stats),
+            "eos_stops": sum(s["stop"] == "eos" for s in stats)}
+
+
+def median_run(key, runs):
+    """A row from the runs of one (R, method): the median throughput, the other figures from the median run."""
+    ordered = sorted(runs, key=lambda run: run["tokens_per_s"])
+    return {**key, **ordered[len(ordered) // 2], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "runs": [r["tokens_per_s"] for r in runs]}
+
+
+def batches(e, args):
+    """Every method at every R of --concurrency, interleaved per repeat, --new-tokens per request -> one row per
+    (R, method). smc runs at the engine's default cell for the device (`engine.shape`), sd at --sd-draft-len."""
+    cells = configs(args, [engine.shape("smc", None, None, e.device)])
+    prompts = batch_prompts(e, args, max(args.concurrency))
+    for method, N, K in cells:  # warm-up: first calls allocate and pick kernels
+        run_batch(e, prompts, method, N, K, 4 * K, 0)
+    runs = {}
+    for repeat in range(args.repeats):
+        for R in args.concurrency:
+            for method, N, K in cells:
+                runs.setdefault((R, method, N, K), []).append(
+                    run_batch(e, prompts[:R], method, N, K, args.new_tokens, repeat))
+    return [median_run({"R": R, "method": method, "N": N, "K": K}, all_runs)
+            for (R, method, N, K), all_runs in runs.items()]
+
+
+def batch_peer(target, prompts, pad, eos_ids, args):
+    """transformers' batched generate on the target at each R: the same prompts, padded on the left, a static
+    cache, sampling as the engine samples. No min_new_tokens: like the engine, a row ends at its EOS, and only
+    its tokens before the EOS count. Every row returns with the whole batch, so each request's latency is the
+    call's wall clock."""
+    options = peer_options(pad) | {"cache_implementation": "static", "max_new_tokens": args.new_tokens}
+    rows = []
+    for R in args.concurrency:
+        longest = max(len(ids) for ids in prompts[:R])
+        x = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in prompts[:R]])
+        mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts[:R]])
+        target.generate(x, attention_mask=mask, **options | {"max_new_tokens": 4})  # warm-up
+        runs = []
+        for repeat in range(args.repeats):
+            torch.manual_seed(repeat)
+            start = time.perf_counter()
+            out = target.generate(x, attention_mask=mask, **options)
+            seconds = time.perf_counter() - start
+            counts = [len(engine.until_eos(row, eos_ids)) for row in out[:, longest:].tolist()]
+            runs.append({"new_tokens": sum(counts), "seconds": seconds, "tokens_per_s": sum(counts) / seconds,
+                         "mean_latency_s": seconds, "max_latency_s": seconds,
+                         "request_tokens_per_s": statistics.mean(counts) / seconds,
+                         "eos_stops": sum(n < out.shape[1] - longest for n in counts)})
+        rows.append(median_run({"R": R, "method": HF_GENERATE, "N": 1, "K": 1}, runs))
+    return rows
+
+
+def batch_report(e, hf_target, args):
+    """The batch rows of the engine (and transformers, if hf_target), throughput against ar at the same R and
+    against the same method at R=1."""
+    rows = batches(e, args)
+    if hf_target is not None:
+        rows += batch_peer(hf_target, batch_prompts(e, args, max(args.concurrency)), e.pad, e.config.eos_ids, args)
+    versus_ar(rows, ("tokens_per_s",), key="R")
+    at_one = {r["method"]: r["tokens_per_s"] for r in rows if r["R"] == 1}
+    for r in rows:
+        if r["method"] in at_one:
+            r["tokens_per_s_vs_r1"] = r["tokens_per_s"] / at_one[r["method"]]
+    return sorted(rows, key=lambda r: r["R"])  # stable: the methods in run order within each R
 
 
 # ---------------------------------------------------------------- quality
@@ -451,6 +591,18 @@ def peer_table(rows):
     return "\n".join(lines + [f"| {r['prompt']} | {r['method']} | {r['tokens_per_s']:.2f} |" for r in rows])
 
 
+def batch_table(rows):
+    lines = ["| R | method | N | K | total tok/s | x ar | x R=1 | tok/s per request | mean latency s | max latency s | "
+             "prefill share | new tokens | EOS stops |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        N, K = cells_nk(r) if r["method"] in engine.METHODS else ("", "")
+        lines.append(f"| {r['R']} | {r['method']} | {N} | {K} | {r['tokens_per_s']:.2f} | "
+                     f"{fmt(r.get('tokens_per_s_vs_ar'))} | {fmt(r.get('tokens_per_s_vs_r1'))} | "
+                     f"{r['request_tokens_per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['max_latency_s']:.2f} | "
+                     f"{fmt(r.get('prefill_share'))} | {r['new_tokens']} | {r['eos_stops']} |")
+    return "\n".join(lines)
+
+
 def quality_table(scores):
     def paired(q, key):
         return f"{q[key]:+.3f} ± {q[key + '_stderr']:.3f}" if key in q else ""
@@ -465,8 +617,8 @@ def quality_table(scores):
 
 
 def grid(text):
-    """"2x4,4x4" -> [(2, 4), (4, 4)] (N x K)."""
-    return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",")]
+    """"2x4,4x4" -> [(2, 4), (4, 4)] (N x K); "" -> []."""
+    return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",") if cell.strip()]
 
 
 def numbers(text):
@@ -481,10 +633,13 @@ def parse(argv):
     p.add_argument("--random", metavar="DRAFT:TARGET",
                    help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems")
+                   help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems, "
+                        "concurrency 1 and 2")
     p.add_argument("--methods", default="ar,sd,smc,draft",
                    help="comma-separated subset of ar,sd,smc,draft (draft: the draft alone, quality only)")
-    p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"), help="smc N x K cells")
+    p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"),
+                   help="smc N x K cells of the speed table (empty: skip the speed table, its phase split and the "
+                        "one-request peer)")
     p.add_argument("--sd-draft-len", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
@@ -498,7 +653,11 @@ def parse(argv):
                    help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")
     p.add_argument("--short-requests", type=int, default=10, metavar="P",
                    help="end-to-end speed, prefill included, on the first P code-completion problems (0: skip)")
-    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--concurrency", type=numbers, default=numbers("1,2,4,8"), metavar="R,...",
+                   help="throughput and per-request latency of R distinct prompts decoded together (slots=R), "
+                        "each method (smc at the engine's default cell for the device) and transformers' batched "
+                        "generate at each R (empty: skip)")
+    p.add_argument("--skip-speed", action="store_true", help="skip every speed section (the batches too)")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -507,7 +666,7 @@ def parse(argv):
     p.add_argument("--out", default="bench.json")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
         p.set_defaults(grid=[(4, 4)], new_tokens=32, repeats=1, problems=2, samples=1, quality_tokens=64,
-                       skip_peer=True, prompt_lengths=[100, 1000], short_requests=2)
+                       skip_peer=True, prompt_lengths=[100, 1000], short_requests=2, concurrency=[1, 2])
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
     if unknown := set(args.methods) - {"ar", "sd", "smc", "draft"}:
@@ -516,14 +675,16 @@ def parse(argv):
 
 
 def speed_report(e, ids_by_prompt, args, device):
-    """The speed table with its roofline, the phase split of each smc cell on the first prompt, the prompt-length
-    axis and the short requests."""
-    bandwidth = copy_bandwidth(device)
-    rows = speed(e, ids_by_prompt, args)
-    annotate(e, rows, ids_by_prompt, args, bandwidth)
-    print(speed_table(rows, bandwidth), "\n", flush=True)
-    report = {"copy_bandwidth_gbs": bandwidth, "speed": rows}
-    if "smc" in args.methods:
+    """The speed table with its roofline and the phase split of each smc cell on the first prompt (unless --grid
+    is empty), the prompt-length axis and the short requests."""
+    report = {}
+    if args.grid:
+        bandwidth = copy_bandwidth(device)
+        rows = speed(e, ids_by_prompt, args)
+        annotate(e, rows, ids_by_prompt, args, bandwidth)
+        print(speed_table(rows, bandwidth), "\n", flush=True)
+        report |= {"copy_bandwidth_gbs": bandwidth, "speed": rows}
+    if args.grid and "smc" in args.methods:
         first = next(iter(ids_by_prompt.values()))
         tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
         report["phases"] = [profile_phases(e, first, N, K, tokens, device) for N, K in args.grid]
@@ -550,9 +711,15 @@ def main(argv=None):
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
     if not args.skip_speed:
         report |= speed_report(e, ids_by_prompt, args, device)
-    if paths and not args.skip_peer and importlib.util.find_spec("transformers"):
-        report["peer"] = peer(paths, ids_by_prompt, e.pad, args)
+    batched = args.concurrency and not args.skip_speed
+    with_peer = paths and not args.skip_peer and importlib.util.find_spec("transformers")
+    hf = peer_models(paths, args) if with_peer and (args.grid or batched) else None  # (target, draft)
+    if hf and args.grid:
+        report["peer"] = peer(hf, ids_by_prompt, e.pad, args)
         print(peer_table(report["peer"]), "\n", flush=True)
+    if batched:
+        report["batch"] = batch_report(e, hf[0] if hf else None, args)
+        print(batch_table(report["batch"]), "\n", flush=True)
     if draft_alone and not args.skip_quality:
         report["quality"] = pass_rates(e, draft_alone, args)
         print(quality_table(report["quality"]), flush=True)

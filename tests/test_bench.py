@@ -54,6 +54,39 @@ def test_lengths_and_short_requests_are_skippable(tmp_path):
     assert "lengths" not in report and "short_requests" not in report and report["speed"]
 
 
+def test_batches_at_each_concurrency(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    report = bench.main(["--random", "tiny:tiny", "--prompt-len", "8", "--methods", "ar,sd,smc", "--grid", "",
+                         "--prompt-lengths", "", "--short-requests", "0", "--concurrency", "1,2,3",
+                         "--new-tokens", "8", "--repeats", "2", "--threads", "1", "--out", str(out)])
+    assert "| R | method | N | K | total tok/s |" in capsys.readouterr().out
+    assert "speed" not in report and "phases" not in report  # --grid "": no speed table
+    rows = {(r["R"], r["method"]): r for r in json.loads(out.read_text())["batch"]}
+    assert set(rows) == {(R, method) for R in (1, 2, 3) for method in ("ar", "sd", "smc")}
+    assert (rows[1, "smc"]["N"], rows[1, "smc"]["K"]) == (3, 2)  # the engine's default cell on a CPU
+    for (R, method), r in rows.items():
+        assert r["new_tokens"] == 8 * R and r["eos_stops"] == 0  # random models have no EOS
+        assert r["tokens_per_s"] > 0 and len(r["runs"]) == 2 and r["capture_s"] == 0
+        assert 0 < r["prefill_share"] < 1 and 0 < r["mean_latency_s"] <= r["max_latency_s"] <= r["seconds"]
+        assert r["request_tokens_per_s"] > 0
+        assert r["tokens_per_s_vs_ar"] == pytest.approx(r["tokens_per_s"] / rows[R, "ar"]["tokens_per_s"])
+        assert r["tokens_per_s_vs_r1"] == pytest.approx(r["tokens_per_s"] / rows[1, method]["tokens_per_s"])
+
+
+def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+    bench.torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(config).eval()
+    args = bench.parse(["--concurrency", "1,2", "--new-tokens", "6", "--repeats", "1"])
+    rows = bench.batch_peer(target, [[5, 6, 7], [8, 9]], 0, [0], args)
+    assert [(r["R"], r["method"]) for r in rows] == [(1, bench.HF_GENERATE), (2, bench.HF_GENERATE)]
+    for r in rows:  # token 0 is both the pad and the EOS: a row counts only its tokens before it
+        assert 0 < r["new_tokens"] <= 6 * r["R"] and r["tokens_per_s"] > 0
+        assert r["mean_latency_s"] == r["max_latency_s"] == r["seconds"]
+
+
 def test_long_prompts_are_real_code_cut_to_length():
     class Engine:  # a character-level tokenizer
         tokenizer = True
