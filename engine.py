@@ -269,13 +269,14 @@ def first_slots(x, n):
 
 
 def publish(st):
-    """flags [R, 3] = [done, settled, degenerate] per slot: done when every particle has ended or the budget
-    is spent; settled = how many leading tokens all particles share (they can never change again, so they may
-    be shown); degenerate (smc) when no particle has a positive weight left or a weight is NaN."""
+    """flags [R, 4] = [done, settled, degenerate, length] per slot: done when every particle has ended or the
+    budget is spent; settled = how many leading tokens all particles share (they can never change again, so they
+    may be shown); degenerate (smc) when no particle has a positive weight left or a weight is NaN."""
     H = st.hist.shape[-1]
     done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
     shared = (st.hist == st.hist[:, :1]).all(1) & (torch.arange(H, device=st.hist.device) < st.gen_len[:, None])
-    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int()], -1))
+    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int(),
+                                st.gen_len], -1))
 
 
 def append(st, tokens, kept, is_eos):
@@ -381,7 +382,7 @@ class Batch:
         st.gen_len = new(R, dtype=torch.int32)
         st.logw, st.log_z, st.ess_sum = new(R, N), new(R), new(R)
         st.accepted, st.resamples = new(R, dtype=torch.int64), new(R, dtype=torch.int64)
-        st.flags = new(R, 3, dtype=torch.int32)
+        st.flags = new(R, 4, dtype=torch.int32)
 
     def busy(self):
         return any(self.requests)
@@ -453,17 +454,31 @@ class Batch:
         for r, req in enumerate(self.requests):
             if req is None:
                 continue
-            done, count, degenerate = flags[r]
+            done, count, degenerate, length = flags[r]
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
             if why is None and count > len(req.settled):
                 why = req.settle(self.st.hist[r, 0, len(req.settled):count].tolist(), self.engine.config.eos_ids)
+            if why is None and not done and req.stop and self.shape.particles > 1:
+                done = self.stop_particles(r, req, length)
             if why or done:
                 tokens = req.settled if why else self.pick(r, req.s)
                 req.finish(tokens, self.statistics(r, req, tokens, why), self.engine.config.eos_ids)
                 self.leave(r)
             else:
                 req.streamed = len(req.settled)
+
+    def stop_particles(self, r, req, length):
+        """A particle whose text holds a stop string ends there as at an EOS: it stops drafting and its later
+        tokens carry no weight (those it drafted past the string in that cycle weigh p/q, which is 1 in
+        expectation, so the prefix keeps its distribution). -> whether every particle has ended. Without this
+        a request would end only once its particles agree on the text up to the string."""
+        texts = [self.engine.tokenizer.decode(until_eos(tokens, self.engine.config.eos_ids))
+                 for tokens in self.st.hist[r, :, :length].tolist()]
+        ended = [i for i, text in enumerate(texts) if req.cut(text)[1]]
+        if ended:
+            self.st.finished[r, ended] = True
+        return bool(self.st.finished[r].all())
 
     def pick(self, r, s):
         """Slot r's returned particle: drawn in proportion to its weight, or the heaviest."""

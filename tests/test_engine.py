@@ -505,6 +505,18 @@ def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
         e.generate(PROMPT, method="smc", max_new_tokens=20)
 
 
+def test_smc_particles_end_at_a_stop_string(tmp_path):
+    """Without resampling smc's particles never agree, so nothing settles: the request still ends as soon as
+    every particle's text holds the stop string (each then ends there, as at an EOS), long before its budget."""
+    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), dtype="float32")
+    options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=45, temperature=1.0, ess_threshold=0.0)
+    for seed in range(3):
+        full = e.generate("w1 w2 w3", seed=seed, **options)
+        assert full.stats["cycles"] == 15 and full.stats["streamed"] < 5
+        r = e.generate("w1 w2 w3", seed=seed, stop=["w6"], **options)
+        assert r.stats["stop"] == "stop" and r.stats["cycles"] < 6 and "w6" not in r.text
+
+
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_stop_strings_and_the_text_stream(tmp_path, method):
     """The stream's pieces add up to the result's text; a stop string ends the text before it (and may not
