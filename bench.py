@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import statistics
+import string
 import subprocess
 import sys
 import time
@@ -39,6 +40,10 @@ CODE_PROMPT = '''def merge_intervals(intervals):
 PROSE_PROMPT = "The history of the printing press is a story of how ideas travel. In the fifteenth century,"
 TEMPERATURE = 0.7
 SHORT_MAX_TOKENS = 256  # short requests stop at the end of their function, well within this
+# Stop strings where a completion's function body ends: a line that starts at the margin (quality.ends_body cuts
+# there). As stop strings they end every method there, smc's particles one by one included; the settled-text check
+# (on_tokens) also catches a completed margin line or a code fence.
+BODY_END = ["\n" + c for c in string.printable if not c.isspace()]
 SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim, tied embeddings
     "tiny": (64, 32, 2, 2, 1, 16, 64, False),
     "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True),  # Llama-3.2-1B
@@ -289,11 +294,14 @@ def length_axis(e, args):
     return rows
 
 
+def body_end(text):
+    return quality.body_complete(text) or any(stop in text for stop in BODY_END)
+
+
 def body_tokens(tokenizer, tokens):
-    """How many of tokens it took to complete the function body: a method that cannot stop there (smc whose
-    particles have not settled on the end) makes more, which the request did not need."""
-    return next((i for i in range(1, len(tokens) + 1) if quality.body_complete(tokenizer.decode(tokens[:i]))),
-                len(tokens))
+    """How many of tokens it took to reach the end of the function body: the tokens a method made past it (smc's
+    final block runs on past a stop string) are tokens the request did not need."""
+    return next((i for i in range(1, len(tokens) + 1) if body_end(tokenizer.decode(tokens[:i]))), len(tokens))
 
 
 def short_requests(e, args):
@@ -500,7 +508,7 @@ def complete(e, prompt, method, N, K, seed, max_new_tokens):
     def done(tokens):
         return quality.body_complete(e.tokenizer.decode(tokens))
     return e.generate(prompt, method=method, max_new_tokens=max_new_tokens, temperature=TEMPERATURE, particles=N,
-                      draft_len=K, seed=seed, on_tokens=done)
+                      draft_len=K, seed=seed, on_tokens=done, stop=BODY_END)
 
 
 def quality_seed(problem, sample):
