@@ -306,8 +306,9 @@ def body_tokens(tokenizer, tokens):
 
 def short_requests(e, args):
     """End-to-end tokens/s, prefill included, over the first --short-requests code-completion problems, each
-    stopped at the end of its function as the quality run stops (tokens past that end do not count) (random models: random prompts of about the same
-    length, --new-tokens each): every method on each problem in turn, with the problem's seed."""
+    stopped at the end of its function as the quality run stops (tokens past that end do not count; random
+    models: random prompts of about the same length, --new-tokens each): every method on each problem in turn,
+    with the problem's seed."""
     problems = quality.load_problems()[:args.short_requests]
     g = torch.Generator().manual_seed(2)
     prompts = [p["prompt"] for p in problems] if e.tokenizer else [

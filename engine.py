@@ -231,6 +231,11 @@ def until_eos(tokens, eos_ids):
     return next((tokens[:i] for i, t in enumerate(tokens) if t in eos_ids), tokens)
 
 
+def sizes(requests):
+    """The (prompt, suffix) tokens a slot needs to hold any of requests."""
+    return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
+
+
 def take(inbox, block):
     """Everything in the queue now, waiting for a first item if block -> list."""
     items = []
@@ -363,7 +368,6 @@ class Batch:
     def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
         e, N, R = engine, shape.particles, slots
         self.engine, self.shape, self.requests, self.graphs = e, shape, [None] * R, {}
-        self.prefix_cap, self.suffix_cap = prefix_cap, suffix_cap
         configs = [e.config] + ([e.draft_config] if shape.method != "ar" else [])
         need = sum(model.KVCache.nbytes(c, N, prefix_cap, suffix_cap, e.dtype, R) for c in configs)
         need += 4 * R * N * (shape.draft_len + 1) * e.config.vocab_size * 4  # float32 logits, a few copies
@@ -386,9 +390,6 @@ class Batch:
 
     def busy(self):
         return any(self.requests)
-
-    def fits(self, req):
-        return len(req.ids) <= self.prefix_cap and req.capacity <= self.suffix_cap
 
     def admit(self, req):
         """Prefill the prompt into a free slot (False if none), sample every particle's first token x0 from the
@@ -427,9 +428,8 @@ class Batch:
         for c in (st.tcache, st.dcache):
             if c:
                 c.prefix_len[r], c.suffix_len[r] = 0, 0
-        st.live[r], st.gen_len[r], st.finished[r], st.x0[r], st.prev[r] = False, 0, True, self.engine.pad, \
-            self.engine.pad
-        st.degenerate[r], st.logw[r] = False, 0
+        st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
+        st.x0[r], st.prev[r] = self.engine.pad, self.engine.pad
 
     def capture_seconds(self):
         return sum(g.seconds for g in self.graphs.values())
@@ -582,6 +582,8 @@ class Engine:
                      *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
                      cuda_graphs)
         check_settings(s, self.draft_config is not None)
+        if stop and self.tokenizer is None:
+            raise UsageError("stop strings need a tokenizer: this engine's models have none")
         ids = self.encode(prompt)
         return Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
                        on_tokens, on_text, on_done, self.tokenizer)
@@ -635,7 +637,7 @@ class Engine:
         inbox = queue.Queue()
         for req in requests:
             inbox.put(req)
-        self.serve(inbox, slots or min(len(requests), 8), until_idle=True)
+        self.serve(inbox, slots or min(len(requests), 8), sizes(requests), until_idle=True)
         return [req.result for req in requests]
 
     def stream(self, prompts, slots=None, **options):
@@ -647,22 +649,22 @@ class Engine:
             req.on_text = lambda piece, i=i: events.append((i, piece, None))
             req.on_done = lambda result, i=i: events.append((i, "", result))
             inbox.put(req)
-        for _ in self.serving(inbox, slots or min(len(requests), 8), None, True):
+        for _ in self.serving(inbox, slots or min(len(requests), 8), sizes(requests), True):
             yield from events
             events.clear()
         yield from events
 
-    def serve(self, inbox, slots=4, context=None, until_idle=False):
+    def serve(self, inbox, slots=4, context=2048, until_idle=False):
         """Decode the Requests put in inbox (a queue.Queue) until None arrives (requests still running end
         "cancelled") or, with until_idle, until none is left. Requests of one shape (method, particles,
         draft_len, ess_threshold) share a batch of `slots` slots and join it as slots free up; batches of
         different shapes take turns cycle by cycle. context: the tokens a slot holds (prompt, new tokens and a
-        draft block); without it a batch is sized for the requests waiting when it is made. A failure in one
-        batch ends its requests "error" (until_idle: raises) and serving goes on."""
-        for _ in self.serving(inbox, slots, context, until_idle):
+        draft block; a pair (prompt, the rest) for each apart); check requests against it (`request(context=)`).
+        A failure in one batch ends its requests "error" (until_idle: raises) and serving goes on."""
+        for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, until_idle):
             pass
 
-    def serving(self, inbox, slots, context, until_idle):
+    def serving(self, inbox, slots, caps, until_idle):
         """serve, as a generator that yields after every round of cycles."""
         self.load()
         batches, waiting = {}, []
@@ -678,7 +680,7 @@ class Engine:
                         return self.end(batches, waiting, "cancelled")
                     for b in batches.values():
                         b.collect()  # frees the slots of requests the last cycle ended
-                    self.admit(waiting, batches, slots, context, until_idle)
+                    self.admit(waiting, batches, slots, caps, until_idle)
                     for key, b in list(batches.items()):
                         try:
                             b.collect()  # a request can be done as it is admitted (max_new_tokens=1)
@@ -692,27 +694,25 @@ class Engine:
             except KeyboardInterrupt:
                 self.end(batches, waiting, "interrupted")
 
-    def admit(self, waiting, batches, slots, context, until_idle):
-        """Move waiting requests into free slots of their shape's batch, making the batch if need be (again when
-        it is empty and too small for the next request)."""
+    def admit(self, waiting, batches, slots, caps, until_idle):
+        """Move waiting requests into free slots of their shape's batch, made at its shape's first request."""
         for req in list(waiting):
             key = req.s.shape()
-            b = batches.get(key)
-            if not req.cancelled and (b is None or not (b.busy() or b.fits(req))):
-                group = [w for w in waiting if w.s.shape() == key]
-                batches.pop(key, None)
-                try:
-                    b = batches[key] = Batch(self, key, slots, *((context, context) if context else (
-                        max(len(w.ids) for w in group), max(w.capacity for w in group))))
-                except UsageError as e:
-                    if until_idle:
-                        raise
-                    self.end({}, group, "error", e)
-                    waiting[:] = [w for w in waiting if w not in group]
-                    continue
-            if req.cancelled or (b.fits(req) and b.admit(req)):
+            try:
+                if not req.cancelled and key not in batches:
+                    batches[key] = Batch(self, key, slots, *caps)
+                if not req.cancelled and (len(req.ids) > caps[0] or req.capacity > caps[1]):
+                    raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
+                                     f"{caps[0]} + {caps[1]}: check requests with request(context=...)")
+            except UsageError as e:
+                if until_idle:
+                    raise
                 waiting.remove(req)
-                if req.cancelled and req.result is None:
+                self.end({}, [req], "error", e)
+                continue
+            if req.cancelled or batches[key].admit(req):
+                waiting.remove(req)
+                if req.cancelled:
                     self.end({}, [req], "cancelled")
 
     def end(self, batches, waiting, why, error=None):
@@ -723,9 +723,9 @@ class Engine:
                 b.collect(stop=why)
             waiting = waiting + ([req for req in b.requests if req] if error is not None else [])
         for req in waiting:
-            stats = {"method": req.s.method, "prompt_tokens": len(req.ids), "new_tokens": len(until_eos(req.settled, self.config.eos_ids)),
-                     "seconds": 0.0, "prefill_seconds": 0.0, "streamed": 0, "tokens_per_s": 0.0, "cycles": req.cycles,
-                     "stop": why}
+            new = len(until_eos(req.settled, self.config.eos_ids))
+            stats = {"method": req.s.method, "prompt_tokens": len(req.ids), "new_tokens": new, "seconds": 0.0,
+                     "prefill_seconds": 0.0, "streamed": 0, "tokens_per_s": 0.0, "cycles": req.cycles, "stop": why}
             req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
                        self.config.eos_ids)
 

@@ -493,7 +493,7 @@ def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     first = e.request(PROMPT, method="smc", max_new_tokens=20, on_done=done.append)
     second = e.request(PROMPT, method="smc", max_new_tokens=20, seed=1, on_done=done.append)
     inbox.put(first)
-    for item in e.serving(inbox, 1, None, False):
+    for item in e.serving(inbox, 1, (32, 32), False):
         if len(done) == 1:
             inbox.put(second)
         if len(done) == 2:
@@ -515,6 +515,20 @@ def test_smc_particles_end_at_a_stop_string(tmp_path):
         assert full.stats["cycles"] == 15 and full.stats["streamed"] < 5
         r = e.generate("w1 w2 w3", seed=seed, stop=["w6"], **options)
         assert r.stats["stop"] == "stop" and r.stats["cycles"] < 6 and "w6" not in r.text
+
+
+def test_a_request_larger_than_a_slot_ends_with_an_error():
+    import queue
+    e = engine.Engine(TARGET, DRAFT)
+    inbox, done = queue.Queue(), []
+    big, small = (e.request(PROMPT, method="ar", max_new_tokens=n, on_done=done.append) for n in (30, 10))
+    inbox.put(big)
+    inbox.put(small)
+    for _ in e.serving(inbox, 1, (16, 16), False):
+        if len(done) == 2:
+            break
+    assert big.result.stats["stop"] == "error" and "a slot holds 16 + 16" in big.result.stats["error"]
+    assert small.result.stats["stop"] == "length"
 
 
 @pytest.mark.parametrize("method", engine.METHODS)
