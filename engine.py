@@ -171,12 +171,14 @@ class Request:
     """A checked prompt (ids) with its settings on its way through a batch. Callbacks, all called on the
     thread that decodes: on_tokens(settled ids) whenever more have settled (returning True stops the request
     there), on_text(piece) with new settled text (whole UTF-8 characters; text that may begin a stop string is
-    held back), on_done(Result) once at the end. A stop string in the text ends the request; the text ends
+    held back), on_done(Result) once at the end, on_cycle(batch, slot) after each cycle (traces). A stop string in the text ends the request; the text ends
     before it."""
 
-    def __init__(self, ids, s, capacity, stop=(), on_tokens=None, on_text=None, on_done=None, tokenizer=None):
+    def __init__(self, ids, s, capacity, stop=(), on_tokens=None, on_text=None, on_done=None, on_cycle=None,
+                 tokenizer=None):
         self.ids, self.s, self.capacity, self.stop, self.tokenizer = ids, s, capacity, list(stop), tokenizer
-        self.on_tokens, self.on_text, self.on_done = on_tokens, on_text, on_done
+        self.on_tokens, self.on_text, self.on_done, self.on_cycle = on_tokens, on_text, on_done, on_cycle
+        self.particle = 0
         self.restricts = bool(s.top_k or s.top_p < 1)
         self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0
         self.cancelled, self.result = False, None
@@ -290,6 +292,8 @@ def append(st, tokens, kept, is_eos):
     last, the new pending one."""
     R, N, T = tokens.shape
     kept = kept * st.live
+    st.block[..., :T].copy_(tokens)
+    st.kept.copy_(kept)
     at = st.gen_len.long()[:, None, None] + torch.arange(T, device=tokens.device)  # [R, 1, T]
     st.hist.scatter_(2, at.expand(R, N, T), tokens)
     real = torch.arange(T, device=tokens.device) < kept[:, None, None]  # [R, 1, T]
@@ -387,6 +391,12 @@ class Batch:
         st.logw, st.log_z, st.ess_sum = new(R, N), new(R), new(R)
         st.accepted, st.resamples = new(R, dtype=torch.int64), new(R, dtype=torch.int64)
         st.flags = new(R, 4, dtype=torch.int32)
+        # the last cycle, for traces: appended tokens and how many were kept, draft tokens, weights before
+        # resampling, ESS, whether it resampled and the ancestors (device copies: no host sync)
+        st.block, st.kept = new(R, N, shape.draft_len + 1, dtype=torch.int64), new(R, dtype=torch.int32)
+        st.drafted = new(R, N, shape.draft_len, dtype=torch.int64)
+        st.logw_before, st.ess, st.resampled = new(R, N), new(R), new(R, dtype=torch.bool)
+        st.ancestors = new(R, N, dtype=torch.int64)
 
     def busy(self):
         return any(self.requests)
@@ -443,9 +453,11 @@ class Batch:
             self.graphs[s]()
         else:
             self.engine.cycle(first_slots(self.st, 1 + max(i for i, r in enumerate(self.requests) if r)), s)
-        for req in self.requests:
+        for r, req in enumerate(self.requests):
             if req:
                 req.cycles += 1
+                if req.on_cycle:
+                    req.on_cycle(self, r)
 
     def collect(self, stop=None):
         """Read every slot's flags (the host's one read of a cycle), pass settled tokens on, end the requests
@@ -487,6 +499,7 @@ class Batch:
             i = int(st.logw[r].argmax())
         else:
             i = int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
+        self.requests[r].particle = i
         return st.hist[r, i, :min(int(st.gen_len[r]), s.max_new_tokens)].tolist()
 
     def statistics(self, r, req, tokens, stop):
@@ -504,7 +517,8 @@ class Batch:
                       "acceptance": round(accepted / max(req.cycles * s.draft_len, 1), 4)}
         if s.method == "smc":
             final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
-            stats |= {"particles": s.particles, "draft_len": s.draft_len, "resamples": int(st.resamples[r]),
+            stats |= {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
+                      "resamples": int(st.resamples[r]),
                       "mean_ess": round(float(st.ess_sum[r]) / max(req.cycles, 1), 3),
                       "log_z": round(float(st.log_z[r] + final), 4)}
         return stats
@@ -573,7 +587,7 @@ class Engine:
     def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
                 target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
                 seed=0, select="sample", cuda_graphs=True, stop=(), on_tokens=None, on_text=None, on_done=None,
-                context=None):
+                on_cycle=None, context=None):
         """Check a request against the models' configs and the free memory, before any weight is read ->
         Request. Raises UsageError. context: the most tokens (prompt, new ones and a draft block) a slot of the
         serving batch holds, when that is below the models' context."""
@@ -586,7 +600,7 @@ class Engine:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
         ids = self.encode(prompt)
         return Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
-                       on_tokens, on_text, on_done, self.tokenizer)
+                       on_tokens, on_text, on_done, on_cycle, self.tokenizer)
 
     def check_request(self, prompt_len, s, context=None):
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
@@ -762,6 +776,7 @@ class Engine:
             tokens.append(x)
             logq.append(lq.view(R, N, 1))
             logits.append(out)
+        st.drafted.copy_(torch.cat(tokens, -1))
         return torch.cat(tokens, -1), torch.cat(logq, -1), logits
 
     def verify(self, st, t, s):
@@ -814,6 +829,9 @@ class Engine:
         a uniform draw that hides the failure, so the request ends (publish)."""
         ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
         st.degenerate |= degenerate & st.live
+        for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess),
+                         (st.resampled, resampled)):
+            saved.copy_(x)
         st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
         st.logw.masked_fill_(resampled[:, None], 0.0)
         for cache in (st.tcache, st.dcache):
@@ -916,6 +934,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    p.add_argument("--trace", metavar="PATH", help="write one JSON line per cycle to PATH: what each particle "
+                   "appended, its weights, ESS, ancestors, settled length, phase times (python plot.py PATH)")
     args = p.parse_args(argv)
     try:
         device = torch.device(args.device)
@@ -935,6 +955,8 @@ def main(argv=None):
             raise UsageError("--draft needs --target")
         if args.slots < 1:
             raise UsageError(f"--slots must be at least 1, got {args.slots}")
+        if args.trace and batch:
+            raise UsageError("--trace follows one prompt; give --prompt or a text --prompt-file")
         prompt = read_jsonl(args.prompt_file) if batch else read_prompt(args.prompt_file) if args.prompt_file \
             else args.prompt
         if not batch and not prompt.strip():
@@ -953,6 +975,10 @@ def main(argv=None):
                                  **options)  # every check, before the weights are read and the prompt is echoed
         if not args.json and not args.chat:
             print(prompt, end="", flush=True)
+        if args.trace:
+            import plot
+            tracer = plot.Tracer(args.trace, engine, request)
+            request.on_cycle, request.on_done = tracer.cycle, tracer.done
         result = engine.run([request])[0]
     except (model.LoadError, UsageError) as e:
         sys.exit(f"error: {e}")

@@ -2,6 +2,7 @@
 by enumerating every continuation; the SMC-SD pitfalls of DESIGN.md; bad input; the command line."""
 import copy
 import json
+import math
 import os
 import re
 import subprocess
@@ -550,6 +551,48 @@ def test_stop_strings_and_the_text_stream(tmp_path, method):
         assert results[0].stats["stop"] == ("stop" if stops else full.stats["stop"])
 
 
+# ---------------------------------------------------------------- traces
+
+
+def traced(e, tmp_path, **options):
+    """-> (Result, the trace's start, cycles, end) of a request run with a Tracer."""
+    import plot
+    req = e.request(PROMPT, **options)
+    tracer = plot.Tracer(str(tmp_path / "trace.jsonl"), e, req)
+    req.on_cycle, req.on_done = tracer.cycle, tracer.done
+    return (e.run([req])[0], *plot.read_trace(str(tmp_path / "trace.jsonl")))
+
+
+def test_a_trace_changes_nothing_and_agrees_with_the_statistics(tmp_path):
+    """The same seed gives the same tokens traced or not; the trace's resamplings, log-normaliser, returned
+    particle and ancestors reproduce the run's statistics and its tokens."""
+    options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, temperature=1.0, ess_threshold=0.9,
+                   seed=5)
+    plain = engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
+    result, start, cycles, end = traced(engine.Engine(TARGET, DRAFT), tmp_path, **options)
+    stats = result.stats
+    assert result.tokens == plain.tokens and end["tokens"] == result.tokens and end["stats"] == stats
+    assert start["particles"] == 4 and len(cycles) == stats["cycles"] and not os.path.exists(tmp_path / "trace.jsonl.tmp")
+    assert sum(c["resampled"] for c in cycles) == stats["resamples"] >= 2
+    mean = lambda logw: torch.tensor(logw).logsumexp(0).item() - math.log(4)  # noqa: E731
+    log_z = sum(mean(c["logw_before"]) for c in cycles if c["resampled"]) + mean(cycles[-1]["logw_after"])
+    assert log_z == pytest.approx(stats["log_z"], abs=1e-3)
+    i, blocks = stats["particle"], []
+    for c in reversed(cycles):  # the returned particle's line: whose block it holds, cycle by cycle
+        i = c["ancestors"][i]
+        blocks.append(c["tokens"][i])
+    lineage = result.tokens[:1] + [t for block in reversed(blocks) for t in block]  # the first: from the prefill
+    assert lineage[:len(result.tokens)] == result.tokens
+    assert all(c["ms"]["cycle"] >= c["ms"]["draft"] + c["ms"]["verify"] for c in cycles)
+
+
+def test_an_sd_trace_holds_drafted_and_accepted_tokens(tmp_path):
+    result, _, cycles, _ = traced(engine.Engine(TARGET, DRAFT), tmp_path, method="sd", max_new_tokens=20, seed=1)
+    assert sum(c["accepted"] for c in cycles) == result.stats["accepted"]
+    for c in cycles:
+        assert c["tokens"][0][:c["accepted"]] == c["drafted"][:c["accepted"]] and len(c["drafted"]) == 4
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -657,6 +700,20 @@ def test_cli_jsonl_gives_one_result_per_line(pair, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "w1", "colour": 3}\n')
     run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "bad.jsonl"))
     assert run.returncode == 1 and "prompt 1: got an unexpected keyword argument 'colour'" in run.stderr
+
+
+def test_cli_trace(pair, tmp_path):
+    target, draft = pair
+    path = str(tmp_path / "run.jsonl")
+    run = cli("--target", target, "--draft", draft, "--prompt", "w1 w2", "--json", "--trace", path, "--seed", "3",
+              "--max-new-tokens", "12")
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in open(path)]
+    assert lines[0]["kind"] == "start" and lines[-1]["kind"] == "end" and len(lines) == lines[-1]["stats"]["cycles"] + 2
+    assert lines[-1]["tokens"] == json.loads(run.stdout)["tokens"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w1"}\n')
+    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"), "--trace", path)
+    assert run.returncode == 1 and "--trace follows one prompt" in run.stderr
 
 
 def test_cli_streams_text_then_a_summary(pair):
