@@ -11,7 +11,6 @@ place (captured once as a CUDA graph on CUDA, called eagerly elsewhere), then on
 [done, settled, degenerate] by the host, which passes settled text on, ends finished requests and admits
 waiting ones into the freed slots (continuous batching)."""
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -236,16 +235,6 @@ def until_eos(tokens, eos_ids):
 def sizes(requests):
     """The (prompt, suffix) tokens a slot needs to hold any of requests."""
     return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
-
-
-def take(inbox, block):
-    """Everything in the queue now, waiting for a first item if block -> list."""
-    items = []
-    with contextlib.suppress(queue.Empty):
-        items.append(inbox.get(block=block))
-        while True:
-            items.append(inbox.get_nowait())
-    return items
 
 
 # ---------------------------------------------------------------- decoding state
@@ -688,7 +677,9 @@ class Engine:
                     busy = bool(waiting) or any(b.busy() for b in batches.values())
                     if until_idle and not busy and inbox.empty():
                         return
-                    items = take(inbox, block=not busy)
+                    items = [] if busy else [inbox.get()]  # idle: wait for work
+                    while not inbox.empty():  # this loop is the queue's one reader
+                        items.append(inbox.get())
                     waiting += [item for item in items if item is not None]
                     if None in items:
                         return self.end(batches, waiting, "cancelled")
@@ -963,35 +954,31 @@ def main(argv=None):
             raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
         draft, target = (args.draft, args.target) if args.target else default_pair()
         engine = Engine(target, draft, device, args.dtype)  # opens the files; reads no weights yet
-        if batch:
-            chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
-            requests = engine.requests([item | {"prompt": chat(item["prompt"])} for item in prompt], **options)
-            for result in engine.run(requests, args.slots):  # every check ran before the weights are read
-                print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}), flush=True)
-            return
-        if args.chat:
-            prompt = apply_chat(engine.tokenizer, prompt)
-        request = engine.request(prompt, on_text=None if args.json else lambda piece: print(piece, end="", flush=True),
-                                 **options)  # every check, before the weights are read and the prompt is echoed
-        if not args.json and not args.chat:
-            print(prompt, end="", flush=True)
+        chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
+        items = [item | {"prompt": chat(item["prompt"])} for item in (prompt if batch else [{"prompt": prompt}])]
+        requests = engine.requests(items, **options)  # every check, before the weights are read or the prompt echoed
+        if not (batch or args.json):
+            requests[0].on_text = lambda piece: print(piece, end="", flush=True)
+            print("" if args.chat else prompt, end="", flush=True)
         if args.trace:
             import plot
-            tracer = plot.Tracer(args.trace, engine, request)
-            request.on_cycle, request.on_done = tracer.cycle, tracer.done
-        result = engine.run([request])[0]
+            tracer = plot.Tracer(args.trace, engine, requests[0])
+            requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
+        results = engine.run(requests, args.slots)
     except (model.LoadError, UsageError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    if args.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
+    result = results[0]
+    if batch or args.json:
+        for r in results:
+            print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}), flush=True)
     else:
         print()
         print(summary(result.stats), file=sys.stderr)
     if result.stats["stop"] == "interrupted":
         sys.exit(130)
-    if result.stats["stop"] == "degenerate":
+    if result.stats["stop"] == "degenerate" and not batch:  # a batch reports it in its JSON lines
         sys.exit("error: smc stopped: no particle kept a positive weight, or one is NaN (the models' "
                  "log-probabilities are not finite); the text above is what had settled")
 
