@@ -8,7 +8,7 @@ speculative decoding (smc), for one prompt or many, from the command line or fro
 
 Every method runs as the same loop: a fixed-shape cycle over a batch of slots that updates device tensors in
 place (captured once as a CUDA graph on CUDA, called eagerly elsewhere), then one small read of every slot's
-[done, settled, degenerate] by the host, which passes settled text on, ends finished requests and admits
+[done, settled, degenerate, length] by the host, which passes settled text on, ends finished requests and admits
 waiting ones into the freed slots (continuous batching)."""
 import argparse
 import copy
