@@ -48,11 +48,12 @@ class Settings:
     seed: int
     select: str
     cuda_graphs: bool
+    power: float = 1.0
 
     def shape(self):
         """What the requests of one batch share: the cycle's shape."""
         return Shape(self.method, self.particles, self.draft_len,
-                     self.ess_threshold if self.method == "smc" else None, self.cuda_graphs)
+                     self.ess_threshold if self.method == "smc" else None, self.cuda_graphs, self.power)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Shape:
     draft_len: int
     ess_threshold: float | None
     cuda_graphs: bool
+    power: float = 1.0  # smc's target: the whole sequence's p ** power (normalised)
     restrict: bool = False  # some request in the batch has top-k or top-p: the cycle restricts the target
 
 
@@ -109,6 +111,8 @@ def check_settings(s, has_draft):
                          "forbids, whose weight is zero; use --method sd or --method ar with --top-k/--top-p")
     if s.select not in ("sample", "argmax"):
         raise UsageError(f"select must be 'sample' or 'argmax', got {s.select!r}")
+    if not s.power > 0 or (s.power != 1 and s.method != "smc"):
+        raise UsageError(f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}")
 
 
 def free_bytes(device):
@@ -155,6 +159,17 @@ def probs(logits, temperature):
     t = per_request(temperature, logits)
     soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
     return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
+
+
+def power_bonus(logits, temperature, power):
+    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the
+    SMC-SD paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is
+    Z, log Z = logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. At alpha = 1
+    the target's own logits, weight 0."""
+    if power == 1:
+        return logits, logits.new_zeros(logits.shape[:-1])
+    scaled = logits / per_request(temperature, logits)
+    return logits * power, (power * scaled).logsumexp(-1) - power * scaled.logsumexp(-1)
 
 
 def bernoulli(p, rng):
@@ -293,16 +308,17 @@ def append(st, tokens, kept, is_eos):
     st.tcache.suffix_len += kept
 
 
-def settle(x0, t, b, logp, logq, finished, is_eos, pad):
+def settle(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
     """EOS is absorbing. The draft token t_k [R, N, K] weighs log p(t_k) - log q(t_k) unless an EOS came before
-    it (in x0 [R, N] or t_<k, or the particle had already finished); after a particle's first EOS its new
-    tokens become `pad` (an EOS). -> weight increments [R, N], the K + 1 new tokens [R, N, K+1] (t, then b).
+    it (in x0 [R, N] or t_<k, or the particle had already finished), the bonus token b log_bonus [R, N]
+    likewise; after a particle's first EOS its new tokens become `pad` (an EOS). -> weight increments [R, N],
+    the K + 1 new tokens [R, N, K+1] (t, then b).
     is_eos [V] bool: a table lookup costs the same for any number of EOS ids (torch.isin sorts, and syncs with
     the host, once there are about ten)."""
     K = t.shape[-1]
     block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
     ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
-    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1)
+    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1) + torch.where(ended[..., K], 0.0, log_bonus)
     return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])
 
 
@@ -403,7 +419,8 @@ class Batch:
         st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature,
                                                                 s.top_k, s.top_p)
         settings = [x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)]
-        logits = logits.expand(1, N, -1)
+        logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
+        st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
         logits = restrict(logits, *settings) if req.restricts else logits
         x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
         if st.dcache:  # the draft leaves the last prompt token to the first draft step, beside x0
@@ -412,7 +429,7 @@ class Batch:
                 e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
         st.x0[r], st.prev[r], st.hist[r], st.hist[r, :, 0] = x0, prompt[-1], 0, x0
         st.gen_len[r], st.max_new[r], st.finished[r] = 1, s.max_new_tokens, e.is_eos[x0]
-        for x in (st.degenerate, st.logw, st.log_z, st.ess_sum, st.accepted, st.resamples):
+        for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples):
             x[r] = 0
         st.live[r] = True
         self.requests[r] = req
@@ -575,15 +592,15 @@ class Engine:
 
     def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
                 target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
-                seed=0, select="sample", cuda_graphs=True, stop=(), on_tokens=None, on_text=None, on_done=None,
-                on_cycle=None, context=None):
+                seed=0, select="sample", cuda_graphs=True, power=1.0, stop=(), on_tokens=None, on_text=None,
+                on_done=None, on_cycle=None, context=None):
         """Check a request against the models' configs and the free memory, before any weight is read ->
         Request. Raises UsageError. context: the most tokens (prompt, new ones and a draft block) a slot of the
         serving batch holds, when that is below the models' context."""
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
                      temperature if target_temperature is None else target_temperature,
                      *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
-                     cuda_graphs)
+                     cuda_graphs, power)
         check_settings(s, self.draft_config is not None)
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
@@ -800,13 +817,16 @@ class Engine:
 
     def smc_cycle(self, st, s):
         """Draft K tokens per particle, score them with the target in one forward, weight, append K + 1
-        tokens (the last a bonus token from the target), resample where the ESS falls below the threshold."""
+        tokens (the last a bonus token from the target), resample where the ESS falls below the threshold.
+        A power target p ** alpha (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
         K, (R, N) = s.draft_len, st.x0.shape
         t, logq, _ = self.draft_block(st, s)
         logits = self.verify(st, t, s)  # [R, N, K+1, V]
-        logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t)
-        b = kernels.sample(logits[:, :, K].flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-        increments, tokens = settle(st.x0, t, b, logp.view(R, N, K), logq, st.finished, self.is_eos, self.pad)
+        logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
+        bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
+        b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
+        increments, tokens = settle(st.x0, t, b, s.power * logp, logq, st.finished, self.is_eos, self.pad,
+                                    log_bonus)
         st.logw += increments
         st.prev.copy_(tokens[..., K - 1])
         append(st, tokens, torch.full_like(st.gen_len, K + 1), self.is_eos)
@@ -920,6 +940,8 @@ def main(argv=None):
     p.add_argument("--draft-len", type=int, help="sd, smc: draft tokens K per cycle (default: sd 4; smc 2 on a "
                    "CPU, 4 on a GPU)")
     p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
+    p.add_argument("--power", type=float, default=1.0, help="smc: sample whole sequences from p ** power "
+                   "(normalised; > 1 sharper than the target)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -938,7 +960,7 @@ def main(argv=None):
     options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=draft_temperature,
                    target_temperature=target_temperature, particles=particles, draft_len=draft_len,
                    ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   cuda_graphs=not args.no_cuda_graphs)
+                   cuda_graphs=not args.no_cuda_graphs, power=args.power)
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     try:
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched

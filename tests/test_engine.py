@@ -149,6 +149,21 @@ def test_smc_approaches_the_target_as_particles_grow():
     assert distance[16] < 0.5 * tv(draft, target)
 
 
+def test_smc_with_a_power_target_approaches_p_to_the_alpha():
+    """--power alpha: the population targets p ** alpha over whole sequences (normalised), sharper than p."""
+    p = exact(TARGET, 2 * K, 1.0)
+    target = p ** 2 / (p ** 2).sum()
+    e = engine.Engine(TARGET, DRAFT)
+    distance = {n: tv(empirical(e, SAMPLES, 2 * K, method="smc", particles=n, draft_len=K, temperature=1.0,
+                                ess_threshold=1.0, power=2.0), target) for n in (1, 4, 16)}
+    print(f"\nTV to p^2: the target itself {tv(p, target):.3f}; smc " +
+          ", ".join(f"N={n} {d:.3f}" for n, d in distance.items()))
+    assert distance[1] > distance[4] > distance[16]
+    assert distance[16] < 0.5 * tv(p, target)
+    same = dict(method="smc", particles=3, draft_len=2, max_new_tokens=12, seed=4)
+    assert e.generate(PROMPT, power=1.0, **same).tokens == e.generate(PROMPT, **same).tokens
+
+
 # ---------------------------------------------------------------- pitfalls and mechanics
 
 
@@ -606,6 +621,8 @@ def test_an_sd_trace_holds_drafted_and_accepted_tokens(tmp_path):
     (dict(method="beam"), "unknown method"),
     (dict(top_k=1), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
     (dict(top_p=0.9), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
+    (dict(power=0), "power must be > 0"),
+    (dict(method="sd", power=2), "power must be > 0 and is smc's"),
 ])
 def test_bad_requests_are_one_line_errors(options, message):
     with pytest.raises(engine.UsageError, match=message):
