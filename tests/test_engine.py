@@ -394,6 +394,23 @@ def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
     assert len(r.tokens) == 6 and 1 <= r.stats["resamples"] <= 2  # equal weights (identical particles) stay
 
 
+@pytest.mark.parametrize("method", engine.METHODS)
+def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
+    """The GPU's kernels (sampling keyed per request, attention over slots of different lengths, empty ones
+    included, resampling and gather per request) under the interpreter: each request decodes alone as in a batch
+    of two slots shared by three requests."""
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    if not kernels.use_triton(torch.empty(0)):
+        pytest.skip("no triton")
+    target = tiny(0, 0.8, vocab=16, head_dim=16)
+    e = engine.Engine(target, perturbed(target, 1, 0.3))
+    requests = [dict(prompt=[1, 2, 3], seed=1, max_new_tokens=6), dict(prompt=[4], seed=2, max_new_tokens=3),
+                dict(prompt=[5, 6], seed=1, max_new_tokens=5)]
+    options = dict(method=method, particles=2, draft_len=2, ess_threshold=1.0, temperature=1.0)
+    alone = [e.generate(**(options | r)).tokens for r in requests]
+    assert [r.tokens for r in e.generate(requests, slots=2, **options)] == alone
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_give_the_eager_output():
     target = tiny(0, 0.8, vocab=64, head_dim=16, device="cuda")  # tl.dot wants dimensions of 16 or more
