@@ -726,13 +726,14 @@ class Engine:
                 if not req.cancelled and (len(req.ids) > caps[0] or req.capacity > caps[1]):
                     raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
                                      f"{caps[0]} + {caps[1]}: check requests with request(context=...)")
-            except UsageError as e:
+                admitted = req.cancelled or batches[key].admit(req)  # a failed prefill leaves the slot free
+            except Exception as e:
                 if until_idle:
                     raise
                 waiting.remove(req)
                 self.end({}, [req], "error", e)
                 continue
-            if req.cancelled or batches[key].admit(req):
+            if admitted:
                 waiting.remove(req)
                 if req.cancelled:
                     self.end({}, [req], "cancelled")

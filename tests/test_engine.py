@@ -564,6 +564,23 @@ def test_a_request_larger_than_a_slot_ends_with_an_error():
     assert small.result.stats["stop"] == "length"
 
 
+def test_a_failing_prefill_ends_its_request_and_serving_goes_on(monkeypatch):
+    import queue
+    e = engine.Engine(TARGET, DRAFT).load()
+    prefill, done = TARGET.prefill, []
+    monkeypatch.setattr(TARGET, "prefill", lambda tokens, *a, **k: (_ for _ in ()).throw(RuntimeError("no memory"))
+                        if len(tokens) == 5 else prefill(tokens, *a, **k))
+    inbox = queue.Queue()
+    bad, good = (e.request(p, method="ar", max_new_tokens=5, on_done=done.append) for p in ([1] * 5, PROMPT))
+    inbox.put(bad)
+    inbox.put(good)
+    for _ in e.serving(inbox, 1, (16, 16), False):
+        if len(done) == 2:
+            break
+    assert bad.result.stats == bad.result.stats | {"stop": "error", "error": "no memory"}
+    assert good.result.stats["stop"] == "length"
+
+
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_stop_strings_and_the_text_stream(tmp_path, method):
     """The stream's pieces add up to the result's text; a stop string ends the text before it (and may not
