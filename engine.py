@@ -185,8 +185,8 @@ class Request:
     """A checked prompt (ids) with its settings on its way through a batch. Callbacks, all called on the
     thread that decodes: on_tokens(settled ids) whenever more have settled (returning True stops the request
     there), on_text(piece) with new settled text (whole UTF-8 characters; text that may begin a stop string is
-    held back), on_done(Result) once at the end, on_cycle(batch, slot) after each cycle (traces). A stop string in the text ends the request; the text ends
-    before it."""
+    held back), on_done(Result) once at the end, on_cycle(batch, slot) after each cycle (traces). A stop string
+    in the text ends the request; the text ends before it."""
 
     def __init__(self, ids, s, capacity, stop=(), on_tokens=None, on_text=None, on_done=None, on_cycle=None,
                  tokenizer=None):
