@@ -168,8 +168,8 @@ def configs(args, cells):
     for method in args.methods:
         if method == "ar":
             out.append(("ar", 1, 1))
-        elif method == "sd":
-            out.append(("sd", 1, args.sd_draft_len))
+        elif method in ("sd", "easd"):
+            out.append((method, 1, args.sd_draft_len))
         elif method == "smc":
             out += [("smc", n, k) for n, k in cells]
     return out
@@ -208,7 +208,7 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth):
         s = r["stats"]
         if r["prompt"] in ar:
             r["speedup"] = r["tokens_per_s"] / ar[r["prompt"]]
-        if r["method"] == "sd":
+        if r["method"] in ("sd", "easd"):
             r["accepted_per_cycle"] = s["accepted"] / max(s["cycles"], 1)
             r["acceptance"] = s["acceptance"]
         if r["method"] == "smc":
@@ -523,7 +523,7 @@ def pass_rates(e, draft_alone, args):
     --sd-draft-len, "draft": the draft alone), on the first --problems problems."""
     problems = quality.load_problems()[:args.problems]
     runners = {"ar": (e, "ar", 1, 1)} if "ar" in args.methods else {}
-    runners |= {"sd": (e, "sd", 1, args.sd_draft_len)} if "sd" in args.methods else {}
+    runners |= {m: (e, m, 1, args.sd_draft_len) for m in ("sd", "easd") if m in args.methods}
     runners |= {f"smc {N}x{K}": (e, "smc", N, K) for N, K in args.smc_cells if "smc" in args.methods}
     runners |= {"draft alone": (draft_alone, "ar", 1, 1)} if "draft" in args.methods else {}
     out = {}
@@ -645,7 +645,7 @@ def parse(argv):
                    help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems, "
                         "concurrency 1 and 2")
     p.add_argument("--methods", default="ar,sd,smc,draft",
-                   help="comma-separated subset of ar,sd,smc,draft (draft: the draft alone, quality only)")
+                   help="comma-separated subset of ar,sd,easd,smc,draft (draft: the draft alone, quality only)")
     p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"),
                    help="smc N x K cells of the speed table (empty: skip the speed table, its phase split and the "
                         "one-request peer)")
@@ -678,8 +678,8 @@ def parse(argv):
                        skip_peer=True, prompt_lengths=[100, 1000], short_requests=2, concurrency=[1, 2])
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
-    if unknown := set(args.methods) - {"ar", "sd", "smc", "draft"}:
-        p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from ar,sd,smc,draft)")
+    if unknown := set(args.methods) - {"ar", "sd", "easd", "smc", "draft"}:
+        p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from ar,sd,easd,smc,draft)")
     return args
 
 

@@ -27,7 +27,8 @@ import model
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
-METHODS = ("smc", "sd", "ar")
+METHODS = ("smc", "sd", "easd", "ar")
+EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-m, share of the top-m they share
 
 
 class UsageError(Exception):
@@ -49,11 +50,12 @@ class Settings:
     select: str
     cuda_graphs: bool
     power: float = 1.0
+    easd: tuple = EASD
 
     def shape(self):
         """What the requests of one batch share: the cycle's shape."""
-        return Shape(self.method, self.particles, self.draft_len,
-                     self.ess_threshold if self.method == "smc" else None, self.cuda_graphs, self.power)
+        return Shape(self.method, self.particles, self.draft_len, self.ess_threshold if self.method == "smc" else
+                     None, self.cuda_graphs, self.power, tuple(self.easd) if self.method == "easd" else None)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Shape:
     ess_threshold: float | None
     cuda_graphs: bool
     power: float = 1.0  # smc's target: the whole sequence's p ** power (normalised)
+    easd: tuple | None = None  # easd's rule (`easd_trigger`)
     restrict: bool = False  # some request in the batch has top-k or top-p: the cycle restricts the target
 
 
@@ -80,7 +83,7 @@ def shape(method, particles, draft_len, device):
     compute, N=3, K=2; on a GPU, where a verify of N x (K+1) rows reads the weights once, N=4, K=4."""
     if method == "ar":
         return 1, 1
-    default_n, default_k = ((3, 2) if device.type == "cpu" else (4, 4)) if method == "smc" else (1, 4)
+    default_n, default_k = ((3, 2) if device.type == "cpu" else (4, 4)) if method == "smc" else (1, 4)  # sd, easd
     n = default_n if particles is None or method != "smc" else particles
     return n, default_k if draft_len is None else draft_len
 
@@ -113,6 +116,9 @@ def check_settings(s, has_draft):
         raise UsageError(f"select must be 'sample' or 'argmax', got {s.select!r}")
     if not s.power > 0 or (s.power != 1 and s.method != "smc"):
         raise UsageError(f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}")
+    entropy, top, share = s.easd
+    if not (entropy >= 0 and top >= 1 and 0 <= share <= 1):
+        raise UsageError(f"easd takes ENTROPY >= 0, TOP >= 1 and SHARE in [0, 1], got {entropy},{top},{share}")
 
 
 def free_bytes(device):
@@ -170,6 +176,20 @@ def power_bonus(logits, temperature, power):
         return logits, logits.new_zeros(logits.shape[:-1])
     scaled = logits / per_request(temperature, logits)
     return logits * power, (power * scaled).logsumexp(-1) - power * scaled.logsumexp(-1)
+
+
+def easd_trigger(p, q, t, rule):
+    """EASD's rule (arXiv 2512.23765; its code was not available, so defined here): draft token t_k is rejected,
+    and replaced by a draw from the target's p_k itself, where both models are uncertain (the entropies of p_k and
+    q_k reach `entropy` nats) while their top-`top` tokens mostly agree (at least share x top in common) and t_k is
+    one of those shared tokens: agreement in low confidence, which would otherwise pass through. p, q [R, K, V],
+    t [R, K] -> bool [R, K]."""
+    entropy, top, share = rule
+    uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
+    top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
+    shared = (top_p[..., :, None] == top_q[..., None, :]).any(-1)  # [R, K, top]: p's top tokens also q's
+    aligned = (shared & (top_p == t[..., None])).any(-1)
+    return uncertain(p) & uncertain(q) & (shared.sum(-1) >= share * top) & aligned
 
 
 def bernoulli(p, rng):
@@ -394,7 +414,7 @@ class Batch:
         st.hist = new(R, N, suffix_cap, dtype=torch.int64)
         st.gen_len = new(R, dtype=torch.int32)
         st.logw, st.log_z, st.ess_sum = new(R, N), new(R), new(R)
-        st.accepted, st.resamples = new(R, dtype=torch.int64), new(R, dtype=torch.int64)
+        st.accepted, st.resamples, st.triggers = (new(R, dtype=torch.int64) for _ in range(3))
         st.flags = new(R, 4, dtype=torch.int32)
         # the last cycle, for traces: appended tokens and how many were kept, draft tokens, weights before
         # resampling, ESS, whether it resampled and the ancestors (device copies: no host sync)
@@ -429,7 +449,7 @@ class Batch:
                 e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
         st.x0[r], st.prev[r], st.hist[r], st.hist[r, :, 0] = x0, prompt[-1], 0, x0
         st.gen_len[r], st.max_new[r], st.finished[r] = 1, s.max_new_tokens, e.is_eos[x0]
-        for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples):
+        for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
             x[r] = 0
         st.live[r] = True
         self.requests[r] = req
@@ -517,10 +537,13 @@ class Batch:
                  "prefill_seconds": round(req.prefill_seconds, 4), "streamed": min(req.streamed, new),
                  "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": req.cycles,
                  "stop": stop or ("eos" if new < len(tokens) else "length")}
-        if s.method == "sd":
+        if s.method in ("sd", "easd"):
             accepted = int(st.accepted[r])
             stats |= {"draft_len": s.draft_len, "accepted": accepted,
                       "acceptance": round(accepted / max(req.cycles * s.draft_len, 1), 4)}
+        if s.method == "easd":
+            triggers = int(st.triggers[r])
+            stats |= {"triggers": triggers, "trigger_rate": round(triggers / max(req.cycles, 1), 4)}
         if s.method == "smc":
             final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
             stats |= {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
@@ -592,15 +615,15 @@ class Engine:
 
     def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
                 target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
-                seed=0, select="sample", cuda_graphs=True, power=1.0, stop=(), on_tokens=None, on_text=None,
-                on_done=None, on_cycle=None, context=None):
+                seed=0, select="sample", cuda_graphs=True, power=1.0, easd=EASD, stop=(), on_tokens=None,
+                on_text=None, on_done=None, on_cycle=None, context=None):
         """Check a request against the models' configs and the free memory, before any weight is read ->
         Request. Raises UsageError. context: the most tokens (prompt, new ones and a draft block) a slot of the
         serving batch holds, when that is below the models' context."""
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
                      temperature if target_temperature is None else target_temperature,
                      *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
-                     cuda_graphs, power)
+                     cuda_graphs, power, easd)
         check_settings(s, self.draft_config is not None)
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
@@ -756,7 +779,7 @@ class Engine:
 
     def cycle(self, st, s):
         """One cycle of s.method for the slots of st, then their flags for the host."""
-        {"ar": self.ar_cycle, "sd": self.sd_cycle, "smc": self.smc_cycle}[s.method](st, s)
+        {"ar": self.ar_cycle, "sd": self.sd_cycle, "easd": self.sd_cycle, "smc": self.smc_cycle}[s.method](st, s)
         if st.dcache:
             st.dcache.suffix_len.mul_(st.live)  # an empty slot drafted into nothing
         publish(st)
@@ -796,7 +819,8 @@ class Engine:
     def sd_cycle(self, st, s):
         """Speculative sampling, each request accepting its own number of tokens: accept t_k with probability
         min(1, p/q); the first rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a
-        bonus token from p. Exact at any temperature."""
+        bonus token from p. Exact at any temperature. easd: also rejects where `easd_trigger` fires, replacing
+        the token by a draw from p (not exact: it trades the draft's low-confidence agreement for the target)."""
         K, R, device = s.draft_len, st.x0.shape[0], st.x0.device
         t, _, q_logits = self.draft_block(st, s)
         p = probs(self.verify(st, t, s)[:, 0], st.temp_t)  # [R, K+1, V]
@@ -804,9 +828,16 @@ class Engine:
         t = t[:, 0]  # [R, K]
         pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
         accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
+        residual = (p[:, :K] - q).clamp(min=0)
+        if s.easd:
+            triggered = easd_trigger(p[:, :K], q, t, s.easd)
+            accept &= ~triggered
+            residual = torch.where(triggered[..., None], p[:, :K], residual)
         n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
+        if s.easd:
+            st.triggers += triggered.gather(1, n.long().clamp(max=K - 1)[:, None])[:, 0] & (n < K)
         at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
-        fix = torch.cat([(p[:, :K] - q).clamp(min=0), p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
+        fix = torch.cat([residual, p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
         fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
         c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
         st.prev.copy_(torch.cat([st.x0, t], 1).gather(1, n.long()[:, None]))
@@ -884,12 +915,22 @@ def apply_chat(tokenizer, messages):
 
 def summary(stats):
     line = f"[{stats['method']}: {stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s"
-    if stats["method"] == "sd":
+    if stats["method"] in ("sd", "easd"):
         line += f", {stats['cycles']} cycles, acceptance {stats['acceptance']:.2f}"
+    if stats["method"] == "easd":
+        line += f", {stats['triggers']} easd rejections"
     if stats["method"] == "smc":
         line += (f", {stats['cycles']} cycles, {stats['resamples']} resamples, mean ESS {stats['mean_ess']:.2f}"
                  f"/{stats['particles']}, log Z {stats['log_z']:.3f}")
     return line + ("" if stats["stop"] != "interrupted" else ", interrupted") + "]"
+
+
+def easd_rule(text):
+    try:
+        entropy, top, share = text.split(",")
+        return float(entropy), int(top), float(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ENTROPY,TOP,SHARE like 1.0,5,0.6, got {text!r}") from None
 
 
 def read_prompt(path):
@@ -941,6 +982,9 @@ def main(argv=None):
     p.add_argument("--draft-len", type=int, help="sd, smc: draft tokens K per cycle (default: sd 4; smc 2 on a "
                    "CPU, 4 on a GPU)")
     p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
+    p.add_argument("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE",
+                   help="easd: reject the draft token where both models' entropies reach ENTROPY nats and their "
+                   "top-TOP tokens share SHARE x TOP, the token among them (default %(default)s)")
     p.add_argument("--power", type=float, default=1.0, help="smc: sample whole sequences from p ** power "
                    "(normalised; > 1 sharper than the target)")
     p.add_argument("--seed", type=int, default=0)
@@ -961,7 +1005,7 @@ def main(argv=None):
     options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=draft_temperature,
                    target_temperature=target_temperature, particles=particles, draft_len=draft_len,
                    ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   cuda_graphs=not args.no_cuda_graphs, power=args.power)
+                   cuda_graphs=not args.no_cuda_graphs, power=args.power, easd=args.easd)
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     try:
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched

@@ -64,7 +64,7 @@ class Tracer:
             record |= {"logw_before": st.logw_before[r].tolist(), "logw_after": st.logw[r].tolist(),
                        "ess": float(st.ess[r]), "resampled": bool(st.resampled[r]),
                        "ancestors": st.ancestors[r].tolist()}
-        if method == "sd":
+        if method in ("sd", "easd"):
             record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": len(tokens[0]) - 1}
         if "cycle" in self.ms:  # an eager cycle (a CUDA-graph replay runs none of the timed calls)
             draft, verify = self.ms.get("draft_block", 0.0), self.ms.get("verify", 0.0)
@@ -281,7 +281,7 @@ def acceptance(start, cycles, end, out):
 def trace_pictures(start, cycles, end, out):
     if start["method"] == "smc":
         return [genealogy(start, cycles, end, out), weights(start, cycles, end, out)]
-    if start["method"] == "sd":
+    if start["method"] in ("sd", "easd"):
         return [acceptance(start, cycles, end, out)]
     raise PlotError(f"an {start['method']} trace has no particles or drafts to draw: trace an smc or sd run")
 

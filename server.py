@@ -320,7 +320,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, help="tokens per slot: prompt + max_tokens + draft lookahead "
                    "(default 2048, or the model's context if smaller)")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before 503")
-    p.add_argument("--method", choices=["smc", "sd", "ar"], help="default method (smc with a draft, else ar)")
+    p.add_argument("--method", choices=engine.METHODS, help="default method (smc with a draft, else ar)")
     p.add_argument("--particles", type=int, help="default smc particles N")
     p.add_argument("--draft-len", type=int, help="default draft tokens K per cycle")
     p.add_argument("--device")
