@@ -536,7 +536,7 @@ def pass_rates(e, draft_alone, args):
         out[label] = {"pass_at_1": mean, "stderr": stderr, "problems": len(problems), "samples": args.samples,
                       "seconds": time.perf_counter() - start, "results": results}
     for q in out.values():  # paired: the same problems and samples per problem, so their difficulty cancels
-        for base, key in (("ar", "vs_ar"), ("draft alone", "vs_draft")):
+        for base, key in (("ar", "vs_ar"), ("sd", "vs_sd"), ("draft alone", "vs_draft")):
             if base in out and q is not out[base]:
                 q[key], q[key + "_stderr"] = quality.paired_difference(q["results"], out[base]["results"])
     return out
@@ -615,10 +615,10 @@ def batch_table(rows):
 def quality_table(scores):
     def paired(q, key):
         return f"{q[key]:+.3f} ± {q[key + '_stderr']:.3f}" if key in q else ""
-    lines = ["| method | pass@1 | standard error | minus ar (paired) | minus draft (paired) | problems x samples |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | {paired(q, 'vs_ar')} | {paired(q, 'vs_draft')} "
-              f"| {q['problems']} x {q['samples']} |" for label, q in scores.items()]
+    lines = ["| method | pass@1 | standard error | minus ar (paired) | minus sd (paired) | minus draft (paired) "
+             "| problems x samples |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | {paired(q, 'vs_ar')} | {paired(q, 'vs_sd')} "
+              f"| {paired(q, 'vs_draft')} | {q['problems']} x {q['samples']} |" for label, q in scores.items()]
     return "\n".join(lines)
 
 
