@@ -45,6 +45,8 @@ class Tracer:
 
     def timed(self, name, fn):
         def wrapper(*args):
+            if self.engine.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return fn(*args)  # recording a CUDA graph: no sync allowed, and replays are not timed anyway
             synchronize(self.engine.device)
             start = time.perf_counter()
             out = fn(*args)
