@@ -68,7 +68,7 @@ class Tracer:
                        "ancestors": st.ancestors[r].tolist()}
         if method in ("sd", "easd"):
             record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": len(tokens[0]) - 1}
-        if "cycle" in self.ms:  # an eager cycle (a CUDA-graph replay runs none of the timed calls)
+        if "cycle" in self.ms and not batch.graphs:  # an eager cycle (a replay runs none of the timed calls)
             draft, verify = self.ms.get("draft_block", 0.0), self.ms.get("verify", 0.0)
             record["ms"] = {"draft": round(draft, 3), "verify": round(verify, 3),
                             "rest": round(self.ms["cycle"] - draft - verify, 3), "cycle": round(self.ms["cycle"], 3)}
