@@ -272,6 +272,50 @@ def sizes(requests):
     return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
 
 
+# ---------------------------------------------------------------- racer: drafts without a draft model
+
+
+class Retrieval:
+    """RACER-style chain drafts (arXiv 2604.14885) for one request, kept on the host beside it: an index of every
+    n-gram (n <= 10) of the prompt and the text so far with the counts of the tokens that followed it, and logit
+    cues: for each token, the target's likeliest next token at the last verify that scored it (rejected rows
+    included). A chain follows the longest suffix of the text that occurred before along its most frequent
+    continuation, else the last token's cue. It costs a dict lookup per token, no model; code that restates
+    its prompt (an edit, a refactor) is where retrieval finds long runs."""
+    LONGEST = 10
+
+    def __init__(self, ids):
+        self.ctx, self.follow, self.cue, self.chain, self.seen = [], {}, {}, [], 0
+        self.observe(ids, None)
+        self.seen, self.cycles = 0, 0  # generated tokens observed, cycles whose cues were taken
+
+    def observe(self, tokens, cues):
+        """New tokens of the text; cues [K+1]: the target's argmax after the last token and each drafted one."""
+        if cues is not None:
+            self.cue |= dict(zip([self.ctx[-1]] + self.chain, cues))
+        for t in tokens:
+            for n in range(1, min(self.LONGEST, len(self.ctx)) + 1):
+                counts = self.follow.setdefault(tuple(self.ctx[-n:]), {})
+                counts[t] = counts.get(t, 0) + 1
+            self.ctx.append(t)
+        self.seen += len(tokens)
+
+    def guess(self, ctx):
+        for n in range(min(self.LONGEST, len(ctx)), 0, -1):
+            counts = self.follow.get(tuple(ctx[-n:]))
+            if counts:
+                return max(counts, key=counts.get)
+        return self.cue.get(ctx[-1], ctx[-1])
+
+    def draft(self, K):
+        """-> K tokens continuing the text."""
+        ctx = self.ctx[-self.LONGEST:]
+        for _ in range(K):
+            ctx.append(self.guess(ctx))
+        self.chain = ctx[-K:]
+        return self.chain
+
+
 # ---------------------------------------------------------------- decoding state
 
 
@@ -397,7 +441,7 @@ class Batch:
     def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
         e, N, R = engine, shape.particles, slots
         self.engine, self.shape, self.requests, self.graphs = e, shape, [None] * R, {}
-        configs = [e.config] + ([e.draft_config] if shape.method != "ar" else [])
+        configs = [e.config] + ([e.draft_config] if shape.method != "ar" and e.draft_config else [])
         need = sum(model.KVCache.nbytes(c, N, prefix_cap, suffix_cap, e.dtype, R) for c in configs)
         need += 4 * R * N * (shape.draft_len + 1) * e.config.vocab_size * 4  # float32 logits, a few copies
         check_fits(need, e.device, f"{R} slots' KV caches and logits", "lower --slots, --particles or the budget")
@@ -419,7 +463,8 @@ class Batch:
         # the last cycle, for traces: appended tokens and how many were kept, draft tokens, weights before
         # resampling, ESS, whether it resampled and the ancestors (device copies: no host sync)
         st.block, st.kept = new(R, N, shape.draft_len + 1, dtype=torch.int64), new(R, dtype=torch.int32)
-        st.drafted = new(R, N, shape.draft_len, dtype=torch.int64)
+        st.drafted = new(R, N, shape.draft_len, dtype=torch.int64)  # also: racer's chains, from the host
+        st.cues = new(R, shape.draft_len + 1, dtype=torch.int64)  # sd: the target's likeliest next token per row
         st.logw_before, st.ess, st.resampled = new(R, N), new(R), new(R, dtype=torch.bool)
         st.ancestors = new(R, N, dtype=torch.int64)
 
@@ -473,6 +518,9 @@ class Batch:
     def cycle(self):
         """One cycle of every busy slot."""
         s = replace(self.shape, restrict=any(r and r.restricts for r in self.requests))
+        for r, req in enumerate(self.requests):
+            if req and req.drafter:
+                self.st.drafted[r, 0] = torch.tensor(req.drafter.draft(s.draft_len))
         if graphs_apply(s, self.st):
             if s not in self.graphs:
                 self.graphs[s] = Captured(lambda: self.engine.cycle(self.st, s), self.st)
@@ -493,6 +541,10 @@ class Batch:
             if req is None:
                 continue
             done, count, degenerate, length = flags[r]
+            if req.drafter:
+                req.drafter.observe(self.st.hist[r, 0, req.drafter.seen:length].tolist(),
+                                    self.st.cues[r].tolist() if req.cycles > req.drafter.cycles else None)
+                req.drafter.cycles = req.cycles
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
             if why is None and count > len(req.settled):
@@ -567,6 +619,7 @@ class Engine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.bfloat16
+        self.racer, draft = (True, None) if draft == "racer" else (False, draft)  # drafts without a draft model
         self.target, self.draft = (m if isinstance(m, model.Transformer) else None for m in (target, draft))
         self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
                        for m in (target, draft)]
@@ -624,12 +677,17 @@ class Engine:
                      temperature if target_temperature is None else target_temperature,
                      *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
                      cuda_graphs, power, easd)
-        check_settings(s, self.draft_config is not None)
+        check_settings(s, self.draft_config is not None or self.racer)
+        if self.racer and s.method == "smc":
+            raise UsageError("smc needs a draft model: racer drafts are one deterministic chain, the same for every "
+                             "particle; use --method sd or easd with --draft racer")
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
         ids = self.encode(prompt)
-        return Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
-                       on_tokens, on_text, on_done, on_cycle, self.tokenizer)
+        req = Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
+                      on_tokens, on_text, on_done, on_cycle, self.tokenizer)
+        req.drafter = Retrieval(ids) if self.racer and method != "ar" else None
+        return req
 
     def check_request(self, prompt_len, s, context=None):
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
@@ -798,6 +856,11 @@ class Engine:
         unwritten. -> tokens [R, N, K], their log q under the draft temperature [R, N, K], the K logits
         [R, N, V]. Advances the draft's suffix_len by K + 1."""
         R, N = st.x0.shape
+        if st.dcache is None:  # racer: the host's chains, each token a point mass (log q = 0)
+            t = st.drafted.clone()
+            return t, torch.zeros(t.shape, device=t.device), [
+                torch.full((R, N, self.config.vocab_size), float("-inf"), device=t.device).scatter_(
+                    -1, t[..., k:k + 1], 0.0) for k in range(s.draft_len)]
         x = torch.stack([st.prev, st.x0], -1)  # [R, N, 2]
         tokens, logq, logits = [], [], []
         for _ in range(s.draft_len):
@@ -843,7 +906,9 @@ class Engine:
         st.prev.copy_(torch.cat([st.x0, t], 1).gather(1, n.long()[:, None]))
         tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
                              c[:, None])  # t_1..t_n, c, filler
-        st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
+        if st.dcache is not None:
+            st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
+        st.cues.copy_(p.argmax(-1))
         st.accepted += n
         append(st, tokens[:, None], n + 1, self.is_eos)
 
@@ -965,7 +1030,8 @@ def read_jsonl(path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
-    p.add_argument("--draft", help="draft model, same vocabulary as the target")
+    p.add_argument("--draft", help="draft model, same vocabulary as the target; racer: drafts from retrieval and "
+                   "the target's own logits, no draft model (sd, easd)")
     p.add_argument("--method", choices=METHODS, default="smc")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--prompt-file", help="read the prompt from this file instead; a .jsonl file holds one "
@@ -1009,7 +1075,7 @@ def main(argv=None):
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     try:
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched
-        if args.draft and not args.target:
+        if args.draft not in (None, "racer") and not args.target:
             raise UsageError("--draft needs --target")
         if args.slots < 1:
             raise UsageError(f"--slots must be at least 1, got {args.slots}")
@@ -1020,6 +1086,7 @@ def main(argv=None):
         if not batch and not prompt.strip():
             raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
         draft, target = (args.draft, args.target) if args.target else default_pair()
+        draft = "racer" if args.draft == "racer" else draft  # retrieval drafts for the default target
         engine = Engine(target, draft, device, args.dtype)  # opens the files; reads no weights yet
         chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
         items = [item | {"prompt": chat(item["prompt"])} for item in (prompt if batch else [{"prompt": prompt}])]

@@ -140,6 +140,30 @@ def test_easd_is_sd_where_its_rule_never_fires_and_draws_from_the_target_where_i
     assert stats["triggers"] == stats["cycles"] == 7 and stats["trigger_rate"] == 1.0 and stats["accepted"] == 0
 
 
+def test_racer_drafts_keep_sd_exact():
+    """--draft racer: chains from retrieval and logit cues, no draft model; verified as point masses (accept t
+    with probability p(t), else a draw from p without t), so sd still samples the target exactly, and greedy
+    sd equals greedy ar."""
+    e = engine.Engine(TARGET, "racer")
+    found = empirical(e, SAMPLES, 2 * K, method="sd", temperature=1.0, draft_len=K)
+    assert tv(found, exact(TARGET, 2 * K, 1.0)) < noise_floor(exact(TARGET, 2 * K, 1.0), SAMPLES)
+    greedy = dict(temperature=0, max_new_tokens=30)
+    racer = e.generate(PROMPT, method="sd", draft_len=3, **greedy)
+    assert racer.tokens == e.generate(PROMPT, method="ar", **greedy).tokens and racer.stats["accepted"] > 0
+    with pytest.raises(engine.UsageError, match="smc needs a draft model"):
+        e.generate(PROMPT, method="smc")
+
+
+def test_racer_retrieval_follows_the_longest_earlier_suffix():
+    r = engine.Retrieval([5, 1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2])
+    # "1 2" was followed by 3 both times; "1 2 3" by 4 and by 7 (a tie: the first seen); then "1 2 3 4" by 9, 1
+    assert r.draft(4) == [3, 4, 9, 1]
+    r.observe([3, 8], [6, 7, 0, 0, 0])  # the target's argmax after the last token (2) and after the first draft (3)
+    assert r.cue[2] == 6 and r.cue[3] == 7 and r.seen == 2 and r.draft(1) == [8]  # "8" unseen, no cue: repeat
+    r.cue[8] = 4
+    assert r.draft(1) == [4]
+
+
 def test_smc_with_draft_equal_to_target():
     """Zero weight increments (the target log-prob is taken at the target temperature, 0.7 here, as the draft's
     is), hence no resampling, and the target distribution. Several cycles: a draft missing the K/V of t_K and
