@@ -214,12 +214,20 @@ class Request:
         self.on_tokens, self.on_text, self.on_done, self.on_cycle = on_tokens, on_text, on_done, on_cycle
         self.particle = 0
         self.restricts = bool(s.top_k or s.top_p < 1)
-        self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0
+        self.settled, self.shown, self.streamed, self.cycles, self.prefill_seconds = [], 0, 0, 0, 0.0
         self.cancelled, self.result = False, None
 
     def cancel(self):
         """Thread-safe: the request ends at its batch's next cycle, with stats["stop"] = "cancelled"."""
         self.cancelled = True
+
+    def stats(self, tokens, stop, eos_ids, seconds):
+        """The statistics every request has (a method's own come from its batch)."""
+        new = len(until_eos(tokens, eos_ids))
+        return {"method": self.s.method, "prompt_tokens": len(self.ids), "new_tokens": new,
+                "seconds": round(seconds, 4), "prefill_seconds": round(self.prefill_seconds, 4),
+                "streamed": min(self.streamed, new), "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0,
+                "cycles": self.cycles, "stop": stop or ("eos" if new < len(tokens) else "length")}
 
     def settle(self, tokens, eos_ids):
         """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request."""
@@ -537,18 +545,19 @@ class Batch:
         """Read every slot's flags (the host's one read of a cycle), pass settled tokens on, end the requests
         that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
         flags = self.st.flags.tolist()
-        for r, req in enumerate(self.requests):
-            if req is None:
-                continue
+        busy = [(r, req) for r, req in enumerate(self.requests) if req]
+        rows = self.st.hist[:, 0, :max((flags[r][3] for r, _ in busy), default=0)].tolist() if busy else []
+        cues = self.st.cues.tolist() if any(req.drafter for _, req in busy) else None  # one read each, not per slot
+        for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:
-                req.drafter.observe(self.st.hist[r, 0, req.drafter.seen:length].tolist(),
-                                    self.st.cues[r].tolist() if req.cycles > req.drafter.cycles else None)
+                req.drafter.observe(rows[r][req.drafter.seen:length], cues[r] if req.cycles > req.drafter.cycles
+                                    else None)
                 req.drafter.cycles = req.cycles
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
             if why is None and count > len(req.settled):
-                why = req.settle(self.st.hist[r, 0, len(req.settled):count].tolist(), self.engine.config.eos_ids)
+                why = req.settle(rows[r][len(req.settled):count], self.engine.config.eos_ids)
             if why is None and not done and req.stop and self.shape.particles > 1:
                 done = self.stop_particles(r, req, length)
             if why or done:
@@ -584,11 +593,7 @@ class Batch:
         """seconds: from the start of the prefill to the last token; prefill: until the first token was drawn."""
         st, s = self.st, req.s
         seconds = time.perf_counter() - req.start - (self.capture_seconds() - req.capture_start)
-        new = len(until_eos(tokens, self.engine.config.eos_ids))
-        stats = {"method": s.method, "prompt_tokens": len(req.ids), "new_tokens": new, "seconds": round(seconds, 4),
-                 "prefill_seconds": round(req.prefill_seconds, 4), "streamed": min(req.streamed, new),
-                 "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0, "cycles": req.cycles,
-                 "stop": stop or ("eos" if new < len(tokens) else "length")}
+        stats = req.stats(tokens, stop, self.engine.config.eos_ids, seconds)
         if s.method in ("sd", "easd"):
             accepted = int(st.accepted[r])
             stats |= {"draft_len": s.draft_len, "accepted": accepted,
@@ -827,9 +832,7 @@ class Engine:
                 b.collect(stop=why)
             waiting = waiting + ([req for req in b.requests if req] if error is not None else [])
         for req in waiting:
-            new = len(until_eos(req.settled, self.config.eos_ids))
-            stats = {"method": req.s.method, "prompt_tokens": len(req.ids), "new_tokens": new, "seconds": 0.0,
-                     "prefill_seconds": 0.0, "streamed": 0, "tokens_per_s": 0.0, "cycles": req.cycles, "stop": why}
+            stats = req.stats(req.settled, why, self.config.eos_ids, 0.0)
             req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
                        self.config.eos_ids)
 
