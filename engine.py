@@ -18,12 +18,14 @@ import os
 import queue
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
 
 import kernels
 import model
+import racer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
@@ -51,11 +53,15 @@ class Settings:
     cuda_graphs: bool
     power: float = 1.0
     easd: tuple = EASD
+    tree: int = 0  # racer: draft tokens per cycle, a tree at most draft_len deep (0: a chain of draft_len)
+    overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
 
-    def shape(self):
+    def shape(self, tree_drafts=False):
         """What the requests of one batch share: the cycle's shape."""
         return Shape(self.method, self.particles, self.draft_len, self.ess_threshold if self.method == "smc" else
-                     None, self.cuda_graphs, self.power, tuple(self.easd) if self.method == "easd" else None)
+                     None, self.cuda_graphs, self.power, tuple(self.easd) if self.method == "easd" else None,
+                     tree=(self.tree or self.draft_len) if tree_drafts and self.method == "sd" else 0,
+                     overlap=self.overlap)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class Shape:
     power: float = 1.0  # smc's target: the whole sequence's p ** power (normalised)
     easd: tuple | None = None  # easd's rule (`easd_trigger`)
     restrict: bool = False  # some request in the batch has top-k or top-p: the cycle restricts the target
+    tree: int = 0  # racer: the draft tokens verified per cycle (their tree comes from the host)
+    overlap: bool = False
 
 
 @dataclass
@@ -116,6 +124,8 @@ def check_settings(s, has_draft):
         raise UsageError(f"select must be 'sample' or 'argmax', got {s.select!r}")
     if not s.power > 0 or (s.power != 1 and s.method != "smc"):
         raise UsageError(f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}")
+    if not 0 <= s.tree <= 64:
+        raise UsageError(f"tree must lie in [0, 64] draft tokens, got {s.tree}")
     entropy, top, share = s.easd
     if not (entropy >= 0 and top >= 1 and 0 <= share <= 1):
         raise UsageError(f"easd takes ENTROPY >= 0, TOP >= 1 and SHARE in [0, 1], got {entropy},{top},{share}")
@@ -280,50 +290,6 @@ def sizes(requests):
     return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
 
 
-# ---------------------------------------------------------------- racer: drafts without a draft model
-
-
-class Retrieval:
-    """RACER-style chain drafts (arXiv 2604.14885) for one request, kept on the host beside it: an index of every
-    n-gram (n <= 10) of the prompt and the text so far with the counts of the tokens that followed it, and logit
-    cues: for each token, the target's likeliest next token at the last verify that scored it (rejected rows
-    included). A chain follows the longest suffix of the text that occurred before along its most frequent
-    continuation, else the last token's cue. It costs a dict lookup per token, no model; code that restates
-    its prompt (an edit, a refactor) is where retrieval finds long runs."""
-    LONGEST = 10
-
-    def __init__(self, ids):
-        self.ctx, self.follow, self.cue, self.chain, self.seen = [], {}, {}, [], 0
-        self.observe(ids, None)
-        self.seen, self.cycles = 0, 0  # generated tokens observed, cycles whose cues were taken
-
-    def observe(self, tokens, cues):
-        """New tokens of the text; cues [K+1]: the target's argmax after the last token and each drafted one."""
-        if cues is not None:
-            self.cue |= dict(zip([self.ctx[-1]] + self.chain, cues))
-        for t in tokens:
-            for n in range(1, min(self.LONGEST, len(self.ctx)) + 1):
-                counts = self.follow.setdefault(tuple(self.ctx[-n:]), {})
-                counts[t] = counts.get(t, 0) + 1
-            self.ctx.append(t)
-        self.seen += len(tokens)
-
-    def guess(self, ctx):
-        for n in range(min(self.LONGEST, len(ctx)), 0, -1):
-            counts = self.follow.get(tuple(ctx[-n:]))
-            if counts:
-                return max(counts, key=counts.get)
-        return self.cue.get(ctx[-1], ctx[-1])
-
-    def draft(self, K):
-        """-> K tokens continuing the text."""
-        ctx = self.ctx[-self.LONGEST:]
-        for _ in range(K):
-            ctx.append(self.guess(ctx))
-        self.chain = ctx[-K:]
-        return self.chain
-
-
 # ---------------------------------------------------------------- decoding state
 
 
@@ -378,6 +344,16 @@ def append(st, tokens, kept, is_eos):
                                                             .expand(R, N, 1))[..., 0], st.x0))
     st.gen_len += kept
     st.tcache.suffix_len += kept
+
+
+def compact(cache, base, path):
+    """Move the suffix K/V of an accepted tree path down to consecutive positions: node path[r, d] of the tree
+    written from base[r] (int [R]) to base[r] + d; path [R, D]. Parents come before children, so path[r, d] >= d
+    and one gather then one scatter do it."""
+    for kv in (cache.suffix_k, cache.suffix_v):  # [L, R, N, H, S, D]
+        L, R, N, H, S, D = kv.shape
+        at = lambda i: (base.long()[:, None] + i)[None, :, None, None, :, None].expand(L, R, N, H, i.shape[-1], D)
+        kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
 
 
 def settle(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
@@ -451,7 +427,7 @@ class Batch:
         self.engine, self.shape, self.requests, self.graphs = e, shape, [None] * R, {}
         configs = [e.config] + ([e.draft_config] if shape.method != "ar" and e.draft_config else [])
         need = sum(model.KVCache.nbytes(c, N, prefix_cap, suffix_cap, e.dtype, R) for c in configs)
-        need += 4 * R * N * (shape.draft_len + 1) * e.config.vocab_size * 4  # float32 logits, a few copies
+        need += 4 * R * N * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4  # logits, copies
         check_fits(need, e.device, f"{R} slots' KV caches and logits", "lower --slots, --particles or the budget")
         new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=e.device)
         st = self.st = State()
@@ -471,10 +447,17 @@ class Batch:
         # the last cycle, for traces: appended tokens and how many were kept, draft tokens, weights before
         # resampling, ESS, whether it resampled and the ancestors (device copies: no host sync)
         st.block, st.kept = new(R, N, shape.draft_len + 1, dtype=torch.int64), new(R, dtype=torch.int32)
-        st.drafted = new(R, N, shape.draft_len, dtype=torch.int64)  # also: racer's chains, from the host
-        st.cues = new(R, shape.draft_len + 1, dtype=torch.int64)  # sd: the target's likeliest next token per row
         st.logw_before, st.ess, st.resampled = new(R, N), new(R), new(R, dtype=torch.bool)
         st.ancestors = new(R, N, dtype=torch.int64)
+        # the draft phase's output, which the verify phase reads (MineDraft runs them apart): tokens, log q, and
+        # for sd the draft's logits
+        st.drafted, st.logq = new(R, N, shape.draft_len, dtype=torch.int64), new(R, N, shape.draft_len)
+        st.q_logits = new(R, shape.draft_len, e.config.vocab_size) if shape.method != "smc" else None
+        if shape.tree:  # racer: the host's draft tree ([R, T]: node 0 the pending token) and the target's cues
+            T = shape.tree + 1
+            st.nodes, st.parent, st.depth = (new(R, T, dtype=torch.int64) for _ in range(3))
+            st.mask = new(R, T, T, dtype=torch.bool)  # [r, i, j]: node j is node i or one of its ancestors
+            st.cues, st.cue_p = new(R, T, racer.CUES, dtype=torch.int64), new(R, T, racer.CUES)
 
     def busy(self):
         return any(self.requests)
@@ -523,23 +506,42 @@ class Batch:
     def capture_seconds(self):
         return sum(g.seconds for g in self.graphs.values())
 
-    def cycle(self):
-        """One cycle of every busy slot."""
+    def cycle(self, phase=None):
+        """One cycle of every busy slot (phase "draft" or "verify": that half of it alone)."""
         s = replace(self.shape, restrict=any(r and r.restricts for r in self.requests))
-        for r, req in enumerate(self.requests):
-            if req and req.drafter:
-                self.st.drafted[r, 0] = torch.tensor(req.drafter.draft(s.draft_len))
-        if graphs_apply(s, self.st):
+        if s.tree:
+            self.plant(s)
+        if graphs_apply(s, self.st) and phase is None:
             if s not in self.graphs:
                 self.graphs[s] = Captured(lambda: self.engine.cycle(self.st, s), self.st)
             self.graphs[s]()
         else:
-            self.engine.cycle(first_slots(self.st, 1 + max(i for i, r in enumerate(self.requests) if r)), s)
+            self.engine.cycle(first_slots(self.st, 1 + max(i for i, r in enumerate(self.requests) if r)), s, phase)
+        if phase == "draft":
+            return
         for r, req in enumerate(self.requests):
             if req:
                 req.cycles += 1
                 if req.on_cycle:
                     req.on_cycle(self, r)
+
+    def plant(self, s):
+        """Racer: every busy slot's draft tree from its request's Retrieval into the cycle's tensors: node tokens
+        (-1: no node), parents (node 0, the pending token, is its own), depths, ancestor-or-self masks."""
+        R, T = self.st.nodes.shape
+        nodes, parent = [[-1] * T for _ in range(R)], [[0] * T for _ in range(R)]
+        for r, req in enumerate(self.requests):
+            if req:
+                tokens, parents = req.drafter.draft(s.draft_len, s.tree)
+                nodes[r][1:len(tokens) + 1], parent[r][1:len(tokens) + 1] = tokens, parents
+        parent, rows = torch.tensor(parent), torch.arange(R)
+        mask, depth = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1), torch.zeros(R, T, dtype=torch.int64)
+        for j in range(1, T):  # parents come before children
+            mask[:, j] |= mask[rows, parent[:, j]]
+            depth[:, j] = depth[rows, parent[:, j]] + 1
+        for x, value in ((self.st.nodes, torch.tensor(nodes)), (self.st.parent, parent), (self.st.depth, depth),
+                         (self.st.mask, mask)):
+            x.copy_(value)
 
     def collect(self, stop=None):
         """Read every slot's flags (the host's one read of a cycle), pass settled tokens on, end the requests
@@ -547,12 +549,12 @@ class Batch:
         flags = self.st.flags.tolist()
         busy = [(r, req) for r, req in enumerate(self.requests) if req]
         rows = self.st.hist[:, 0, :max((flags[r][3] for r, _ in busy), default=0)].tolist() if busy else []
-        cues = self.st.cues.tolist() if any(req.drafter for _, req in busy) else None  # one read each, not per slot
+        cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)] if self.shape.tree and busy else None
         for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:
-                req.drafter.observe(rows[r][req.drafter.seen:length], cues[r] if req.cycles > req.drafter.cycles
-                                    else None)
+                fresh = req.cycles > req.drafter.cycles
+                req.drafter.observe(rows[r][req.drafter.seen:length], zip(cues[0][r], cues[1][r]) if fresh else None)
                 req.drafter.cycles = req.cycles
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
@@ -608,6 +610,56 @@ class Batch:
                       "mean_ess": round(float(st.ess_sum[r]) / max(req.cycles, 1), 3),
                       "log_z": round(float(st.log_z[r] + final), 4)}
         return stats
+
+
+class Pair:
+    """MineDraft (arXiv 2603.18016): a batch's slots as two halves that take turns, drafting one while the
+    target verifies the other, on two threads: on a CPU each with half of the cores, on CUDA each on a stream of
+    its own (eager cycles: the phases are not graph-captured). A request's tokens are those it gets without the
+    overlap (its randomness is its own). A half is read, ended and refilled only between its verify and its next
+    draft; it drafts alone when neither half holds drafts (the start), after which the halves alternate."""
+
+    def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
+        if slots < 2:
+            raise UsageError("overlap needs at least 2 slots, one for each half")
+        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap) for i in (1, 0)]
+        self.drafted, self.cuda = [False, False], engine.device.type == "cuda"
+        share = max(1, torch.get_num_threads() // 2)
+        self.pool = ThreadPoolExecutor(2, initializer=lambda: torch.cuda.set_stream(torch.cuda.Stream())
+                                       if self.cuda else torch.set_num_threads(share))
+
+    @property
+    def requests(self):
+        return self.halves[0].requests + self.halves[1].requests
+
+    def busy(self):
+        return any(h.busy() for h in self.halves)
+
+    def admit(self, req):
+        return any(not d and h.admit(req) for h, d in zip(self.halves, self.drafted))
+
+    def collect(self, stop=None):
+        for h, d in zip(self.halves, self.drafted):
+            if stop or not d:
+                h.collect(stop)
+
+    def run(self, half, phase):
+        with torch.inference_mode():
+            half.cycle(phase)
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+
+    def cycle(self):
+        """The drafted half verifies while the other drafts, or (none drafted) the first busy half drafts."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
+        phases = ["verify" if d else "draft" if h.busy() else None for h, d in zip(self.halves, self.drafted)]
+        if "verify" not in phases and phases[0] == "draft":
+            phases[1] = None  # the halves start apart
+        jobs = [self.pool.submit(self.run, h, p) for h, p in zip(self.halves, phases) if p]
+        for job in jobs:
+            job.result()
+        self.drafted = [p == "draft" for p in phases]
 
 
 # ---------------------------------------------------------------- engine
@@ -673,30 +725,35 @@ class Engine:
 
     def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
                 target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
-                seed=0, select="sample", cuda_graphs=True, power=1.0, easd=EASD, stop=(), on_tokens=None,
-                on_text=None, on_done=None, on_cycle=None, context=None):
+                seed=0, select="sample", cuda_graphs=True, power=1.0, easd=EASD, tree=0, overlap=False, stop=(),
+                on_tokens=None, on_text=None, on_done=None, on_cycle=None, context=None):
         """Check a request against the models' configs and the free memory, before any weight is read ->
         Request. Raises UsageError. context: the most tokens (prompt, new ones and a draft block) a slot of the
         serving batch holds, when that is below the models' context."""
         s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
                      temperature if target_temperature is None else target_temperature,
                      *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
-                     cuda_graphs, power, easd)
+                     cuda_graphs, power, easd, tree, overlap)
         check_settings(s, self.draft_config is not None or self.racer)
-        if self.racer and s.method == "smc":
-            raise UsageError("smc needs a draft model: racer drafts are one deterministic chain, the same for every "
-                             "particle; use --method sd or easd with --draft racer")
+        if self.racer and s.method in ("smc", "easd"):
+            raise UsageError(f"{s.method} needs a draft model's distribution, and racer drafts are deterministic "
+                             "tokens; use --method sd with --draft racer")
+        if s.tree and not self.racer:
+            raise UsageError("tree drafts come from racer: use --tree with --draft racer --method sd")
+        if s.overlap and (self.racer or s.method == "ar"):
+            raise UsageError("overlap runs a draft model's drafting beside the target's verifying: use it with "
+                             "--method sd, easd or smc and a draft model")
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
         ids = self.encode(prompt)
         req = Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
                       on_tokens, on_text, on_done, on_cycle, self.tokenizer)
-        req.drafter = Retrieval(ids) if self.racer and method != "ar" else None
+        req.drafter = racer.Retrieval(ids, chain=not s.tree) if self.racer and s.method == "sd" else None
         return req
 
     def check_request(self, prompt_len, s, context=None):
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
-        extra = 0 if s.method == "ar" else s.draft_len
+        extra = 0 if s.method == "ar" else s.shape(self.racer).tree or s.draft_len  # the K/V a cycle writes ahead
         capacity = s.max_new_tokens + extra
         configs = [c for c in (self.config, self.draft_config if s.method != "ar" else None) if c is not None]
         context = min([c.max_seq_len for c in configs] + [context or math.inf])
@@ -805,10 +862,10 @@ class Engine:
     def admit(self, waiting, batches, slots, caps, until_idle):
         """Move waiting requests into free slots of their shape's batch, made at its shape's first request."""
         for req in list(waiting):
-            key = req.s.shape()
+            key = req.s.shape(req.drafter is not None)
             try:
                 if not req.cancelled and key not in batches:
-                    batches[key] = Batch(self, key, slots, *caps)
+                    batches[key] = (Pair if key.overlap else Batch)(self, key, slots, *caps)
                 if not req.cancelled and (len(req.ids) > caps[0] or req.capacity > caps[1]):
                     raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
                                      f"{caps[0]} + {caps[1]}: check requests with request(context=...)")
@@ -838,12 +895,17 @@ class Engine:
 
     # ------------------------------------------------------------ cycles: fixed shapes, no host sync
 
-    def cycle(self, st, s):
-        """One cycle of s.method for the slots of st, then their flags for the host."""
-        {"ar": self.ar_cycle, "sd": self.sd_cycle, "easd": self.sd_cycle, "smc": self.smc_cycle}[s.method](st, s)
-        if st.dcache:
-            st.dcache.suffix_len.mul_(st.live)  # an empty slot drafted into nothing
-        publish(st)
+    def cycle(self, st, s, phase=None):
+        """One cycle of s.method for the slots of st, then their flags for the host; phase "draft" or "verify":
+        that half of it alone (MineDraft's overlap)."""
+        if phase != "verify" and s.method != "ar" and not s.tree:
+            self.draft_block(st, s)
+        if phase != "draft":
+            methods = {"ar": self.ar_cycle, "sd": self.sd_cycle, "easd": self.sd_cycle, "smc": self.smc_cycle}
+            (self.racer_cycle if s.tree else methods[s.method])(st, s)
+            if st.dcache:
+                st.dcache.suffix_len.mul_(st.live)  # an empty slot drafted into nothing
+            publish(st)
 
     def restricted(self, logits, st, s):
         return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
@@ -856,26 +918,18 @@ class Engine:
 
     def draft_block(self, st, s):
         """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left
-        unwritten. -> tokens [R, N, K], their log q under the draft temperature [R, N, K], the K logits
-        [R, N, V]. Advances the draft's suffix_len by K + 1."""
+        unwritten -> st.drafted [R, N, K], their log q under the draft temperature st.logq [R, N, K], and for sd
+        the draft's logits st.q_logits [R, K, V]. Advances the draft's suffix_len by K + 1."""
         R, N = st.x0.shape
-        if st.dcache is None:  # racer: the host's chains, each token a point mass (log q = 0)
-            t = st.drafted.clone()
-            return t, torch.zeros(t.shape, device=t.device), [
-                torch.full((R, N, self.config.vocab_size), float("-inf"), device=t.device).scatter_(
-                    -1, t[..., k:k + 1], 0.0) for k in range(s.draft_len)]
         x = torch.stack([st.prev, st.x0], -1)  # [R, N, 2]
-        tokens, logq, logits = [], [], []
-        for _ in range(s.draft_len):
+        for k in range(s.draft_len):
             out = self.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
             st.dcache.suffix_len += x.shape[-1]
             t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
             x = t.view(R, N, 1)
-            tokens.append(x)
-            logq.append(lq.view(R, N, 1))
-            logits.append(out)
-        st.drafted.copy_(torch.cat(tokens, -1))
-        return torch.cat(tokens, -1), torch.cat(logq, -1), logits
+            st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
+            if st.q_logits is not None:
+                st.q_logits[:, k] = out[:, 0]
 
     def verify(self, st, t, s):
         """One target forward over [x0, t_1..t_K] -> restricted logits [R, N, K+1, V]: row k - 1 scores t_k,
@@ -888,10 +942,9 @@ class Engine:
         bonus token from p. Exact at any temperature. easd: also rejects where `easd_trigger` fires, replacing
         the token by a draw from p (not exact: it trades the draft's low-confidence agreement for the target)."""
         K, R, device = s.draft_len, st.x0.shape[0], st.x0.device
-        t, _, q_logits = self.draft_block(st, s)
-        p = probs(self.verify(st, t, s)[:, 0], st.temp_t)  # [R, K+1, V]
-        q = probs(torch.stack(q_logits, 1)[:, :, 0], st.temp_d)  # [R, K, V]
-        t = t[:, 0]  # [R, K]
+        p = probs(self.verify(st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
+        q = probs(st.q_logits, st.temp_d)  # [R, K, V]
+        t = st.drafted[:, 0]  # [R, K]
         pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
         accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
         residual = (p[:, :K] - q).clamp(min=0)
@@ -909,23 +962,46 @@ class Engine:
         st.prev.copy_(torch.cat([st.x0, t], 1).gather(1, n.long()[:, None]))
         tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
                              c[:, None])  # t_1..t_n, c, filler
-        if st.dcache is not None:
-            st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
-        st.cues.copy_(p.argmax(-1))
+        st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
         st.accepted += n
         append(st, tokens[:, None], n + 1, self.is_eos)
+
+    def racer_cycle(self, st, s):
+        """sd on racer's draft tree (racer.py), verified exactly in one target forward: a node sees the prefix,
+        its ancestors and itself (st.mask), at position length + depth. Walking down from the root, y ~ p is drawn
+        at each node; the child whose token is y is followed, else y is emitted: the text follows p exactly
+        (greedy: y is the argmax, ar's token), a chain being the tree of one child per node. The path's K/V then
+        moves down to consecutive positions. Each node's top tokens become the host's cues."""
+        (R, T), K, device = st.nodes.shape, s.draft_len, st.x0.device
+        nodes = torch.cat([st.x0, st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
+        base = st.tcache.suffix_len.clone()
+        logits = self.target.step(nodes.clamp(min=0)[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
+        logits = self.restricted(logits, st, s)  # [R, T, V]
+        y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
+        follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
+        on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
+        d = torch.arange(K + 1, device=device)
+        path = (on_path[:, None] & (st.depth[:, None] == d[:, None])).int().argmax(-1)  # [R, K+1]: 0 past the end
+        n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
+        c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
+        tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
+        compact(st.tcache, base, path)
+        top = logits.softmax(-1).topk(racer.CUES)
+        st.cues.copy_(top.indices)
+        st.cue_p.copy_(top.values)
+        st.accepted += n
+        append(st, tokens[:, None], n.int() + 1, self.is_eos)
 
     def smc_cycle(self, st, s):
         """Draft K tokens per particle, score them with the target in one forward, weight, append K + 1
         tokens (the last a bonus token from the target), resample where the ESS falls below the threshold.
         A power target p ** alpha (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
-        K, (R, N) = s.draft_len, st.x0.shape
-        t, logq, _ = self.draft_block(st, s)
+        K, (R, N), t = s.draft_len, st.x0.shape, st.drafted
         logits = self.verify(st, t, s)  # [R, N, K+1, V]
         logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
         bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
         b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-        increments, tokens = settle(st.x0, t, b, s.power * logp, logq, st.finished, self.is_eos, self.pad,
+        increments, tokens = settle(st.x0, t, b, s.power * logp, st.logq, st.finished, self.is_eos, self.pad,
                                     log_bonus)
         st.logw += increments
         st.prev.copy_(tokens[..., K - 1])
@@ -1034,7 +1110,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
     p.add_argument("--draft", help="draft model, same vocabulary as the target; racer: drafts from retrieval and "
-                   "the target's own logits, no draft model (sd, easd)")
+                   "the target's own logits, no draft model (sd)")
     p.add_argument("--method", choices=METHODS, default="smc")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--prompt-file", help="read the prompt from this file instead; a .jsonl file holds one "
@@ -1056,6 +1132,10 @@ def main(argv=None):
                    "top-TOP tokens share SHARE x TOP, the token among them (default %(default)s)")
     p.add_argument("--power", type=float, default=1.0, help="smc: sample whole sequences from p ** power "
                    "(normalised; > 1 sharper than the target)")
+    p.add_argument("--tree", type=int, default=0, metavar="NODES", help="--draft racer: draft a tree of up to "
+                   "NODES tokens, at most --draft-len deep, verified in one forward (default: a chain)")
+    p.add_argument("--overlap", action="store_true", help="MineDraft: split the slots into two halves, drafting "
+                   "one while the target verifies the other")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -1074,7 +1154,8 @@ def main(argv=None):
     options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=draft_temperature,
                    target_temperature=target_temperature, particles=particles, draft_len=draft_len,
                    ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   cuda_graphs=not args.no_cuda_graphs, power=args.power, easd=args.easd)
+                   cuda_graphs=not args.no_cuda_graphs, power=args.power, easd=args.easd, tree=args.tree,
+                   overlap=args.overlap)
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     try:
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched

@@ -107,13 +107,16 @@ def prefill_attention(q, k, v, scale):
     return out
 
 
-def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale):
+def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
     """Attention for R requests x N particles x T new tokens.
 
     q [R, N, T, Hq, D]; prefix_k/v [R, Hkv, P, D] (the prompt, shared by all particles);
     suffix_k/v [R, N, Hkv, S, D] (each particle's generated tokens, the T new ones already written
     at suffix_len .. suffix_len+T-1); prefix_len, suffix_len: int32 [R].
     Query t sees prefix keys [0, prefix_len) and suffix keys [0, suffix_len + t]. -> [R, N, T, Hq, D].
+    tree: None (causal), or bool [R, T, T] for a draft tree verified in one pass (RACER): query t sees the
+    prefix, the committed suffix keys [0, suffix_len) and new token j iff tree[r, t, j] (its ancestors and
+    itself), the same for every particle. A lower-triangular tree is the causal case.
     The math, not the speed: the broadcast matmuls against the prefix copy it per particle and head."""
     R, N, T, Hq, D = q.shape
     Hkv = prefix_k.shape[1]
@@ -124,20 +127,21 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
         kp, vp = prefix_k[r, :, None, :P], prefix_v[r, :, None, :P]  # [Hkv, 1, P, D]
         ks, vs = suffix_k[r, :, :, None, :S], suffix_v[r, :, :, None, :S]  # [N, Hkv, 1, S, D]
         scores = torch.cat([qr @ kp.transpose(-1, -2), qr @ ks.transpose(-1, -2)], -1).float() * scale
-        causal = torch.arange(S, device=q.device)[None, :] > torch.arange(S - T, S, device=q.device)[:, None]
-        scores[..., P:].masked_fill_(causal, float("-inf"))  # [N, Hkv, G, T, P+S]
+        sees = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if tree is None else tree[r]  # [T, T]
+        hidden = F.pad(~sees, (S - T, 0))  # [T, S]: every new token sees the committed keys
+        scores[..., P:].masked_fill_(hidden, float("-inf"))  # [N, Hkv, G, T, P+S]
         p = scores.softmax(-1).to(q.dtype)
         o = p[..., :P] @ vp + p[..., P:] @ vs  # [N, Hkv, G, T, D]
         out[r] = o.permute(0, 3, 1, 2, 4).reshape(N, T, Hq, D)
     return out
 
 
-def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale):
+def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
     """`particle_attention_ref`'s contract, fast on the CPU: two calls of torch's fused CPU attention, which
     also returns each row's log-sum-exp. Prefix pass: every particle's rows of a KV group form one query
     matrix against the prompt, read once (the reference's broadcast matmuls copy it per particle and head).
-    Suffix pass: each particle's rows against its own suffix, causal in the T new tokens. The prefix holds a
-    share sigmoid(lse_prefix - lse_suffix) of each row's softmax mass."""
+    Suffix pass: each particle's rows against its own suffix, causal (or by the tree) in the T new tokens. The
+    prefix holds a share sigmoid(lse_prefix - lse_suffix) of each row's softmax mass."""
     R, N, T, Hq, D = q.shape
     Hkv = prefix_k.shape[1]
     G = Hq // Hkv
@@ -146,7 +150,10 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     for r in range(R):
         P, S = int(prefix_len[r]), int(suffix_len[r]) + T
         qr = q[r].view(N, T, Hkv, G, D)
-        future = torch.arange(S, device=q.device) > S - T + token[:, None]  # [T*G, S]
+        if tree is None:
+            future = torch.arange(S, device=q.device) > S - T + token[:, None]  # [T*G, S]
+        else:  # the committed keys seen by all, the new ones where the row's node sees them
+            future = F.pad(~tree[r, token], (S - T, 0))
         mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
         o, lse = _cpu_attention(qr.transpose(1, 2).reshape(N, Hkv, T * G, D), suffix_k[r, :, :, :S],
                                 suffix_v[r, :, :, :S], attn_mask=mask, scale=scale)
@@ -161,17 +168,17 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
 
 
 @jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, qk_scale,
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_ptr, qk_scale,
                             sq_r, sq_n, sq_t, sk_r, sk_n, sk_h, sk_s, so_r, so_n, so_t, so_h,
-                            N, T, G, Hkv, split0,
-                            CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                            N, T, G, Hkv, split0, CAUSAL: tl.constexpr, TREE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One KV split of one (request, KV head[, particle]) against a block of its query rows.
     Prefix pass (CAUSAL=False): the rows are every particle x token x head of the KV group, so each
     K/V tile is loaded once for all of them. Suffix pass: one particle's rows, causal in the T new
-    tokens. The grid's splits share the live keys, not the capacity, so a short cache still spreads
-    over them. Writes the split's normalised output and log-sum-exp; an empty split loads nothing
-    and writes lse = -inf, out = 0."""
+    tokens, or with TREE as the request's tree (bytes [R, T, T]) says. The grid's splits share the
+    live keys, not the capacity, so a short cache still spreads over them. Writes the split's normalised
+    output and log-sum-exp; an empty split loads nothing and writes lse = -inf, out = 0."""
     pid = tl.program_id(0)
     h = pid % Hkv
     if CAUSAL:
@@ -185,6 +192,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, qk_sca
     length = tl.load(len_ptr + r)
     if CAUSAL:  # token t sees its own row of the suffix and those before it
         limit, end = length + t + 1, length + T  # [BLOCK_M], and their maximum
+        if TREE:  # the committed rows here, the new ones by the tree below
+            limit = length + 0 * t
     else:
         limit, end = length + 0 * t, length
     tiles = tl.cdiv(end, BLOCK_N)  # `_split_len`'s rule on the live keys, over the grid's splits
@@ -209,7 +218,12 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr, qk_sca
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        s = tl.where(j[None, :] < limit[:, None], s, float("-inf"))
+        seen = j[None, :] < limit[:, None]
+        if TREE:  # key j is new token j - length where in [0, T): seen iff tree[r, t, j - length]
+            node = j[None, :] - length
+            bit = tl.load(tree_ptr + r * T * T + t[:, None] * T + node, mask=(node >= 0) & (node < T), other=0)
+            seen = seen | (bit != 0)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -265,7 +279,7 @@ def _attention_plan(q, capacity, rows):
     return triton.cdiv(capacity, _split_len(capacity, rows, blocks[1])), *blocks
 
 
-def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal):
+def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree=None):
     R, N, T, Hq, D = q.shape
     Hkv = k.shape[-3]
     G = Hq // Hkv
@@ -274,20 +288,24 @@ def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal):
     grid = (R * Hkv * (N if causal else 1), triton.cdiv(rows, block_m), splits)
     sk_n = k.stride(1) if causal else 0  # the prefix is shared: every particle reads the same rows
     precision = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # only fp32 operands care
+    bits = lengths if tree is None else tree.contiguous().view(torch.uint8)  # [R, T, T] bytes; a view, no copy
     _attention_split_kernel[grid](
-        q, k, v, lengths, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n, *k.stride()[-3:-1],
-        *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=D,
-        UPCAST=INTERPRET, PRECISION=precision, num_warps=8 if block_m * D >= 16384 else 4, num_stages=stages)
+        q, k, v, lengths, bits, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n, *k.stride()[-3:-1],
+        *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal, TREE=tree is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, D=D, UPCAST=INTERPRET, PRECISION=precision, num_warps=8 if block_m * D >= 16384 else 4,
+        num_stages=stages)
 
 
-def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale):
-    """`particle_attention_ref`'s contract. Triton: a prefix pass and a per-particle suffix pass each
-    write one partial softmax per KV split, merged here by log-sum-exp. The grid depends on shapes
-    only and the lengths stay on the device, so the call can be captured in a CUDA graph."""
+def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
+    """`particle_attention_ref`'s contract (tree: None = causal, or bool [R, T, T], a device tensor).
+    Triton: a prefix pass and a per-particle suffix pass each write one partial softmax per KV split,
+    merged here by log-sum-exp. The grid depends on shapes only and the lengths and tree stay on the
+    device, so the call can be captured in a CUDA graph."""
     if not use_triton(q):
         fn = particle_attention_cpu if q.device.type == "cpu" else particle_attention_ref
-        return fn(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
+        return fn(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree)
     R, N, T, Hq, D = q.shape
+    assert tree is None or (tree.shape == (R, T, T) and tree.dtype == torch.bool)
     assert D == triton.next_power_of_2(D) and q.stride(-2) == D
     assert q.stride(-1) == prefix_k.stride(-1) == suffix_k.stride(-1) == 1
     assert prefix_k.stride() == prefix_v.stride() and suffix_k.stride() == suffix_v.stride()
@@ -296,7 +314,7 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     lse = q.new_empty(R, N, T, Hq, prefix[0] + suffix[0], dtype=torch.float32)
     out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
     _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix, scale, False)
-    _attend_splits(q, suffix_k, suffix_v, suffix_len, out, lse, prefix[0], suffix, scale, True)
+    _attend_splits(q, suffix_k, suffix_v, suffix_len, out, lse, prefix[0], suffix, scale, True, tree)
     share = lse.softmax(-1)  # each split's part of the softmax mass; the own token keeps one finite
     return (out * share[..., None]).sum(-2).to(q.dtype)
 

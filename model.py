@@ -1,9 +1,13 @@
 """A Llama-family decoder (llama, qwen2, mistral) from scratch, its weight loaders (Hugging Face
-safetensors directories and GGUF files), its tokenizer, and the static prefix/suffix KV cache."""
+safetensors directories and GGUF files), its tokenizer, the static prefix/suffix KV cache, and tensor-parallel
+sharding over torch.distributed."""
+import dataclasses
+import datetime
 import json
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,7 @@ class Config:
     max_seq_len: int = 4096
     bos_id: int | None = None
     eos_ids: list = field(default_factory=list)
+    tp: int = 1  # tensor-parallel ranks: n_heads, n_kv_heads and ffn_dim are one rank's share (shard_config)
 
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -132,6 +137,40 @@ def config_to_hf(c):
             "hidden_act": "silu", "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
 
 
+# ---------------------------------------------------------------- tensor parallel
+# Megatron layout: q/k/v and gate/up split by output rows (heads, FFN columns), o and down by input columns, their
+# partial sums all-reduced; the KV cache split by KV head. Embedding and LM head stay whole on every rank: split by
+# vocabulary, they cut a rank's weights from 861 to 471 MiB (Qwen2.5-0.5B, bf16, 2 CPU ranks) but not the time of a
+# step (gloo-bound: 116-134 vs 125-136 ms) and would need an all-gather and a vocabulary the ranks divide. A draft
+# stays whole: K one-row steps a cycle, each would pay two all-reduces a layer to save little reading.
+
+
+def init_distributed(device):
+    """-> (rank, world). Under torchrun (WORLD_SIZE > 1) joins the default process group, once: gloo for a CPU
+    device, nccl for CUDA (None: CUDA when there is one). The timeout ends the other ranks when one dies."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return 0, 1
+    dist = torch.distributed
+    if not dist.is_initialized():
+        cuda = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=60))
+    return dist.get_rank(), world
+
+
+def shard_config(c, world):
+    """The Config of one of `world` tensor-parallel ranks: its share of the heads, KV heads and FFN columns."""
+    for n, what in ((c.n_kv_heads, "KV heads"), (c.n_heads, "attention heads"), (c.ffn_dim, "FFN columns")):
+        if n % world:
+            fits = [d for d in range(1, c.n_kv_heads + 1) if c.n_kv_heads % d == c.n_heads % d == c.ffn_dim % d == 0]
+            raise LoadError(f"--nproc-per-node {world} does not divide the target's {n} {what}; use "
+                            f"{' or '.join(map(str, fits))}")
+    return dataclasses.replace(c, n_heads=c.n_heads // world, n_kv_heads=c.n_kv_heads // world,
+                               ffn_dim=c.ffn_dim // world, tp=world)
+
+
 # ---------------------------------------------------------------- rotary embeddings
 
 
@@ -176,8 +215,7 @@ class KVCache:
         shape_s = (c.n_layers, requests, particles, c.n_kv_heads, suffix_cap, c.head_dim)
         self.prefix_k, self.prefix_v = (torch.zeros(shape_p, device=device, dtype=dtype) for _ in range(2))
         self.suffix_k, self.suffix_v = (torch.zeros(shape_s, device=device, dtype=dtype) for _ in range(2))
-        self.prefix_len = torch.zeros(requests, dtype=torch.int32, device=device)
-        self.suffix_len = torch.zeros(requests, dtype=torch.int32, device=device)
+        self.prefix_len, self.suffix_len = (torch.zeros(requests, dtype=torch.int32, device=device) for _ in range(2))
 
     @staticmethod
     def nbytes(c, particles, prefix_cap, suffix_cap, dtype, requests=1):
@@ -191,15 +229,17 @@ class KVCache:
         self.prefix_v[layer, r, :, :T] = v.transpose(0, 1)
         return kernels.prefill_attention(q, k, v, scale)
 
-    def attend_step(self, layer, q, k, v, scale):
-        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1."""
+    def attend_step(self, layer, q, k, v, scale, tree=None):
+        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1; tree bool
+        [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]."""
         R, N, T, H, D = k.shape
         idx = (self.suffix_len.long()[:, None] + torch.arange(T, device=k.device))  # [R, T]
         idx = idx[:, None, None, :, None].expand(R, N, H, T, D)
         self.suffix_k[layer].scatter_(3, idx, k.transpose(2, 3))
         self.suffix_v[layer].scatter_(3, idx, v.transpose(2, 3))
         return kernels.particle_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
-                                          self.suffix_v[layer], self.prefix_len, self.suffix_len, scale)
+                                          self.suffix_v[layer], self.prefix_len, self.suffix_len, scale,
+                                          **({} if tree is None else {"tree": tree}))
 
 
 # ---------------------------------------------------------------- transformer
@@ -230,33 +270,31 @@ class Block(torch.nn.Module):
         self.w2 = empty(c.dim, c.ffn_dim)
         self.c = c
 
-    def forward(self, x, cos, sin, cache, layer, r):
+    def attention(self, x, cos, sin, attend, layer):
+        """x [..., T, dim] -> [..., T, dim], this rank's heads' share; attend(layer, q, k, v, scale) is the cache's."""
         c = self.c
         qkv = linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv)
         q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
         q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)  # [..., T, Hq, D]
         k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)  # [..., T, Hkv, D]
         v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
-        scale = c.head_dim ** -0.5
-        if x.dim() == 2:
-            o = cache.attend_prefill(layer, q, k, v, scale, r)
-        else:
-            o = cache.attend_step(layer, q, k, v, scale)
-        x = x + linear(o.flatten(-2), self.wo)
-        gate, up = linear(rms_norm(x, self.ffn_norm, c.norm_eps), self.w13).chunk(2, -1)
-        return x + linear(F.silu(gate) * up, self.w2)
+        return linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
+
+    def ffn(self, x):
+        """x [..., dim] -> [..., dim], this rank's FFN columns' share."""
+        gate, up = linear(rms_norm(x, self.ffn_norm, self.c.norm_eps), self.w13).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.w2)
 
 
 class Transformer(torch.nn.Module):
     def __init__(self, c, device="cpu", dtype=torch.bfloat16):
         super().__init__()
         self.config = c
-        self.embed = torch.nn.Parameter(torch.empty(c.vocab_size, c.dim, device=device, dtype=dtype),
-                                        requires_grad=False)
+        empty = lambda *s: torch.nn.Parameter(torch.empty(s, device=device, dtype=dtype), requires_grad=False)
+        self.embed = empty(c.vocab_size, c.dim)
         self.layers = torch.nn.ModuleList(Block(c, device, dtype) for _ in range(c.n_layers))
-        self.norm = torch.nn.Parameter(torch.empty(c.dim, device=device, dtype=dtype), requires_grad=False)
-        self.lm_head = self.embed if c.tie_embeddings else torch.nn.Parameter(
-            torch.empty(c.vocab_size, c.dim, device=device, dtype=dtype), requires_grad=False)
+        self.norm = empty(c.dim)
+        self.lm_head = self.embed if c.tie_embeddings else empty(c.vocab_size, c.dim)
         cos, sin = rope_tables(c, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -265,20 +303,28 @@ class Transformer(torch.nn.Module):
     def device(self):
         return self.embed.device
 
-    def num_params(self):
+    def num_params(self):  # of this rank's shard under tensor parallelism, as weight_bytes
         tied_copy = self.config.tie_embeddings and self.lm_head is not self.embed  # packed for the CPU
         return sum(p.numel() for p in self.parameters() if not (tied_copy and p is self.lm_head))
 
     def weight_bytes(self):
         """Bytes one full forward reads from weights (all but the embedding table, of which it reads a few
-        rows, unless that is also the head): the memory-bandwidth roofline's numerator."""
+        rows, unless that is also the head): the memory-bandwidth roofline's numerator. A tensor-parallel rank's
+        model counts its shard."""
         return sum(p.numel() * p.element_size() for p in self.parameters() if p is not self.embed
                    or p is self.lm_head)
 
-    def _hidden(self, x, cos, sin, cache, r):
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, r)
+    def _hidden(self, x, cos, sin, attend):
+        for i, b in enumerate(self.layers):
+            x = x + self._all_reduce(b.attention(x, cos, sin, attend, i))
+            x = x + self._all_reduce(b.ffn(x))
         return rms_norm(x, self.norm, self.config.norm_eps)
+
+    def _all_reduce(self, x):
+        """The sum of every rank's partial output of a row-parallel matmul (wo, w2), the same on every rank."""
+        if self.config.tp > 1:
+            torch.distributed.all_reduce(x)
+        return x
 
     def _logits(self, h):
         return linear(h, self.lm_head).float()
@@ -290,20 +336,20 @@ class Transformer(torch.nn.Module):
         Sets prefix_len[r] = T and suffix_len[r] = 0."""
         T = tokens.shape[0]
         cos, sin = self.cos[:T, None], self.sin[:T, None]  # [T, 1, D]
-        h = self._hidden(self.embed[tokens], cos, sin, cache, r)  # [T, dim]
-        cache.prefix_len[r] = T
-        cache.suffix_len[r] = 0
+        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_prefill, r=r))  # [T, dim]
+        cache.prefix_len[r], cache.suffix_len[r] = T, 0
         return None if logits is None else self._logits(h if logits == "all" else h[-1])
 
     @torch.inference_mode()
-    def step(self, tokens, cache, last_only=False):
+    def step(self, tokens, cache, last_only=False, depth=None, tree=None):
         """tokens [R, N, T] continue every particle at suffix_len -> logits [R, N, T, V] (float32), or only the
         last position's [R, N, V]. Writes their K/V at suffix_len .. suffix_len+T-1; advancing suffix_len is
-        the caller's choice."""
-        T = tokens.shape[-1]
-        pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + torch.arange(T, device=tokens.device)
+        the caller's choice. A token tree (None: a chain): depth int64 [R, T] puts new token t at position
+        prefix_len + suffix_len + depth[r, t], not + t; tree bool [R, T, T]: it sees new token j iff tree[r, t, j]."""
+        offset = torch.arange(tokens.shape[-1], device=tokens.device) if depth is None else depth  # [T] | [R, T]
+        pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + offset  # [R, T]
         cos, sin = self.cos[pos][:, None, :, None], self.sin[pos][:, None, :, None]  # [R, 1, T, 1, D]
-        h = self._hidden(self.embed[tokens], cos, sin, cache, 0)  # [R, N, T, dim]
+        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_step, tree=tree))  # [R, N, T, dim]
         return self._logits(h[:, :, -1] if last_only else h)
 
 
@@ -330,35 +376,41 @@ def expected_shapes(c):
 
 
 def checked_getter(c, read, where):
-    """Wrap read(name) -> tensor | None so that a missing or misshapen tensor is a one-line LoadError."""
+    """Wrap read(name) -> (shape, fetch(index) -> tensor) | None as get(name, part=(dim, k, n)) -> the k-th of n
+    equal chunks along dim of the tensor (default: all of it), fetching only that chunk (a tuple of slices); a
+    missing or misshapen tensor is a one-line LoadError."""
     shapes = expected_shapes(c)
 
-    def get(name):
-        t = read(name)
-        if t is None:
+    def get(name, part=(0, 0, 1)):
+        found = read(name)
+        if found is None:
             raise LoadError(f"{where}: missing tensor {name}")
-        if tuple(t.shape) != shapes[name]:
-            raise LoadError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shapes[name]}")
-        return t
+        if tuple(found[0]) != shapes[name]:
+            raise LoadError(f"{where}: tensor {name} has shape {tuple(found[0])}, expected {shapes[name]}")
+        dim, k, n = part
+        size = shapes[name][dim] // n
+        return found[1]((slice(None),) * dim + (slice(k * size, (k + 1) * size),))
     return get
 
 
 @torch.no_grad()
-def fill_weights(model, get):
+def fill_weights(model, get, rank=0):
     """Copy every tensor into the model (materialised in RAM, never left memory-mapped), fusing q/k/v and
-    gate/up as the model holds them."""
+    gate/up as the model holds them. A tensor-parallel rank's model reads only its chunks: rows of q/k/v (and
+    their biases) and gate/up, columns of o and down; each fused tensor holds its own q, k, v / gate, up rows."""
+    rows, cols = (0, rank, model.config.tp), (1, rank, model.config.tp)
     model.embed.copy_(get("model.embed_tokens.weight"))
     model.norm.copy_(get("model.norm.weight"))
     if not model.config.tie_embeddings:
         model.lm_head.copy_(get("lm_head.weight"))
     for i, b in enumerate(model.layers):
         p = f"model.layers.{i}."
-        b.wqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]))
+        b.wqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.weight", rows) for x in "qkv"]))
         if b.bqkv is not None:
-            b.bqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
-        b.wo.copy_(get(p + "self_attn.o_proj.weight"))
-        b.w13.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-        b.w2.copy_(get(p + "mlp.down_proj.weight"))
+            b.bqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.bias", rows) for x in "qkv"]))
+        b.wo.copy_(get(p + "self_attn.o_proj.weight", cols))
+        b.w13.copy_(torch.cat([get(p + "mlp.gate_proj.weight", rows), get(p + "mlp.up_proj.weight", rows)]))
+        b.w2.copy_(get(p + "mlp.down_proj.weight", cols))
         b.attn_norm.copy_(get(p + "input_layernorm.weight"))
         b.ffn_norm.copy_(get(p + "post_attention_layernorm.weight"))
 
@@ -432,8 +484,9 @@ def open_hf_dir(path):
             raise LoadError(f"{os.path.join(path, f)}: cannot read safetensors ({e})") from None
         location |= {name: handles[f] for name in handles[f].keys()}
 
-    def read(name):
-        return location[name].get_tensor(name) if name in location else None
+    def read(name):  # get_slice reads only the bytes of the chunk asked for
+        t = location[name].get_slice(name) if name in location else None
+        return t and (t.get_shape(), t.__getitem__)
     return c, checked_getter(c, read, path), Tokenizer.from_hf_dir(path)
 
 
@@ -574,13 +627,16 @@ def open_gguf(path):
     c = checked_config(c, {"vocab_size": "token_embd.weight's row count", **keys}, path)
 
     def read(name):
+        """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
+        only those rows, a chunk of columns (o, down) every row, then keeps its columns."""
         t = tensors.get(name)
-        if t is None:
-            return None
-        w = torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type), dtype=torch.float32)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rope(w, c.n_heads if "q_proj" in name else c.n_kv_heads)
-        return w
+
+        def fetch(index):  # heads keep their rows together, so un-permuting a chunk of heads is the same
+            w = torch.tensor(gguf.quants.dequantize(t.data[index[0]], t.tensor_type), dtype=torch.float32)
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = unpermute_rope(w, len(w) // c.head_dim)
+            return w[(slice(None), *index[1:])]
+        return t and (tuple(reversed(t.shape.tolist())), fetch)
     return c, checked_getter(c, read, path), Tokenizer.from_gguf(meta, path)
 
 
@@ -681,15 +737,16 @@ def open_weights(path):
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 
-def build(c, get, device="cpu", dtype=None):
-    """-> Transformer with every weight from get(name) in memory on `device`, packed for oneDNN on CPU."""
-    model = Transformer(c, device, dtype or torch.bfloat16)  # bf16 is fast on GPUs and on this CPU kind
-    fill_weights(model, get)
+def build(c, get, device="cpu", dtype=None, tp=(0, 1)):
+    """-> Transformer with every weight from get(name) in memory on `device`, packed for oneDNN on CPU; with
+    tp = (rank, world), the rank's tensor-parallel shard of it (shard_config), reading only the rank's chunks."""
+    model = Transformer(shard_config(c, tp[1]), device, dtype or torch.bfloat16)  # bf16: fast on GPUs and here
+    fill_weights(model, get, tp[0])
     pack_for_cpu(model)
     return model
 
 
-def load(path, device="cpu", dtype=None):
-    """-> (Transformer, Tokenizer) with every weight in memory on `device`."""
+def load(path, device="cpu", dtype=None, tp=(0, 1)):
+    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device`."""
     c, get, tok = open_weights(path)
-    return build(c, get, device, dtype), tok
+    return build(c, get, device, dtype, tp), tok

@@ -66,7 +66,10 @@ class Tracer:
             record |= {"logw_before": st.logw_before[r].tolist(), "logw_after": st.logw[r].tolist(),
                        "ess": float(st.ess[r]), "resampled": bool(st.resampled[r]),
                        "ancestors": st.ancestors[r].tolist()}
-        if method in ("sd", "easd"):
+        if batch.shape.tree:  # racer: the tree's node tokens (-1: none) and their parents, node 0 the root
+            record |= {"tree": st.nodes[r, 1:].tolist(), "parents": st.parent[r, 1:].tolist(),
+                       "accepted": len(tokens[0]) - 1}
+        elif method in ("sd", "easd"):
             record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": len(tokens[0]) - 1}
         if "cycle" in self.ms and not batch.graphs:  # an eager cycle (a replay runs none of the timed calls)
             draft, verify = self.ms.get("draft_block", 0.0), self.ms.get("verify", 0.0)

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 import engine
 import kernels
 import model
+import racer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PROMPT = 8, [1, 2, 3]
@@ -141,27 +143,108 @@ def test_easd_is_sd_where_its_rule_never_fires_and_draws_from_the_target_where_i
 
 
 def test_racer_drafts_keep_sd_exact():
-    """--draft racer: chains from retrieval and logit cues, no draft model; verified as point masses (accept t
-    with probability p(t), else a draw from p without t), so sd still samples the target exactly, and greedy
-    sd equals greedy ar."""
+    """--draft racer: chains from retrieval and logit cues, no draft model, verified exactly (draw y ~ p, keep the
+    draft token if it is y, else emit y), so sd still samples the target exactly, and greedy sd equals ar."""
     e = engine.Engine(TARGET, "racer")
     found = empirical(e, SAMPLES, 2 * K, method="sd", temperature=1.0, draft_len=K)
     assert tv(found, exact(TARGET, 2 * K, 1.0)) < noise_floor(exact(TARGET, 2 * K, 1.0), SAMPLES)
     greedy = dict(temperature=0, max_new_tokens=30)
     racer = e.generate(PROMPT, method="sd", draft_len=3, **greedy)
     assert racer.tokens == e.generate(PROMPT, method="ar", **greedy).tokens and racer.stats["accepted"] > 0
-    with pytest.raises(engine.UsageError, match="smc needs a draft model"):
-        e.generate(PROMPT, method="smc")
+    for method in ("smc", "easd"):
+        with pytest.raises(engine.UsageError, match=f"{method} needs a draft model"):
+            e.generate(PROMPT, method=method)
+
+
+def random_tree(seed, depth, nodes):
+    """A Retrieval.draft stand-in: a random tree of `nodes` tokens at most `depth` deep, siblings distinct,
+    parents before children."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, parents, depths, children = [], [], [0], {0: set()}
+    while len(tokens) < nodes:
+        parent = int(torch.randint(len(depths), (1,), generator=g))
+        free = [t for t in range(V) if t not in children[parent]]
+        if depths[parent] < depth and free:
+            t = free[int(torch.randint(len(free), (1,), generator=g))]
+            children[parent].add(t)
+            children[len(depths)] = set()
+            tokens, parents, depths = tokens + [t], parents + [parent], depths + [depths[parent] + 1]
+    return tokens, parents
+
+
+@pytest.fixture
+def random_trees(monkeypatch):
+    """Every racer cycle verifies a random tree, a function of the request's text so far (so a request's trees
+    do not depend on its neighbours): all its branches, at every depth, get their turn."""
+    def draft(self, depth, nodes):
+        tokens, parents = random_tree(hash(tuple(self.ctx)) % 2**31, depth, nodes)
+        self.last = [self.ctx[-1]] + tokens
+        return tokens, parents
+    monkeypatch.setattr(racer.Retrieval, "draft", draft)
+
+
+def test_racer_tree_drafts_keep_sd_exact(random_trees):
+    """Tree drafts verified in one forward (tree mask, position = length + depth), walked down by draws from p,
+    the path's K/V compacted: the target's distribution at any tree, and greedy ar's tokens."""
+    e = engine.Engine(TARGET, "racer")
+    target = exact(TARGET, 2 * K, 1.0)
+    found = empirical(e, SAMPLES, 2 * K, method="sd", temperature=1.0, draft_len=K, tree=6)
+    assert tv(found, target) < noise_floor(target, SAMPLES)
+    greedy = dict(method="sd", temperature=0, max_new_tokens=30, draft_len=3)
+    tree = e.generate(PROMPT, tree=12, **greedy)
+    assert tree.tokens == e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=30).tokens
+    assert tree.stats["accepted"] > 0 and tree.stats["cycles"] < 30
+
+
+def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
+    """After tree cycles the target's suffix K/V are those of a fresh prefill of the text (the accepted path
+    moved down, the rest overwritten in later cycles); a request in a batch decodes as alone."""
+    e = engine.Engine(TARGET, "racer")
+    with torch.inference_mode():
+        req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
+        b = engine.Batch(e.load(), req.s.shape(True), 1, len(PROMPT), req.capacity)
+        b.admit(req)
+        for _ in range(4):
+            b.cycle()
+            b.collect()
+        st, n = b.st, int(b.st.gen_len[0])
+        assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.accepted[0]) == n - 5
+        tokens = PROMPT + st.hist[0, 0, :n - 1].tolist()
+        fresh = model.KVCache(TARGET.config, 1, len(tokens), 1, "cpu", torch.float32)
+        TARGET.prefill(torch.tensor(tokens), fresh)
+        assert torch.allclose(st.tcache.suffix_k[:, 0, 0, :, :n - 1], fresh.prefix_k[:, 0, :, len(PROMPT):],
+                              atol=1e-5)
+    requests = mixed_requests("sd")
+    alone = [e.generate(method="sd", draft_len=2, tree=5, **r).tokens for r in requests]
+    assert [r.tokens for r in e.generate(requests, method="sd", draft_len=2, tree=5, slots=2)] == alone
 
 
 def test_racer_retrieval_follows_the_longest_earlier_suffix():
-    r = engine.Retrieval([5, 1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2])
+    r = racer.Retrieval([5, 1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2])
     # "1 2" was followed by 3 both times; "1 2 3" by 4 and by 7 (a tie: the first seen); then "1 2 3 4" by 9, 1
-    assert r.draft(4) == [3, 4, 9, 1]
-    r.observe([3, 8], [6, 7, 0, 0, 0])  # the target's argmax after the last token (2) and after the first draft (3)
-    assert r.cue[2] == 6 and r.cue[3] == 7 and r.seen == 2 and r.draft(1) == [8]  # "8" unseen, no cue: repeat
-    r.cue[8] = 4
-    assert r.draft(1) == [4]
+    assert r.draft(4, 4) == ([3, 4, 9, 1], [0, 1, 2, 3])
+    # the target's top tokens after the root (2) and after each drafted one
+    r.observe([3, 8], [([6, 5, 0, 0], [0.5, 0.2, 0, 0]), ([7, 0, 0, 0], [0.9, 0, 0, 0])])
+    assert r.cue[2] == [(6, 0.5), (5, 0.2), (0, 0), (0, 0)] and r.cue[3][0] == (7, 0.9) and r.seen == 2
+    assert r.draft(1, 1) == ([8], [0])  # "8" unseen, no cue: repeat it
+    r.cue[8] = [(4, 0.3)]
+    assert r.draft(1, 1) == ([4], [0])
+
+
+def test_racer_trees_grow_best_first():
+    """Children: retrieval's continuations weighted by their share, cues by the target's probability; the best
+    products join first, siblings differ, parents come before children, the depth and node budget hold."""
+    r = racer.Retrieval([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2], chain=False)  # "1 2" -> 3 (2/3), 4 (1/3)
+    r.cue[3] = [(5, 0.9), (1, 0.5)]  # after "1 2 3": retrieval says 1 (every time), the cues 5 (0.9) and 1
+    tokens, parents = r.draft(2, 4)
+    assert list(zip(tokens, parents)) == [(3, 0), (1, 1), (5, 1), (4, 0)]  # 2/3, 2/3 * 1, 2/3 * 0.9, 1/3
+    tokens, parents = r.draft(3, 64)
+    depth = [0]
+    for t, p in zip(tokens, parents):
+        assert p < len(depth)
+        depth.append(depth[p] + 1)
+    assert max(depth) <= 3 and len(tokens) <= 64
+    assert all(len({t for t, p in zip(tokens, parents) if p == q}) == parents.count(q) for q in set(parents))
 
 
 def test_smc_with_draft_equal_to_target():
@@ -222,7 +305,7 @@ def test_draft_and_target_caches_hold_every_particle_context():
     with torch.inference_mode():
         st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=3, ess_threshold=1.0)
         for _ in range(3):
-            e.smc_cycle(st, s)
+            e.cycle(st, s)
         n = int(st.gen_len[0])
         assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.dcache.suffix_len[0]) == n - 1
         assert st.resamples[0] == 3
@@ -271,7 +354,7 @@ def test_finished_particles_stay_and_can_be_ancestors():
     e = engine.Engine(eos_prone(0), eos_prone(1))
     with torch.inference_mode():
         st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=2)
-        e.smc_cycle(st, s)
+        e.cycle(st, s)
         before = int(st.resamples[0])
         st.finished[0] = torch.tensor([False, True, False, False])
         st.hist[0, 1, :3] = torch.tensor([7, 0, 0])
@@ -506,6 +589,34 @@ def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, 
     assert 1 <= len(recordings) <= 2  # a graph with top-p in the batch, one without: each recorded once
 
 
+@pytest.mark.parametrize("method", ["sd", "smc"])
+def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, method):
+    """MineDraft: two half-batches take turns (one drafts while the other verifies, on two threads), each
+    request decoding as alone; a half is refilled between its verify and its next draft."""
+    e = engine.Engine(eos_prone(0), eos_prone(1))
+    options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
+    requests = mixed_requests(method) + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
+    alone = [e.generate(**(options | r)) for r in requests]
+    rounds, cycle = [], engine.Batch.cycle
+
+    def traced(batch, phase=None):
+        rounds.append((threading.get_ident(), id(batch), phase))
+        return cycle(batch, phase)
+    monkeypatch.setattr(engine.Batch, "cycle", traced)
+    together = e.generate(requests, slots=4, overlap=True, **options)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    halves = sorted({b for _, b, _ in rounds})
+    assert len(halves) == 2 and all(p in ("draft", "verify") for _, _, p in rounds)
+    for b in halves:  # each half alternates draft, verify
+        assert [p for _, x, p in rounds if x == b] == ["draft", "verify"] * (len([x for _, x, _ in rounds
+                                                                                 if x == b]) // 2)
+    assert len({t for t, _, _ in rounds}) == 2  # on the pool's two threads
+    with pytest.raises(engine.UsageError, match="at least 2 slots"):
+        e.generate(requests[:1] * 2, slots=1, overlap=True, **options)
+    with pytest.raises(engine.UsageError, match="overlap runs a draft model"):
+        e.generate(PROMPT, method="ar", overlap=True)
+
+
 def test_requests_of_different_shapes_share_a_call():
     """Different methods (or N, K) make different batches, which take turns; each output is the one alone."""
     e = engine.Engine(TARGET, DRAFT)
@@ -682,6 +793,16 @@ def test_an_sd_trace_holds_drafted_and_accepted_tokens(tmp_path):
     assert sum(c["accepted"] for c in cycles) == result.stats["accepted"]
     for c in cycles:
         assert c["tokens"][0][:c["accepted"]] == c["drafted"][:c["accepted"]] and len(c["drafted"]) == 4
+
+
+def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees):
+    result, _, cycles, _ = traced(engine.Engine(TARGET, "racer"), tmp_path, method="sd", max_new_tokens=20, seed=1,
+                                  draft_len=3, tree=8)
+    assert sum(c["accepted"] for c in cycles) == result.stats["accepted"] > 0
+    for c in cycles:
+        node = 0
+        for token in c["tokens"][0][:c["accepted"]]:  # each accepted token is a child of the node before
+            node = next(j + 1 for j, (t, p) in enumerate(zip(c["tree"], c["parents"])) if t == token and p == node)
 
 
 # ---------------------------------------------------------------- bad input

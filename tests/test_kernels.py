@@ -132,6 +132,66 @@ def test_reference_matches_sdpa_on_one_particle():
     torch.testing.assert_close(out[0, 0], kernels.prefill_attention(q, k, v, 0.25))
 
 
+# tree attention (RACER-style draft trees verified in one pass): each implementation against the reference
+ATTENTIONS = [pytest.param(kernels.particle_attention, marks=needs_triton, id="triton"),
+              pytest.param(kernels.particle_attention_cpu, id="cpu",
+                           marks=pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path takes CPU tensors")),
+              pytest.param(kernels.particle_attention_ref, id="ref")]
+
+
+def random_trees(R, T, seed=0):
+    """bool [R, T, T], a random tree per request: node j's parent drawn among 0..j-1 (node 0 the root);
+    row j is the ancestor-or-self set of node j."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
+    for r in range(R):
+        for j in range(1, T):
+            trees[r, j] |= trees[r, torch.randint(j, (), generator=gen)]
+    return trees.to(DEVICE)
+
+
+TREE_CASES = [  # N, T, Hkv, G, D, dtype, prefix lengths, suffix lengths, P, S
+    (2, 9, 2, 2, 32, torch.float32, (5, 20), (3, 0), 24, 16),
+    (3, 17, 1, 3, 16, torch.float16, (12, 1), (0, 9), 16, 32),  # 2 suffix splits
+    (2, 64, 1, 3, 16, torch.float32, (3, 10), (5, 20), 16, 96),  # the paper's largest tree: 2 row blocks
+]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS[:2])
+@pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: f"N{c[0]}-T{c[1]}-G{c[3]}-{str(c[5])[6:]}")
+def test_tree_attention_matches_reference(attention, case):
+    """Two requests with their own lengths and trees, GQA, several particles; NaN past every length."""
+    q, pk, pv, sk, sv, plen, slen = attention_inputs(*case)
+    trees, scale = random_trees(len(plen), case[1]), q.shape[-1] ** -0.5
+    assert not torch.equal(trees[0], trees[1]) and (trees != torch.ones_like(trees).tril()).any((1, 2)).all()
+    out = attention(q, pk, pv, sk, sv, plen, slen, scale, tree=trees)
+    ref = kernels.particle_attention_ref(*(x.float() for x in (q, pk, pv, sk, sv)), plen, slen, scale, tree=trees)
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_causal_tree_is_causal(attention):
+    q, pk, pv, sk, sv, plen, slen = attention_inputs(2, 5, 2, 2, 16, torch.float32, (4, 9), (2, 0), 16, 8)
+    causal = torch.ones(2, 5, 5, dtype=torch.bool, device=DEVICE).tril()
+    torch.testing.assert_close(attention(q, pk, pv, sk, sv, plen, slen, 0.25, tree=causal),
+                               attention(q, pk, pv, sk, sv, plen, slen, 0.25), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_tree_node_sees_no_sibling(attention):
+    """Request 0's tree: 1 and 2 children of the root 0, 3 a child of 1; request 1 a chain. Changing the
+    K/V of node 2 of one particle changes that node's output only: not its sibling 1, nor 1's child 3."""
+    q, pk, pv, sk, sv, plen, slen = attention_inputs(2, 4, 2, 2, 16, torch.float32, (6, 3), (2, 5), 8, 12)
+    trees = torch.ones(2, 4, 4, dtype=torch.bool, device=DEVICE).tril()
+    trees[0, 2, 1] = trees[0, 3, 2] = False
+    before = attention(q, pk, pv, sk, sv, plen, slen, 0.25, tree=trees)
+    sk[0, 1, :, 2 + 2] += 1.0  # request 0, particle 1, new token 2
+    sv[0, 1, :, 2 + 2] += 1.0
+    changed = (attention(q, pk, pv, sk, sv, plen, slen, 0.25, tree=trees) - before).abs().amax((-1, -2)) > 0
+    assert changed.nonzero().tolist() == [[0, 1, 2]]  # [R, N, T]: (request 0, particle 1, node 2) only
+
+
 # ---------------------------------------------------------------- sampling
 
 SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytest.param(kernels.sample_ref, id="ref")]

@@ -1,0 +1,66 @@
+"""RACER-style drafts without a draft model (arXiv 2604.14885), built on the host for one request: an index of
+every n-gram (n <= 10) of the prompt and the text so far with the tokens that followed it, and logit cues (each
+token's likeliest next tokens under the target, with their probabilities, from the last verify row that scored
+it, rejected rows included). A draft is a tree grown best first: a node's children are the tokens that followed
+the longest earlier occurrence of its context (weighted by their share of those occurrences) and its token's
+cues (weighted by the target's probability), a node's score is the product along its path, and the highest
+scores join until the tree holds its node budget. It costs dict lookups, no model.
+
+This is its own file because it is plain host-side Python over lists and dicts, which the device-side cycle in
+engine.py never touches: engine.py asks it for a tree before each racer cycle and tells it the new tokens and
+cues after."""
+import heapq
+
+LONGEST = 10  # the longest n-gram indexed
+CUES = 4  # the target's top next tokens kept per token
+
+
+class Retrieval:
+    def __init__(self, ids, chain=True):
+        self.chain = chain  # one child per node: a chain of the likeliest tokens
+        self.ctx, self.follow, self.cue, self.last, self.seen = [], {}, {}, [], 0
+        self.observe(ids)
+        self.seen, self.cycles = 0, 0  # generated tokens observed, cycles whose cues were taken
+
+    def observe(self, tokens, cues=None):
+        """New tokens of the text; cues: [(tokens [CUES], probabilities [CUES])] for each node of the last tree,
+        the root (the token before the draft) first."""
+        for token, cue in zip(self.last, cues or []):
+            self.cue[token] = list(zip(*cue))
+        for t in tokens:
+            for n in range(1, min(LONGEST, len(self.ctx)) + 1):
+                counts = self.follow.setdefault(tuple(self.ctx[-n:]), {})
+                counts[t] = counts.get(t, 0) + 1
+            self.ctx.append(t)
+        self.seen += len(tokens)
+
+    def candidates(self, ctx):
+        """-> [(token, prior)] to follow ctx, likeliest first: retrieval's continuations of the longest suffix
+        of ctx seen before, and ctx[-1]'s cues; without either, ctx[-1] again."""
+        prior = {}
+        for n in range(min(LONGEST, len(ctx)), 0, -1):
+            counts = self.follow.get(tuple(ctx[-n:]))
+            if counts:
+                total = sum(counts.values())
+                prior = {t: c / total for t, c in counts.items()}
+                break
+        for t, p in self.cue.get(ctx[-1], []):
+            prior[t] = max(prior.get(t, 0.0), p)
+        return sorted(prior.items(), key=lambda x: -x[1]) or [(ctx[-1], 0.0)]
+
+    def draft(self, depth, nodes):
+        """-> (tokens, parents) of up to `nodes` draft tokens at most `depth` deep, parents before children; a
+        parent is an index into [root] + tokens (0: the root, the last token of the text). Siblings differ."""
+        tokens, parents, order = [], [], 0
+        frontier = [(-1.0, 0, -1, 0, self.ctx[-LONGEST:])]  # (-score, order, parent, depth, context)
+        while frontier and len(tokens) < nodes:
+            score, _, parent, d, ctx = heapq.heappop(frontier)
+            if parent >= 0:
+                tokens.append(ctx[-1])
+                parents.append(parent)
+            if d < depth:
+                for t, p in self.candidates(ctx)[:1 if self.chain else None]:
+                    order += 1
+                    heapq.heappush(frontier, (score * p, order, len(tokens), d + 1, ctx + [t]))
+        self.last = [self.ctx[-1]] + tokens
+        return tokens, parents
