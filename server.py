@@ -120,6 +120,10 @@ def options_of(body, chat, defaults):
     if "method" not in body and o["method"] == "smc" and (o.get("temperature", 1) == 0 or o.get("top_p", 1) < 1
                                                           or o.get("top_k", 0) > 0):
         o["method"] = "sd"  # smc has no greedy or truncated form; sd samples the target exactly
+    if o["method"] == "ar":  # the server's racer trees and overlap are for the methods that draft
+        o.pop("overlap", None)
+    if o["method"] != "sd":
+        o.pop("tree", None)
     return stop, o
 
 
@@ -313,16 +317,20 @@ def serve_http(worker, model_name, defaults, host, port):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
-    p.add_argument("--draft", help="draft model, same vocabulary as the target")
+    p.add_argument("--draft", help="draft model, same vocabulary as the target; racer: drafts from retrieval and the "
+                   "target's logits, no draft model (sd)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=4, help="requests decoded together")
     p.add_argument("--context", type=int, help="tokens per slot: prompt + max_tokens + draft lookahead "
                    "(default 2048, or the model's context if smaller)")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before 503")
-    p.add_argument("--method", choices=engine.METHODS, help="default method (smc with a draft, else ar)")
+    p.add_argument("--method", choices=engine.METHODS, help="default method (smc with a draft model, sd with racer, else ar)")
     p.add_argument("--particles", type=int, help="default smc particles N")
     p.add_argument("--draft-len", type=int, help="default draft tokens K per cycle")
+    p.add_argument("--tree", type=int, metavar="NODES", help="--draft racer: tree drafts of up to NODES tokens")
+    p.add_argument("--overlap", action="store_true", help="MineDraft: half the slots draft while the other half "
+                   "verifies")
     p.add_argument("--device")
     p.add_argument("--dtype", choices=["bfloat16", "float32"])
     p.add_argument("--model-name", help="the model id clients see (default: the target's base name)")
@@ -330,6 +338,8 @@ def main(argv=None):
     try:
         if args.slots < 1 or args.max_waiting < 0 or args.context is not None and args.context < 1:
             raise engine.UsageError("--slots and --context must be at least 1, --max-waiting at least 0")
+        if args.overlap and args.slots < 2:
+            raise engine.UsageError("--overlap needs at least 2 slots, one for each half")
         if args.draft and not args.target:
             raise engine.UsageError("--draft needs --target")
         draft, target = (args.draft, args.target) if args.target else engine.default_pair()
@@ -341,8 +351,9 @@ def main(argv=None):
         context = args.context or min(2048, eng.config.max_seq_len)
         if context > eng.config.max_seq_len:
             raise engine.UsageError(f"--context {context} exceeds the model's {eng.config.max_seq_len} tokens")
-        defaults = {k: v for k, v in (("method", args.method or ("smc" if draft else "ar")),
-                                      ("particles", args.particles), ("draft_len", args.draft_len)) if v is not None}
+        method = args.method or ("sd" if draft == "racer" else "smc" if draft else "ar")
+        defaults = {k: v for k, v in (("method", method), ("particles", args.particles), ("draft_len", args.draft_len),
+                                      ("tree", args.tree), ("overlap", args.overlap or None)) if v is not None}
         eng.request([0], context=context, max_new_tokens=1, **defaults)  # the defaults, checked before the weights
         print(f"loading {target}" + (f" with draft {draft}" if draft else ""), file=sys.stderr)
         eng.load()

@@ -208,6 +208,22 @@ def test_concurrent_streams_equal_the_same_requests_alone(server):
     assert all(finish == "length" for _, finish, _ in alone), alone
 
 
+def test_overlap_and_racer_servers(pair, server):
+    """--overlap (MineDraft halves) gives each request the plain server's text; --draft racer --tree serves
+    tree drafts, greedy equal to ar."""
+    requests = [dict(prompt=f"w{30 + i} w{40 + i}", max_tokens=10, seed=i, extra_body={"method": m})
+                for i, m in enumerate(["smc", "sd", "ar", "sd", "smc"])]
+
+    def run(s, r):
+        return stream_text(s.client.completions.create(model="target", stream=True, **r))
+    plain = [run(server, r) for r in requests]
+    with serve(pair, "--slots", "4", "--overlap") as s, concurrent.futures.ThreadPoolExecutor(5) as pool:
+        assert list(pool.map(lambda r: run(s, r), requests)) == plain
+    greedy = dict(prompt="w5 w6 w5 w6 w5", max_tokens=12, temperature=0)
+    with serve(pair, "--draft", "racer", "--tree", "6") as s:
+        assert run(s, greedy) == run(server, greedy | {"extra_body": {"method": "ar"}})
+
+
 BAD = [  # (body, param or None, words of the message)
     ({"temperature": -1}, "temperature", "temperature"),
     ({"n": 2}, "n", "n=2 is not supported"),
