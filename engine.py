@@ -669,7 +669,9 @@ class Engine:
     """A target model and an optional draft, each a path (Hugging Face directory or .gguf file) or a loaded
     model.Transformer (then prompts are token ids and results carry no text). Paths are opened at once (config,
     tokenizer, the weight files' headers), so that a bad request is refused before any weight is read; the
-    weights are read by `load()`, which the first `generate` calls."""
+    weights are read by `load()`, which the first `generate` calls. Under torchrun every rank builds this engine
+    with its shard of the target (tensor parallel, `model.shard_config`) and a whole draft, and decodes the same
+    requests: identical logits and rng on every rank give every rank the same decisions."""
 
     def __init__(self, target, draft=None, device=None, dtype=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -680,7 +682,9 @@ class Engine:
         self.target, self.draft = (m if isinstance(m, model.Transformer) else None for m in (target, draft))
         self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
                        for m in (target, draft)]
+        self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
         self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
+        self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
             raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
                              f"{self.config.vocab_size}")
@@ -693,16 +697,16 @@ class Engine:
 
     def unread_bytes(self):
         """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
-        opened = [o for o in self.opened if o]
-        n = sum(math.prod(s) for o in opened for s in model.expected_shapes(o[0]).values())
+        configs = [c for c, o in zip((self.config, self.draft_config), self.opened) if o]
+        n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
         if self.device.type == "cpu":
-            n += sum(o[0].vocab_size * o[0].dim for o in opened if o[0].tie_embeddings)
+            n += sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings)
         return n * self.dtype.itemsize
 
     def load(self):
         """Read the weights (once) -> self."""
         if self.target is None:
-            self.target = model.build(*self.opened[0][:2], self.device, self.dtype)
+            self.target = model.build(*self.opened[0][:2], self.device, self.dtype, (self.rank, self.world))
         if self.draft is None and self.opened[1]:
             self.draft = model.build(*self.opened[1][:2], self.device, self.dtype)
         self.opened = [None, None]
@@ -1157,7 +1161,13 @@ def main(argv=None):
                    cuda_graphs=not args.no_cuda_graphs, power=args.power, easd=args.easd, tree=args.tree,
                    overlap=args.overlap)
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
+    rank, world = model.init_distributed(device)  # under torchrun; only rank 0 speaks
+    if rank:
+        sys.stdout = open(os.devnull, "w")
     try:
+        if world > 1 and not args.target:
+            raise UsageError("under torchrun give --target (and --draft): fetch the default pair first with "
+                             "python weights/fetch.py, so that the ranks do not fetch it at once")
         check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched
         if args.draft not in (None, "racer") and not args.target:
             raise UsageError("--draft needs --target")
@@ -1178,26 +1188,28 @@ def main(argv=None):
         if not (batch or args.json):
             requests[0].on_text = lambda piece: print(piece, end="", flush=True)
             print("" if args.chat else prompt, end="", flush=True)
-        if args.trace:
+        if args.trace and rank == 0:
             import plot
             tracer = plot.Tracer(args.trace, engine, requests[0])
             requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
         results = engine.run(requests, args.slots)
     except (model.LoadError, UsageError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(1 if rank else f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
+    if world > 1:
+        torch.distributed.destroy_process_group()
     result = results[0]
     if batch or args.json:
         for r in results:
             print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}), flush=True)
     else:
         print()
-        print(summary(result.stats), file=sys.stderr)
+        print(summary(result.stats), file=sys.stdout if rank else sys.stderr)
     if result.stats["stop"] == "interrupted":
         sys.exit(130)
     if result.stats["stop"] == "degenerate" and not batch:  # a batch reports it in its JSON lines
-        sys.exit("error: smc stopped: no particle kept a positive weight, or one is NaN (the models' "
+        sys.exit(1 if rank else "error: smc stopped: no particle kept a positive weight, or one is NaN (the models' "
                  "log-probabilities are not finite); the text above is what had settled")
 
 

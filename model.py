@@ -364,14 +364,13 @@ def expected_shapes(c):
         shapes["lm_head.weight"] = (c.vocab_size, c.dim)
     for i in range(c.n_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, c.dim), p + "self_attn.k_proj.weight": (kv, c.dim),
-                   p + "self_attn.v_proj.weight": (kv, c.dim), p + "self_attn.o_proj.weight": (c.dim, q),
-                   p + "mlp.gate_proj.weight": (c.ffn_dim, c.dim), p + "mlp.up_proj.weight": (c.ffn_dim, c.dim),
-                   p + "mlp.down_proj.weight": (c.dim, c.ffn_dim), p + "input_layernorm.weight": (c.dim,),
-                   p + "post_attention_layernorm.weight": (c.dim,)}
-        if c.qkv_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
+        for x, rows in zip("qkv", (q, kv, kv)):
+            shapes[p + f"self_attn.{x}_proj.weight"] = (rows, c.dim)
+            if c.qkv_bias:
+                shapes[p + f"self_attn.{x}_proj.bias"] = (rows,)
+        shapes |= {p + "self_attn.o_proj.weight": (c.dim, q), p + "mlp.gate_proj.weight": (c.ffn_dim, c.dim),
+                   p + "mlp.up_proj.weight": (c.ffn_dim, c.dim), p + "mlp.down_proj.weight": (c.dim, c.ffn_dim),
+                   p + "input_layernorm.weight": (c.dim,), p + "post_attention_layernorm.weight": (c.dim,)}
     return shapes
 
 
@@ -464,7 +463,7 @@ def shard_files(path):
 
 
 def open_hf_dir(path):
-    """-> (Config, get(name) -> tensor, Tokenizer) for a directory with config.json, *.safetensors
+    """-> (Config, get(name, part) -> tensor, Tokenizer) for a directory with config.json, *.safetensors
     (single or sharded with model.safetensors.index.json) and tokenizer.json."""
     from safetensors import safe_open
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -592,7 +591,7 @@ GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_head
 
 
 def open_gguf(path):
-    """-> (Config, get(name) -> float32 tensor by Hugging Face name, Tokenizer), dequantizing on read."""
+    """-> (Config, get(name, part) -> float32 tensor by Hugging Face name, Tokenizer), dequantizing on read."""
     import gguf
     try:
         check_gguf_layout(path)
@@ -726,7 +725,8 @@ class Tokenizer:
 
 
 def open_weights(path):
-    """-> (Config, get(name) -> tensor, Tokenizer) for a Hugging Face directory or a .gguf file."""
+    """-> (Config, get(name, part) -> tensor (checked_getter's), Tokenizer) for a Hugging Face directory or a
+    .gguf file."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
