@@ -757,7 +757,7 @@ class Engine:
 
     def check_request(self, prompt_len, s, context=None):
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
-        extra = 0 if s.method == "ar" else s.shape(self.racer).tree or s.draft_len  # the K/V a cycle writes ahead
+        extra = 0 if s.method == "ar" else max(s.shape(self.racer).tree, s.draft_len)  # what a cycle writes ahead
         capacity = s.max_new_tokens + extra
         configs = [c for c in (self.config, self.draft_config if s.method != "ar" else None) if c is not None]
         context = min([c.max_seq_len for c in configs] + [context or math.inf])

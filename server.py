@@ -338,6 +338,9 @@ def main(argv=None):
     try:
         if args.slots < 1 or args.max_waiting < 0 or args.context is not None and args.context < 1:
             raise engine.UsageError("--slots and --context must be at least 1, --max-waiting at least 0")
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise engine.UsageError("server.py serves from one process: tensor parallelism (torchrun) is for "
+                                    "engine.py; run the server without torchrun")
         if args.overlap and args.slots < 2:
             raise engine.UsageError("--overlap needs at least 2 slots, one for each half")
         if args.draft and not args.target:

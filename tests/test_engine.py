@@ -219,6 +219,21 @@ def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     assert [r.tokens for r in e.generate(requests, method="sd", draft_len=2, tree=5, slots=2)] == alone
 
 
+@pytest.mark.parametrize("tree", [0, 2, 7])
+def test_racer_on_the_graph_path_and_at_the_end_of_its_budget(monkeypatch, tree):
+    """The CUDA-graph path (recording swapped for an eager warm-up, as above) plants each cycle's tree into the
+    recorded tensors: the eager tokens. Budgets that end inside a cycle's block, trees smaller than K: the
+    history and the K/V stay inside the slot."""
+    e = engine.Engine(TARGET, "racer")
+    for budget in (1, 2, 5, 9):
+        options = dict(method="sd", max_new_tokens=budget, seed=2, draft_len=4, tree=tree, temperature=1.0)
+        eager = e.generate(PROMPT, **options)
+        with monkeypatch.context() as m:
+            m.setattr(engine, "record", lambda cycle: cycle() or cycle)
+            m.setattr(engine, "graphs_apply", lambda s, st: True)
+            assert e.generate(PROMPT, **options).tokens == eager.tokens and len(eager.tokens) == budget
+
+
 def test_racer_retrieval_follows_the_longest_earlier_suffix():
     r = racer.Retrieval([5, 1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2])
     # "1 2" was followed by 3 both times; "1 2 3" by 4 and by 7 (a tie: the first seen); then "1 2 3 4" by 9, 1
