@@ -1,13 +1,15 @@
 """Side-by-side benchmark: speed of ar, sd and smc (a grid of N particles x K draft tokens) against the
 memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
-code-completion requests, throughput and latency of R requests decoded together (continuous batching), the
-transformers peer baseline, and pass@1 on the code-completion set.
+code-completion requests, sd with racer's retrieval drafts (chains and trees) against ar and the draft model on a
+refactor request and on fresh code, throughput and latency of R requests decoded together (continuous batching,
+with and without MineDraft's overlap), the transformers peer baseline, and pass@1 on the code-completion set.
 
     python bench.py                                  # default pair, code and prose prompts, 128 new tokens
     python bench.py --quick                          # one-prompt smoke run
     python bench.py --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256 --new-tokens 256
     python bench.py --skip-quality --prompt-lengths 100,4000 --short-requests 0  # two lengths, no short requests
-    python bench.py --skip-quality --grid "" --prompt-lengths "" --short-requests 0 --concurrency 1,4  # batches only
+    python bench.py --skip-quality --grid "" --prompt-lengths "" --short-requests 0 --racer-trees "" \
+        --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4   # batches only, overlap beside plain
 
 Prints markdown tables and writes every figure, the settings, the machine and the date to --out (JSON).
 Methods run interleaved per prompt in one process: ratios within a run are what count on a noisy machine."""
@@ -162,16 +164,20 @@ def roofline(e, row, prompt_len, new_tokens, bandwidth):
 # ---------------------------------------------------------------- speed
 
 
-def configs(args, cells):
-    """(method, N, K) in run order, smc at each N x K cell; N and K are 1 where a method has none."""
+def configs(args, cells, overlap=False):
+    """(method, N, K) in run order, smc at each N x K cell; N and K are 1 where a method has none. Methods
+    spelled "<method>+overlap" (MineDraft's overlap, batches only) are left out unless `overlap`."""
     out = []
     for method in args.methods:
-        if method == "ar":
+        base = method.removesuffix("+overlap")
+        if base != method and not overlap:
+            continue
+        if base == "ar":
             out.append(("ar", 1, 1))
-        elif method in ("sd", "easd"):
+        elif base in ("sd", "easd"):
             out.append((method, 1, args.sd_draft_len))
-        elif method == "smc":
-            out += [("smc", n, k) for n, k in cells]
+        elif base == "smc":
+            out += [(method, n, k) for n, k in cells]
     return out
 
 
@@ -336,6 +342,70 @@ def short_requests(e, args):
     return rows
 
 
+# ---------------------------------------------------------------- racer: drafts without a draft model
+
+# The refactor request: problem 5's signature and docstring, then an instruction whose answer restates them.
+REFACTOR = "    ...\n\n\n# Write the same function with type hints added and the docstring kept word for word.\n"
+
+
+def racer_prompts(e):
+    """Two code prompts from the code-completion set: "refactor", problem 5's prompt and a request to write the
+    function again, whose answer restates the prompt (where retrieval drafts well), and "fresh", problem 3's
+    prompt as is (new code: little to retrieve)."""
+    problems = quality.load_problems()
+    return {"refactor": e.encode(problems[5]["prompt"] + REFACTOR), "fresh": e.encode(problems[3]["prompt"])}
+
+
+def racer_engine(e):
+    """An engine that drafts with racer on e's target: its loaded weights and its tokenizer, nothing read again."""
+    r = engine.Engine(e.target, "racer")
+    r.tokenizer = e.tokenizer
+    return r
+
+
+def racer_configs(e, args):
+    """(engine, row key) in run order: ar, sd with the draft model, sd with racer's chain of --sd-draft-len and
+    its trees of each --racer-trees size (0: the chain) at most that deep."""
+    r, K = racer_engine(e), args.sd_draft_len
+    model_draft = f"{e.draft.num_params() / 1e9:.1f}B model"
+    keys = [("ar", "", 0), ("sd", model_draft, 0)] + [("sd", "racer", T) for T in args.racer_trees]
+    return [(r if draft == "racer" else e, {"method": method, "draft": draft, "tree": T, "K": K})
+            for method, draft, T in keys]
+
+
+def racer_rows(e, args):
+    """Every config on the refactor and the fresh prompt, interleaved, `repeats` seeds -> one row per (prompt,
+    config): the mean tokens/s, accepted draft tokens per cycle (pooled over the runs) and ratios to ar and to sd
+    with the draft model on the same prompt."""
+    cells, ids_by_prompt = racer_configs(e, args), racer_prompts(e)
+
+    def run(runner, ids, key, tokens, seed):
+        return runner.generate(ids, method=key["method"], max_new_tokens=tokens, temperature=TEMPERATURE,
+                               draft_len=key["K"], tree=key["tree"], seed=seed).stats
+    for runner, key in cells:  # warm-up
+        run(runner, ids_by_prompt["fresh"], key, 4 * key["K"], 0)
+    runs = {}
+    for repeat in range(args.repeats):
+        for name, ids in ids_by_prompt.items():
+            for i, (runner, key) in enumerate(cells):
+                runs.setdefault((name, i), []).append(run(runner, ids, key, args.new_tokens, repeat))
+    rows = []
+    for (name, i), all_stats in runs.items():
+        cycles = max(sum(s["cycles"] for s in all_stats), 1)
+        rows.append({"prompt": name, "prompt_tokens": len(ids_by_prompt[name]), **cells[i][1],
+                     "tokens_per_s": statistics.mean(s["tokens_per_s"] for s in all_stats),
+                     "accepted_per_cycle": sum(s["accepted"] for s in all_stats) / cycles if "accepted" in
+                     all_stats[0] else None,
+                     "tokens_per_cycle": sum(s["new_tokens"] for s in all_stats) / cycles,
+                     "new_tokens": sum(s["new_tokens"] for s in all_stats) / len(all_stats),
+                     "runs": [s["tokens_per_s"] for s in all_stats]})
+    versus_ar(rows, ("tokens_per_s",), key="prompt")
+    sd = {r["prompt"]: r["tokens_per_s"] for r in rows if r["draft"] == cells[1][1]["draft"]}
+    for r in rows:
+        r["tokens_per_s_vs_sd"] = r["tokens_per_s"] / sd[r["prompt"]]
+    return rows
+
+
 # ---------------------------------------------------------------- peer baseline
 
 
@@ -415,15 +485,17 @@ def graph_recording():
         engine.record = record
 
 
-def run_batch(e, prompts, method, N, K, new_tokens, seed):
+def run_batch(e, prompts, method, N, K, new_tokens, seed, **options):
     """One generate call of len(prompts) requests in as many slots, each request seeded on its own -> the
     figures of the call: throughput (all new tokens over the wall clock of the call, prefills included, CUDA-graph
-    recording excluded) and the per-request latency (stats["seconds"]: from its prefill to its last token)."""
+    recording excluded) and the per-request latency (stats["seconds"]: from its prefill to its last token).
+    method "<m>+overlap": m with MineDraft's overlap (the slots in two halves, one drafting as the other verifies)."""
     requests = [{"prompt": ids, "seed": 1000 * seed + i} for i, ids in enumerate(prompts)]
     with graph_recording() as recording:
         start = time.perf_counter()
-        results = e.generate(requests, slots=len(prompts), method=method, max_new_tokens=new_tokens,
-                             temperature=TEMPERATURE, particles=N, draft_len=K)
+        results = e.generate(requests, slots=len(prompts), method=method.removesuffix("+overlap"),
+                             max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N, draft_len=K,
+                             overlap=method.endswith("+overlap"), **options)
         wall = time.perf_counter() - start
     stats = [r.stats for r in results]
     seconds = wall - sum(recording)
@@ -443,10 +515,16 @@ def median_run(key, runs):
             "runs": [r["tokens_per_s"] for r in runs]}
 
 
+def batch_cells(e, args):
+    """(method, N, K) of the batches: smc at the engine's default cell for the device (`engine.shape`), sd at
+    --sd-draft-len, "+overlap" methods only where some R is at least 2 (overlap needs a slot for each half)."""
+    return configs(args, [engine.shape("smc", None, None, e.device)], overlap=max(args.concurrency) >= 2)
+
+
 def batches(e, args):
-    """Every method at every R of --concurrency, interleaved per repeat, --new-tokens per request -> one row per
-    (R, method). smc runs at the engine's default cell for the device (`engine.shape`), sd at --sd-draft-len."""
-    cells = configs(args, [engine.shape("smc", None, None, e.device)])
+    """Every method at every R of --concurrency (overlap: R >= 2), interleaved per repeat, --new-tokens per
+    request -> one row per (R, method)."""
+    cells = batch_cells(e, args)
     prompts = batch_prompts(e, args, max(args.concurrency))
     for method, N, K in cells:  # warm-up: first calls allocate and pick kernels
         run_batch(e, prompts, method, N, K, 4 * K, 0)
@@ -454,8 +532,9 @@ def batches(e, args):
     for repeat in range(args.repeats):
         for R in args.concurrency:
             for method, N, K in cells:
-                runs.setdefault((R, method, N, K), []).append(
-                    run_batch(e, prompts[:R], method, N, K, args.new_tokens, repeat))
+                if R >= 2 or not method.endswith("+overlap"):
+                    runs.setdefault((R, method, N, K), []).append(
+                        run_batch(e, prompts[:R], method, N, K, args.new_tokens, repeat))
     return [median_run({"R": R, "method": method, "N": N, "K": K}, all_runs)
             for (R, method, N, K), all_runs in runs.items()]
 
@@ -495,10 +574,69 @@ def batch_report(e, hf_target, args):
         rows += batch_peer(hf_target, batch_prompts(e, args, max(args.concurrency)), e.pad, e.config.eos_ids, args)
     versus_ar(rows, ("tokens_per_s",), key="R")
     at_one = {r["method"]: r["tokens_per_s"] for r in rows if r["R"] == 1}
+    plain = {(r["R"], r["method"]): r for r in rows}
     for r in rows:
         if r["method"] in at_one:
             r["tokens_per_s_vs_r1"] = r["tokens_per_s"] / at_one[r["method"]]
+        if base := plain.get((r["R"], r["method"].removesuffix("+overlap"))) if "+overlap" in r["method"] else None:
+            r["tokens_per_s_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["mean_latency_s_vs_plain"] = r["mean_latency_s"] / base["mean_latency_s"]
     return sorted(rows, key=lambda r: r["R"])  # stable: the methods in run order within each R
+
+
+@contextlib.contextmanager
+def phase_timing(e):
+    """Yields {"draft": [seconds], "verify": [seconds]}: every cycle phase the engine runs in the block, timed on
+    the calling thread (and its CUDA stream); a whole cycle runs as its draft phase, then its verify phase."""
+    spent, cycle = {"draft": [], "verify": []}, e.cycle
+
+    def timed(st, s, phase=None):
+        for p in [phase] if phase else ["draft", "verify"]:
+            if e.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            start = time.perf_counter()
+            cycle(st, s, p)
+            if e.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            spent[p].append(time.perf_counter() - start)
+    e.cycle = timed  # an instance attribute shadows the method for this block only
+    try:
+        yield spent
+    finally:
+        del e.cycle
+
+
+def overlap_phases(e, args):
+    """Whether overlap has anything to gain, at the largest R: the median draft and verify phase (ms) of every
+    "+overlap" method's cycle, eager, --new-tokens (at most 32) per request, run three ways: plain over R slots;
+    plain over half of them (an overlap half, phases one after the other); and overlapped (each half's phase
+    beside the other half's, a thread pair each with half the threads on a CPU, a stream each on a GPU). A
+    cycle of all R slots takes draft + verify plain, 2 x max(draft, verify) overlapped (the halves take turns),
+    and at best 2 x max of the half's phases alone, if overlapping slowed neither phase."""
+    R = max(args.concurrency)
+    prompts, tokens, half = batch_prompts(e, args, R), min(args.new_tokens, 32), (R + 1) // 2
+    threads = torch.get_num_threads() if e.device.type == "cpu" else None
+    rows = []
+    for method, N, K in batch_cells(e, args):
+        if not method.endswith("+overlap"):
+            continue
+        base = method.removesuffix("+overlap")
+        ms = {}
+        for run, batch, m in (("plain", prompts, base), ("half alone", prompts[:half], base),
+                              ("overlapped", prompts, method)):
+            with phase_timing(e) as spent:
+                run_batch(e, batch, m, N, K, tokens, 0, cuda_graphs=False)
+            ms[run] = [1e3 * statistics.median(spent[p]) for p in ("draft", "verify")]
+        cycle = {"plain": sum(ms["plain"]), "half alone": 2 * sum(ms["half alone"]),
+                 "overlap bound": 2 * max(ms["half alone"]), "overlapped": 2 * max(ms["overlapped"])}
+        for run, slots, n_threads in (("plain", R, threads), ("half alone", half, threads),
+                                      ("overlap bound", half, None), ("overlapped", half, threads and
+                                                                      max(1, threads // 2))):
+            draft_ms, verify_ms = ms.get(run, (None, None))
+            rows.append({"R": R, "method": base, "N": N, "K": K, "run": run, "slots": slots, "threads": n_threads,
+                         "draft_ms": draft_ms, "verify_ms": verify_ms, "cycle_ms": cycle[run],
+                         "speed_vs_plain": cycle["plain"] / cycle[run]})
+    return rows
 
 
 # ---------------------------------------------------------------- quality
@@ -551,7 +689,8 @@ def fmt(x, spec=".2f"):
 
 def cells_nk(r):
     """A row's N and K cells: blank where its method has none."""
-    return (r["N"] if r["method"] == "smc" else ""), (r["K"] if r["method"] != "ar" else "")
+    method = r["method"].removesuffix("+overlap")
+    return (r["N"] if method == "smc" else ""), (r["K"] if method != "ar" else "")
 
 
 def speed_table(rows, bandwidth):
@@ -601,14 +740,35 @@ def peer_table(rows):
 
 
 def batch_table(rows):
-    lines = ["| R | method | N | K | total tok/s | x ar | x R=1 | tok/s per request | mean latency s | max latency s | "
-             "prefill share | new tokens | EOS stops |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| R | method | N | K | total tok/s | x ar | x R=1 | x plain | tok/s per request | mean latency s | "
+             "latency x plain | max latency s | prefill share | new tokens | EOS stops |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        N, K = cells_nk(r) if r["method"] in engine.METHODS else ("", "")
+        N, K = cells_nk(r) if r["method"].removesuffix("+overlap") in engine.METHODS else ("", "")
         lines.append(f"| {r['R']} | {r['method']} | {N} | {K} | {r['tokens_per_s']:.2f} | "
                      f"{fmt(r.get('tokens_per_s_vs_ar'))} | {fmt(r.get('tokens_per_s_vs_r1'))} | "
-                     f"{r['request_tokens_per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['max_latency_s']:.2f} | "
+                     f"{fmt(r.get('tokens_per_s_vs_plain'))} | {r['request_tokens_per_s']:.2f} | "
+                     f"{r['mean_latency_s']:.2f} | {fmt(r.get('mean_latency_s_vs_plain'))} | {r['max_latency_s']:.2f} | "
                      f"{fmt(r.get('prefill_share'))} | {r['new_tokens']} | {r['eos_stops']} |")
+    return "\n".join(lines)
+
+
+def overlap_table(rows):
+    lines = ["| R | method | N | K | run | slots per phase | threads per phase | draft ms | verify ms | "
+             "ms per cycle of R slots | x plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['R']} | {r['method']} | {' | '.join(map(str, cells_nk(r)))} | {r['run']} | {r['slots']} | "
+              f"{fmt(r['threads'], 'd')} | {fmt(r['draft_ms'], '.1f')} | {fmt(r['verify_ms'], '.1f')} | "
+              f"{r['cycle_ms']:.1f} | {r['speed_vs_plain']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def racer_table(rows):
+    lines = ["| prompt | method | draft | tree nodes | K | tok/s | x ar | x sd | accepted/cycle | tokens/cycle |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['prompt']} | {r['method']} | {r['draft']} | "
+              f"{(r['tree'] or 'chain') if r['draft'] == 'racer' else ''} | {r['K'] if r['method'] != 'ar' else ''} | "
+              f"{r['tokens_per_s']:.2f} | {r['tokens_per_s_vs_ar']:.2f} | {r['tokens_per_s_vs_sd']:.2f} | "
+              f"{fmt(r['accepted_per_cycle'])} | {r['tokens_per_cycle']:.2f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -643,9 +803,11 @@ def parse(argv):
                    help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems, "
-                        "concurrency 1 and 2")
+                        "concurrency 1 and 2, racer chains only")
     p.add_argument("--methods", default="ar,sd,smc,draft",
-                   help="comma-separated subset of ar,sd,easd,smc,draft (draft: the draft alone, quality only)")
+                   help="comma-separated subset of ar,sd,easd,smc,draft (draft: the draft alone, quality only) and "
+                        "sd+overlap,easd+overlap,smc+overlap (batches at R >= 2 only, beside the plain rows, with "
+                        "the phase split of a cycle at the largest R)")
     p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"),
                    help="smc N x K cells of the speed table (empty: skip the speed table, its phase split and the "
                         "one-request peer)")
@@ -666,6 +828,10 @@ def parse(argv):
                    help="throughput and per-request latency of R distinct prompts decoded together (slots=R), "
                         "each method (smc at the engine's default cell for the device) and transformers' batched "
                         "generate at each R (empty: skip)")
+    p.add_argument("--racer-trees", type=numbers, default=numbers("0,8,16"), metavar="NODES,...",
+                   help="sd with racer's retrieval drafts, no draft model: a chain of --sd-draft-len (0) and trees "
+                        "of these sizes at most that deep, beside ar and sd with the draft model, on a refactor "
+                        "request and on fresh code (needs a tokenizer: not with --random; empty: skip)")
     p.add_argument("--skip-speed", action="store_true", help="skip every speed section (the batches too)")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
@@ -675,17 +841,19 @@ def parse(argv):
     p.add_argument("--out", default="bench.json")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
         p.set_defaults(grid=[(4, 4)], new_tokens=32, repeats=1, problems=2, samples=1, quality_tokens=64,
-                       skip_peer=True, prompt_lengths=[100, 1000], short_requests=2, concurrency=[1, 2])
+                       skip_peer=True, prompt_lengths=[100, 1000], short_requests=2, concurrency=[1, 2],
+                       racer_trees=[0])
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
-    if unknown := set(args.methods) - {"ar", "sd", "easd", "smc", "draft"}:
-        p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from ar,sd,easd,smc,draft)")
+    known = ["ar", "sd", "easd", "smc", "draft", "sd+overlap", "easd+overlap", "smc+overlap"]
+    if unknown := set(args.methods) - set(known):
+        p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from {','.join(known)})")
     return args
 
 
 def speed_report(e, ids_by_prompt, args, device):
     """The speed table with its roofline and the phase split of each smc cell on the first prompt (unless --grid
-    is empty), the prompt-length axis and the short requests."""
+    is empty), the prompt-length axis, the short requests and racer's rows (models with a tokenizer)."""
     report = {}
     if args.grid:
         bandwidth = copy_bandwidth(device)
@@ -704,6 +872,9 @@ def speed_report(e, ids_by_prompt, args, device):
     if args.short_requests:
         report["short_requests"] = short_requests(e, args)
         print(short_table(report["short_requests"]), "\n", flush=True)
+    if args.racer_trees and e.tokenizer:
+        report["racer"] = racer_rows(e, args)
+        print(racer_table(report["racer"]), "\n", flush=True)
     return report
 
 
@@ -729,6 +900,9 @@ def main(argv=None):
     if batched:
         report["batch"] = batch_report(e, hf[0] if hf else None, args)
         print(batch_table(report["batch"]), "\n", flush=True)
+        if any(m.endswith("+overlap") for m, _, _ in batch_cells(e, args)):
+            report["overlap_phases"] = overlap_phases(e, args)
+            print(overlap_table(report["overlap_phases"]), "\n", flush=True)
     if draft_alone and not args.skip_quality:
         report["quality"] = pass_rates(e, draft_alone, args)
         print(quality_table(report["quality"]), flush=True)

@@ -558,6 +558,14 @@ def test_cuda_graphs_give_the_eager_output():
         graph, eager = (e.generate(PROMPT, method=method, max_new_tokens=30, seed=3, cuda_graphs=graphs)
                         for graphs in (True, False))
         assert graph.tokens == eager.tokens and graph.stats["cycles"] == eager.stats["cycles"]
+    racer = engine.Engine(target, "racer")  # tree drafts: the tree tensors planted before each replay
+    graph, eager = (racer.generate(PROMPT, method="sd", tree=6, draft_len=3, max_new_tokens=30, seed=3,
+                                   cuda_graphs=graphs) for graphs in (True, False))
+    assert graph.tokens == eager.tokens
+    requests = [dict(prompt=PROMPT, seed=seed, max_new_tokens=20) for seed in range(5)]
+    for method in ("sd", "smc"):  # MineDraft's halves on two CUDA streams
+        plain, overlap = (e.generate(requests, method=method, slots=4, overlap=o) for o in (False, True))
+        assert [r.tokens for r in overlap] == [r.tokens for r in plain]
 
 
 # ---------------------------------------------------------------- batching
