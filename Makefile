@@ -3,15 +3,17 @@
 # Kernels against their references, a model through Triton attention and CUDA-graph replay, all on CUDA;
 # the kernel micro-benchmark; then, on random-weight models shaped like Llama-3.2-1B (draft) and Llama-3.1-8B
 # (target) in bf16: ar, sd and smc (its GPU default, 4x4) at 1, 4 and 8 concurrent requests (total tokens/s,
-# per-request latency), and ar and smc one request at a time: tokens/s, cycle phase split, achieved against
-# measured copy bandwidth.
+# per-request latency), sd and smc with MineDraft's overlap beside them at 4 and 8 (and the draft and verify
+# phases of a cycle at 8: plain, half the slots alone, and overlapped), and ar and smc one request at a time:
+# tokens/s, cycle phase split, achieved against measured copy bandwidth. (No racer rows: they need real text.)
 .PHONY: gpu-check
 gpu-check:
 	-python -m pytest -q tests/test_kernels.py
 	-python -m pytest -q tests/test_engine.py -k cuda_graphs
 	-python -m pytest -q tests/test_model.py -k through_triton
 	-python tests/bench_kernels.py
-	-python bench.py --random llama-1b:llama-8b --methods ar,sd,smc --grid "" --prompt-lengths "" \
-		--short-requests 0 --concurrency 1,4,8 --prompt-len 256 --new-tokens 128 --repeats 2 --out gpu-check-batch.json
+	-python bench.py --random llama-1b:llama-8b --methods ar,sd,smc,sd+overlap,smc+overlap --grid "" \
+		--prompt-lengths "" --short-requests 0 --concurrency 1,4,8 --prompt-len 256 --new-tokens 128 --repeats 2 \
+		--out gpu-check-batch.json
 	python bench.py --random llama-1b:llama-8b --methods ar,smc --grid 8x8,4x4 --prompt-len 256 \
 		--new-tokens 256 --repeats 3 --concurrency "" --out gpu-check.json

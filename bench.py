@@ -1,8 +1,8 @@
 """Side-by-side benchmark: speed of ar, sd and smc (a grid of N particles x K draft tokens) against the
 memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
-code-completion requests, sd with racer's retrieval drafts (chains and trees) against ar and the draft model on a
-refactor request and on fresh code, throughput and latency of R requests decoded together (continuous batching,
-with and without MineDraft's overlap), the transformers peer baseline, and pass@1 on the code-completion set.
+code-completion requests, sd with racer's retrieval drafts (no draft model) on a refactor request and on fresh
+code, throughput and latency of R requests decoded together (continuous batching; also with MineDraft's overlap),
+the transformers peer baseline, and pass@1 on the code-completion set.
 
     python bench.py                                  # default pair, code and prose prompts, 128 new tokens
     python bench.py --quick                          # one-prompt smoke run
@@ -227,15 +227,15 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth):
 def profile_phases(e, ids, N, K, new_tokens, device):
     """One smc run, eager, with synchronised timers around the draft block and the verify forward of every
     cycle -> mean ms per cycle of each phase; the rest of the cycle is the weights, sampling, resampling."""
-    spent = {"draft_block": 0.0, "verify": 0.0, "smc_cycle": 0.0}
+    spent = {"draft_block": 0.0, "verify": 0.0, "cycle": 0.0}
 
     def timed(name):
         fn = getattr(e, name)
 
-        def wrapper(*a):
+        def wrapper(*a, **kw):
             synchronize(device)
             start = time.perf_counter()
-            out = fn(*a)
+            out = fn(*a, **kw)
             synchronize(device)
             spent[name] += time.perf_counter() - start
             return out
@@ -250,7 +250,7 @@ def profile_phases(e, ids, N, K, new_tokens, device):
             delattr(e, name)
     ms = {name: 1e3 * t / max(stats["cycles"], 1) for name, t in spent.items()}
     return {"N": N, "K": K, "draft_ms": ms["draft_block"], "verify_ms": ms["verify"],
-            "weights_resample_ms": ms["smc_cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["smc_cycle"]}
+            "weights_resample_ms": ms["cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["cycle"]}
 
 
 # ---------------------------------------------------------------- prompt lengths and short requests
@@ -363,21 +363,20 @@ def racer_engine(e):
     return r
 
 
-def racer_configs(e, args):
+def racer_configs(e, args, draft_name):
     """(engine, row key) in run order: ar, sd with the draft model, sd with racer's chain of --sd-draft-len and
     its trees of each --racer-trees size (0: the chain) at most that deep."""
-    r, K = racer_engine(e), args.sd_draft_len
-    model_draft = f"{e.draft.num_params() / 1e9:.1f}B model"
+    r, K, model_draft = racer_engine(e), args.sd_draft_len, draft_name or "draft model"
     keys = [("ar", "", 0), ("sd", model_draft, 0)] + [("sd", "racer", T) for T in args.racer_trees]
     return [(r if draft == "racer" else e, {"method": method, "draft": draft, "tree": T, "K": K})
             for method, draft, T in keys]
 
 
-def racer_rows(e, args):
+def racer_rows(e, args, draft_name=None):
     """Every config on the refactor and the fresh prompt, interleaved, `repeats` seeds -> one row per (prompt,
-    config): the mean tokens/s, accepted draft tokens per cycle (pooled over the runs) and ratios to ar and to sd
-    with the draft model on the same prompt."""
-    cells, ids_by_prompt = racer_configs(e, args), racer_prompts(e)
+    config): the mean tokens/s (from the start of the prefill), accepted draft tokens per cycle (pooled over the
+    runs) and ratios to ar and to sd with the draft model on the same prompt."""
+    cells, ids_by_prompt = racer_configs(e, args, draft_name), racer_prompts(e)
 
     def run(runner, ids, key, tokens, seed):
         return runner.generate(ids, method=key["method"], max_new_tokens=tokens, temperature=TEMPERATURE,
@@ -394,8 +393,8 @@ def racer_rows(e, args):
         cycles = max(sum(s["cycles"] for s in all_stats), 1)
         rows.append({"prompt": name, "prompt_tokens": len(ids_by_prompt[name]), **cells[i][1],
                      "tokens_per_s": statistics.mean(s["tokens_per_s"] for s in all_stats),
-                     "accepted_per_cycle": sum(s["accepted"] for s in all_stats) / cycles if "accepted" in
-                     all_stats[0] else None,
+                     "accepted_per_cycle": sum(s["accepted"] for s in all_stats) / cycles
+                     if cells[i][1]["method"] == "sd" else None,
                      "tokens_per_cycle": sum(s["new_tokens"] for s in all_stats) / cycles,
                      "new_tokens": sum(s["new_tokens"] for s in all_stats) / len(all_stats),
                      "runs": [s["tokens_per_s"] for s in all_stats]})
@@ -615,7 +614,8 @@ def overlap_phases(e, args):
     and at best 2 x max of the half's phases alone, if overlapping slowed neither phase."""
     R = max(args.concurrency)
     prompts, tokens, half = batch_prompts(e, args, R), min(args.new_tokens, 32), (R + 1) // 2
-    threads = torch.get_num_threads() if e.device.type == "cpu" else None
+    threads = torch.get_num_threads() if e.device.type == "cpu" else None  # a GPU's phases get a stream each
+    halved = threads and max(1, threads // 2)
     rows = []
     for method, N, K in batch_cells(e, args):
         if not method.endswith("+overlap"):
@@ -630,8 +630,7 @@ def overlap_phases(e, args):
         cycle = {"plain": sum(ms["plain"]), "half alone": 2 * sum(ms["half alone"]),
                  "overlap bound": 2 * max(ms["half alone"]), "overlapped": 2 * max(ms["overlapped"])}
         for run, slots, n_threads in (("plain", R, threads), ("half alone", half, threads),
-                                      ("overlap bound", half, None), ("overlapped", half, threads and
-                                                                      max(1, threads // 2))):
+                                      ("overlap bound", half, None), ("overlapped", half, halved)):
             draft_ms, verify_ms = ms.get(run, (None, None))
             rows.append({"R": R, "method": base, "N": N, "K": K, "run": run, "slots": slots, "threads": n_threads,
                          "draft_ms": draft_ms, "verify_ms": verify_ms, "cycle_ms": cycle[run],
@@ -748,8 +747,9 @@ def batch_table(rows):
         lines.append(f"| {r['R']} | {r['method']} | {N} | {K} | {r['tokens_per_s']:.2f} | "
                      f"{fmt(r.get('tokens_per_s_vs_ar'))} | {fmt(r.get('tokens_per_s_vs_r1'))} | "
                      f"{fmt(r.get('tokens_per_s_vs_plain'))} | {r['request_tokens_per_s']:.2f} | "
-                     f"{r['mean_latency_s']:.2f} | {fmt(r.get('mean_latency_s_vs_plain'))} | {r['max_latency_s']:.2f} | "
-                     f"{fmt(r.get('prefill_share'))} | {r['new_tokens']} | {r['eos_stops']} |")
+                     f"{r['mean_latency_s']:.2f} | {fmt(r.get('mean_latency_s_vs_plain'))} | "
+                     f"{r['max_latency_s']:.2f} | {fmt(r.get('prefill_share'))} | {r['new_tokens']} | "
+                     f"{r['eos_stops']} |")
     return "\n".join(lines)
 
 
@@ -759,7 +759,9 @@ def overlap_table(rows):
     lines += [f"| {r['R']} | {r['method']} | {' | '.join(map(str, cells_nk(r)))} | {r['run']} | {r['slots']} | "
               f"{fmt(r['threads'], 'd')} | {fmt(r['draft_ms'], '.1f')} | {fmt(r['verify_ms'], '.1f')} | "
               f"{r['cycle_ms']:.1f} | {r['speed_vs_plain']:.2f} |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", "(half alone: an overlap half's phases one after the other, the halves in turn; "
+                                "overlap bound: 2 x max(draft, verify) of the half alone, overlap that slows "
+                                "neither phase; overlapped: 2 x max of the phases measured side by side)"])
 
 
 def racer_table(rows):
@@ -851,7 +853,7 @@ def parse(argv):
     return args
 
 
-def speed_report(e, ids_by_prompt, args, device):
+def speed_report(e, ids_by_prompt, args, device, paths=None):
     """The speed table with its roofline and the phase split of each smc cell on the first prompt (unless --grid
     is empty), the prompt-length axis, the short requests and racer's rows (models with a tokenizer)."""
     report = {}
@@ -873,7 +875,7 @@ def speed_report(e, ids_by_prompt, args, device):
         report["short_requests"] = short_requests(e, args)
         print(short_table(report["short_requests"]), "\n", flush=True)
     if args.racer_trees and e.tokenizer:
-        report["racer"] = racer_rows(e, args)
+        report["racer"] = racer_rows(e, args, paths and os.path.basename(os.path.normpath(paths[0])))
         print(racer_table(report["racer"]), "\n", flush=True)
     return report
 
@@ -890,7 +892,7 @@ def main(argv=None):
     ids_by_prompt = prompts(args, e)
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
     if not args.skip_speed:
-        report |= speed_report(e, ids_by_prompt, args, device)
+        report |= speed_report(e, ids_by_prompt, args, device, paths)
     batched = args.concurrency and not args.skip_speed
     with_peer = paths and not args.skip_peer and importlib.util.find_spec("transformers")
     hf = peer_models(paths, args) if with_peer and (args.grid or batched) else None  # (target, draft)

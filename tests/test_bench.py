@@ -34,7 +34,7 @@ def test_quick_run_on_random_models(tmp_path, capsys):
     assert rows["smc", 4, 4]["tokens_per_cycle"] > 4 and 0 < rows["smc", 4, 4]["mean_ess"] <= 4
     for phase in report["phases"]:
         assert min(phase["draft_ms"], phase["verify_ms"]) > 0 and phase["cycle_ms"] >= phase["draft_ms"]
-    assert "quality" not in report  # random models have no tokenizer
+    assert "quality" not in report and "racer" not in report  # random models have no tokenizer
     lengths = {(r["prompt_tokens"], r["method"], r["N"], r["K"]): r for r in report["lengths"]}
     assert set(lengths) == {(n, *cell) for n in (8, 40) for cell in (("ar", 1, 1), ("sd", 1, 4), ("smc", 4, 4))}
     for (n, method, _, _), r in lengths.items():
@@ -71,6 +71,101 @@ def test_batches_at_each_concurrency(tmp_path, capsys):
         assert r["request_tokens_per_s"] > 0
         assert r["tokens_per_s_vs_ar"] == pytest.approx(r["tokens_per_s"] / rows[R, "ar"]["tokens_per_s"])
         assert r["tokens_per_s_vs_r1"] == pytest.approx(r["tokens_per_s"] / rows[1, method]["tokens_per_s"])
+
+
+def test_overlap_rows_beside_the_plain_ones_and_the_phase_split(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    report = bench.main(["--random", "tiny:tiny", "--prompt-len", "8", "--grid", "", "--prompt-lengths", "",
+                         "--short-requests", "0", "--methods", "ar,sd,smc,sd+overlap,smc+overlap", "--concurrency",
+                         "1,2", "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| x plain | tok/s per request |" in printed and "| run | slots per phase | threads per phase |" in printed
+    saved = json.loads(out.read_text())
+    rows = {(r["R"], r["method"]): r for r in saved["batch"]}
+    assert set(rows) == {(1, m) for m in ("ar", "sd", "smc")} | {(2, m) for m in ("ar", "sd", "smc", "sd+overlap",
+                                                                                 "smc+overlap")}
+    for method in ("sd", "smc"):
+        plain, overlap = rows[2, method], rows[2, method + "+overlap"]
+        assert (overlap["N"], overlap["K"], overlap["new_tokens"]) == (plain["N"], plain["K"], 16)
+        assert overlap["tokens_per_s_vs_plain"] == pytest.approx(overlap["tokens_per_s"] / plain["tokens_per_s"])
+        assert overlap["mean_latency_s_vs_plain"] == pytest.approx(overlap["mean_latency_s"] / plain["mean_latency_s"])
+        assert "tokens_per_s_vs_plain" not in plain and overlap["tokens_per_s_vs_ar"] > 0
+    phases = {(r["method"], r["run"]): r for r in saved["overlap_phases"]}
+    runs = ("plain", "half alone", "overlap bound", "overlapped")
+    assert list(phases) == [(m, run) for m in ("sd", "smc") for run in runs] and report["overlap_phases"]
+    for m in ("sd", "smc"):
+        plain, half, bound, both = (phases[m, run] for run in runs)
+        assert [r["slots"] for r in (plain, half, bound, both)] == [2, 1, 1, 1] and both["threads"] == 1
+        for r in (plain, half, both):
+            assert min(r["draft_ms"], r["verify_ms"]) > 0
+        assert plain["cycle_ms"] == pytest.approx(plain["draft_ms"] + plain["verify_ms"])
+        assert plain["speed_vs_plain"] == 1
+        assert half["cycle_ms"] == pytest.approx(2 * (half["draft_ms"] + half["verify_ms"]))
+        assert bound["cycle_ms"] == pytest.approx(2 * max(half["draft_ms"], half["verify_ms"]))
+        assert both["speed_vs_plain"] == pytest.approx(plain["cycle_ms"] / both["cycle_ms"])
+    args = bench.parse(["--methods", "ar,sd+overlap,smc+overlap"])
+    assert bench.configs(args, [(2, 2)]) == [("ar", 1, 1)]  # the other sections leave overlap out
+    assert bench.configs(args, [(2, 2)], overlap=True) == [("ar", 1, 1), ("sd+overlap", 1, 4), ("smc+overlap", 2, 2)]
+    with pytest.raises(SystemExit):
+        bench.parse(["--methods", "ar+overlap"])
+
+
+class Chars:
+    """A tokenizer of one token per character (its code point mod 64, the tiny vocabulary): real text on tiny
+    random models."""
+    chat_template = None
+
+    @staticmethod
+    def encode(text):
+        return [ord(c) % 64 for c in text]
+
+    @staticmethod
+    def decode(ids):
+        return "".join(chr(32 + i) for i in ids)
+
+
+def test_racer_rows_on_a_refactor_request_and_fresh_code(tmp_path, capsys, monkeypatch):
+    load = bench.load_engines
+
+    def with_tokenizer(args, device):
+        e, _, _ = load(args, device)
+        e.tokenizer = Chars()
+        return e, None, None
+    monkeypatch.setattr(bench, "load_engines", with_tokenizer)
+    out = tmp_path / "bench.json"
+    bench.main(["--random", "tiny:tiny", "--grid", "", "--prompt-lengths", "", "--short-requests", "0",
+                "--concurrency", "", "--racer-trees", "0,4", "--sd-draft-len", "3", "--new-tokens", "12",
+                "--repeats", "2", "--threads", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| prompt | method | draft | tree nodes | K | tok/s | x ar | x sd | accepted/cycle |" in printed
+    rows = {(r["prompt"], r["draft"], r["tree"]): r for r in json.loads(out.read_text())["racer"]}
+    configs = [("", 0), ("draft model", 0), ("racer", 0), ("racer", 4)]
+    assert list(rows) == [(p, *c) for p in ("refactor", "fresh") for c in configs]
+    for (prompt, draft, tree), r in rows.items():
+        assert r["method"] == ("ar" if draft == "" else "sd") and r["K"] == 3 and len(r["runs"]) == 2
+        assert r["tokens_per_s"] == pytest.approx(sum(r["runs"]) / 2) and r["new_tokens"] == 12  # no EOS
+        assert r["tokens_per_s_vs_ar"] == pytest.approx(r["tokens_per_s"] / rows[prompt, "", 0]["tokens_per_s"])
+        assert r["tokens_per_s_vs_sd"] == pytest.approx(r["tokens_per_s"] /
+                                                        rows[prompt, "draft model", 0]["tokens_per_s"])
+        if draft:
+            assert 0 <= r["accepted_per_cycle"] <= 3 and r["tokens_per_cycle"] >= 1
+        else:
+            assert r["accepted_per_cycle"] is None and r["tokens_per_s_vs_ar"] == 1
+    assert rows["refactor", "", 0]["prompt_tokens"] > rows["fresh", "", 0]["prompt_tokens"]
+
+
+def test_racer_shares_the_loaded_target_and_its_tokenizer():
+    e, _, _ = bench.load_engines(bench.parse(["--random", "tiny:tiny"]), bench.torch.device("cpu"))
+    e.tokenizer = Chars()
+    r = bench.racer_engine(e)
+    assert r.racer and r.target is e.target and r.draft is None and r.tokenizer is e.tokenizer
+    assert r.generate(r.encode("def f(x):"), method="sd", draft_len=2, tree=3, max_new_tokens=6).text
+    class Texts:  # encode as the identity: the prompts' text
+        encode = staticmethod(lambda text: text)
+    prompts, problems = bench.racer_prompts(Texts), quality.load_problems()
+    assert prompts["fresh"] == problems[3]["prompt"] and prompts["refactor"].startswith(problems[5]["prompt"])
+    assert "docstring kept word for word" in prompts["refactor"]
+    assert bench.parse([]).racer_trees == [0, 8, 16] and bench.parse(["--quick"]).racer_trees == [0]
 
 
 def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
