@@ -882,6 +882,8 @@ def speed_report(e, ids_by_prompt, args, device, paths=None):
 
 def main(argv=None):
     args = parse(argv)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.exit("error: bench.py runs in one process; time tensor parallelism with torchrun engine.py --json")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(device),
