@@ -48,6 +48,7 @@ SHORT_MAX_TOKENS = 256  # short requests stop at the end of their function, well
 BODY_END = ["\n" + c for c in string.printable if not c.isspace()]
 SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim, tied embeddings
     "tiny": (64, 32, 2, 2, 1, 16, 64, False),
+    "tiny2": (64, 32, 2, 4, 2, 16, 64, False),  # two KV heads: two tensor-parallel ranks
     "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True),  # Llama-3.2-1B
     "llama-8b": (128256, 4096, 32, 32, 8, 128, 14336, False),  # Llama-3.1-8B
 }
@@ -93,13 +94,14 @@ def copy_bandwidth(device, repeats=5):
 # ---------------------------------------------------------------- models
 
 
-def random_model(shape, device, dtype, seed):
-    """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed."""
+def random_model(shape, device, dtype, seed, world=1):
+    """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed. world > 1:
+    a tensor-parallel rank's shard (random too, the same on every rank, so every rank's logits agree)."""
     vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
     c = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
                      n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
                      rope_theta=500000.0, max_seq_len=8192)
-    m = model.Transformer(c, device, dtype)
+    m = model.Transformer(model.shard_config(c, world), device, dtype)
     g = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -111,11 +113,13 @@ def random_model(shape, device, dtype, seed):
     return m
 
 
-def load_engines(args, device):
-    """-> (engine with target and draft, engine with the draft alone or None, (draft, target) paths)."""
+def load_engines(args, device, world=1):
+    """-> (engine with target and draft, engine with the draft alone or None, (draft, target) paths); under
+    torchrun (world > 1) the target is this rank's shard."""
     dtype = getattr(torch, args.dtype)
     if args.random:
-        draft, target = (random_model(name, device, dtype, seed) for seed, name in enumerate(args.random.split(":")))
+        draft, target = (random_model(name, device, dtype, seed, world if seed else 1)  # the draft is whole
+                         for seed, name in enumerate(args.random.split(":")))
         return engine.Engine(target, draft, device, dtype), None, None
     draft, target = (args.draft, args.target) if args.target else engine.default_pair()
     return (engine.Engine(target, draft, device, dtype).load(), engine.Engine(draft, None, device, dtype).load(),
@@ -882,13 +886,15 @@ def speed_report(e, ids_by_prompt, args, device, paths=None):
 
 def main(argv=None):
     args = parse(argv)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        sys.exit("error: bench.py runs in one process; time tensor parallelism with torchrun engine.py --json")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    rank, world = model.init_distributed(device)  # torchrun: every rank runs the same, rank 0 reports
+    if rank:
+        sys.stdout = open(os.devnull, "w")
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(device),
               "settings": dict(vars(args))}
-    e, draft_alone, paths = load_engines(args, device)
+    e, draft_alone, paths = load_engines(args, device, world)
+    report["tensor_parallel"] = world
     report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": m.weight_bytes()}
                         for role, m in (("draft", e.draft), ("target", e.target))}
     ids_by_prompt = prompts(args, e)
@@ -896,7 +902,7 @@ def main(argv=None):
     if not args.skip_speed:
         report |= speed_report(e, ids_by_prompt, args, device, paths)
     batched = args.concurrency and not args.skip_speed
-    with_peer = paths and not args.skip_peer and importlib.util.find_spec("transformers")
+    with_peer = paths and world == 1 and not args.skip_peer and importlib.util.find_spec("transformers")
     hf = peer_models(paths, args) if with_peer and (args.grid or batched) else None  # (target, draft)
     if hf and args.grid:
         report["peer"] = peer(hf, ids_by_prompt, e.pad, args)
@@ -910,9 +916,12 @@ def main(argv=None):
     if draft_alone and not args.skip_quality:
         report["quality"] = pass_rates(e, draft_alone, args)
         print(quality_table(report["quality"]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     print(f"\nwrote {os.path.abspath(args.out)}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return report
 
 

@@ -1,5 +1,8 @@
 """bench.py's whole path on a tiny random model pair: the tables and the JSON report, with sane fields."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -127,8 +130,8 @@ class Chars:
 def test_racer_rows_on_a_refactor_request_and_fresh_code(tmp_path, capsys, monkeypatch):
     load = bench.load_engines
 
-    def with_tokenizer(args, device):
-        e, _, _ = load(args, device)
+    def with_tokenizer(args, device, world=1):
+        e, _, _ = load(args, device, world)
         e.tokenizer = Chars()
         return e, None, None
     monkeypatch.setattr(bench, "load_engines", with_tokenizer)
@@ -215,3 +218,18 @@ def test_help_describes_the_benchmark_in_full(capsys):
     with pytest.raises(SystemExit):
         bench.parse(["--help"])
     assert "and pass@1 on the code-completion set." in " ".join(capsys.readouterr().out.split())
+
+
+def test_under_torchrun_rank_zero_reports(tmp_path):
+    """Two tensor-parallel ranks (gloo) of a random target: one table and one JSON, from rank 0; the random
+    draft is whole on each rank."""
+    out = tmp_path / "tp.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py"), "--quick", "--random", "tiny:tiny2", "--prompt-len", "8",
+                          "--grid", "2x2", "--threads", "1", "--prompt-lengths", "", "--concurrency", "",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["tensor_parallel"] == 2 and {r["method"] for r in report["speed"]} == {"ar", "sd", "smc"}
+    assert run.stdout.count("| prompt | method |") == 1 and run.stdout.count("wrote ") == 1
