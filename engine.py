@@ -624,9 +624,16 @@ class Pair:
             raise UsageError("overlap needs at least 2 slots, one for each half")
         self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap) for i in (1, 0)]
         self.drafted, self.cuda = [False, False], engine.device.type == "cuda"
-        share = max(1, torch.get_num_threads() // 2)
-        self.pool = ThreadPoolExecutor(2, initializer=lambda: torch.cuda.set_stream(torch.cuda.Stream())
-                                       if self.cuda else torch.set_num_threads(share))
+        where = torch.cuda.current_device() if self.cuda else max(1, torch.get_num_threads() // 2)
+        self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
+
+    def start_thread(self, where):
+        """A worker's own CUDA stream on the engine's device, or on a CPU its share of the cores."""
+        if self.cuda:
+            torch.cuda.set_device(where)
+            torch.cuda.set_stream(torch.cuda.Stream())
+        else:
+            torch.set_num_threads(where)
 
     @property
     def requests(self):
