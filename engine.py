@@ -797,7 +797,9 @@ class Engine:
         Options (see `request`): method, max_new_tokens, temperature (the draft's and the target's) or
         draft_temperature / target_temperature, particles (smc's N) and draft_len (K; None for either: `shape`'s
         defaults), ess_threshold, top_k, top_p (ar and sd), seed, select (the final particle by "sample", in
-        proportion to its weight, or "argmax"), cuda_graphs, stop (strings that end the text).
+        proportion to its weight, or "argmax"), cuda_graphs, power (smc's target p ** power), easd (easd's rule),
+        tree (racer's draft tokens per cycle as a tree), overlap (MineDraft's halves), stop (strings that end the
+        text).
         on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
         returning True stops generation there (the settled tokens are the result). stats["stop"] says why it
         ended: "eos", "length", "stop" (a stop string), "stopped", "interrupted", or "degenerate" (smc: no
