@@ -550,6 +550,23 @@ def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
     assert [r.tokens for r in e.generate(requests, slots=2, **options)] == alone
 
 
+def test_racer_trees_through_the_interpreted_triton_kernels(monkeypatch):
+    """The tree mask through the Triton attention kernel (interpreted) inside whole racer runs: greedy tokens
+    equal to the reference kernels', and a request decodes alone as in a batch."""
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    if not kernels.use_triton(torch.empty(0)):
+        pytest.skip("no triton")
+    e = engine.Engine(tiny(0, 0.8, vocab=16, head_dim=16), "racer")
+    requests = [dict(prompt=[1, 2, 3, 1, 2], seed=0, max_new_tokens=8), dict(prompt=[4, 5], seed=1, max_new_tokens=6),
+                dict(prompt=[6, 1], seed=2, max_new_tokens=7)]
+    options = dict(method="sd", tree=5, draft_len=2, temperature=1.0)
+    alone = [e.generate(**(options | r)).tokens for r in requests]
+    assert [r.tokens for r in e.generate(requests, slots=2, **options)] == alone
+    triton = [e.generate(**(options | r | {"temperature": 0})).tokens for r in requests]
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    assert [e.generate(**(options | r | {"temperature": 0})).tokens for r in requests] == triton
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_give_the_eager_output():
     target = tiny(0, 0.8, vocab=64, head_dim=16, device="cuda")  # tl.dot wants dimensions of 16 or more
