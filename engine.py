@@ -756,15 +756,15 @@ class Engine:
                              "--method sd, easd or smc and a draft model")
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
-        ids = self.encode(prompt)
-        req = Request(ids, s, self.check_request(len(ids), s, context), [stop] if isinstance(stop, str) else stop,
-                      on_tokens, on_text, on_done, on_cycle, self.tokenizer)
-        req.drafter = racer.Retrieval(ids, chain=not s.tree) if self.racer and s.method == "sd" else None
+        ids, key = self.encode(prompt), s.shape(self.racer)
+        req = Request(ids, s, self.check_request(len(ids), s, key, context), [stop] if isinstance(stop, str) else
+                      stop, on_tokens, on_text, on_done, on_cycle, self.tokenizer)
+        req.key, req.drafter = key, racer.Retrieval(ids, chain=not s.tree) if key.tree else None
         return req
 
-    def check_request(self, prompt_len, s, context=None):
+    def check_request(self, prompt_len, s, key, context=None):
         """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
-        extra = 0 if s.method == "ar" else max(s.shape(self.racer).tree, s.draft_len)  # what a cycle writes ahead
+        extra = 0 if s.method == "ar" else max(key.tree, s.draft_len)  # what a cycle writes ahead
         capacity = s.max_new_tokens + extra
         configs = [c for c in (self.config, self.draft_config if s.method != "ar" else None) if c is not None]
         context = min([c.max_seq_len for c in configs] + [context or math.inf])
@@ -875,7 +875,7 @@ class Engine:
     def admit(self, waiting, batches, slots, caps, until_idle):
         """Move waiting requests into free slots of their shape's batch, made at its shape's first request."""
         for req in list(waiting):
-            key = req.s.shape(req.drafter is not None)
+            key = req.key
             try:
                 if not req.cancelled and key not in batches:
                     batches[key] = (Pair if key.overlap else Batch)(self, key, slots, *caps)
@@ -999,9 +999,9 @@ class Engine:
         c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
         tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
         compact(st.tcache, base, path)
-        top = logits.softmax(-1).topk(racer.CUES)
+        top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
         st.cues.copy_(top.indices)
-        st.cue_p.copy_(top.values)
+        st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
         st.accepted += n
         append(st, tokens[:, None], n.int() + 1, self.is_eos)
 

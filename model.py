@@ -238,8 +238,7 @@ class KVCache:
         self.suffix_k[layer].scatter_(3, idx, k.transpose(2, 3))
         self.suffix_v[layer].scatter_(3, idx, v.transpose(2, 3))
         return kernels.particle_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
-                                          self.suffix_v[layer], self.prefix_len, self.suffix_len, scale,
-                                          **({} if tree is None else {"tree": tree}))
+                                          self.suffix_v[layer], self.prefix_len, self.suffix_len, scale, tree)
 
 
 # ---------------------------------------------------------------- transformer

@@ -202,7 +202,7 @@ def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     e = engine.Engine(TARGET, "racer")
     with torch.inference_mode():
         req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
-        b = engine.Batch(e.load(), req.s.shape(True), 1, len(PROMPT), req.capacity)
+        b = engine.Batch(e.load(), req.key, 1, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(4):
             b.cycle()
@@ -308,7 +308,7 @@ def test_smc_with_a_power_target_approaches_p_to_the_alpha():
 def started(e, **options):
     """A one-slot batch with PROMPT admitted -> its State and Shape (call inside torch.inference_mode)."""
     req = e.request(PROMPT, **options)
-    b = engine.Batch(e.load(), req.s.shape(), 1, len(PROMPT), req.capacity)
+    b = engine.Batch(e.load(), req.key, 1, len(PROMPT), req.capacity)
     b.admit(req)
     return b.st, b.shape
 

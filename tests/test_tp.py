@@ -261,7 +261,7 @@ def test_one_process_initialises_nothing(monkeypatch):
 
 def test_step_depth_and_tree(monkeypatch):
     """depth = arange(T) is the chain step; other depths move the rotary positions; a tree reaches the
-    attention kernel (the tree= keyword), and None never does."""
+    attention kernel, and a chain passes None."""
     m = random_model(tiny_config(), 4)
     g = torch.Generator().manual_seed(6)
     prompt, new = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 2, 3), generator=g)
@@ -275,13 +275,17 @@ def test_step_depth_and_tree(monkeypatch):
     assert not torch.allclose(step(depth=torch.tensor([[0, 1, 1]]))[..., 2, :], chain[..., 2, :])
     seen = []
     attention = kernels.particle_attention
-    monkeypatch.setattr(kernels, "particle_attention", lambda *a, **kw: seen.append(kw) or attention(*a))
+
+    def spy(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
+        seen.append(tree)
+        return attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
+    monkeypatch.setattr(kernels, "particle_attention", spy)
     tree = torch.ones(1, 3, 3, dtype=torch.bool).tril()
     assert torch.equal(step(tree=tree), chain)  # the kernel stand-in ignores it: this checks the plumbing
-    assert all(kw["tree"] is tree for kw in seen) and len(seen) == 2
+    assert all(t is tree for t in seen) and len(seen) == 2
     seen.clear()
     step()
-    assert seen == [{}, {}]
+    assert seen == [None, None]
 
 
 # ---------------------------------------------------------------- torchrun engine.py
