@@ -891,22 +891,27 @@ def test_chat_template():
 
 
 def save(m, path):
-    """A Hugging Face directory for m: config.json, model.safetensors, a word-level tokenizer."""
+    """A Hugging Face directory for m (an unpacked model): config.json, model.safetensors (q/k/v biases and a
+    separate head where m has them), a word-level tokenizer over words w0, w1, ... -> the path, a str."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
-    c = m.config
-    os.makedirs(path)
+    c, path = m.config, str(path)
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config_to_hf(c), f)
-    tensors = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.norm, "lm_head.weight": m.lm_head}
+    tensors = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.norm}
+    if not c.tie_embeddings:
+        tensors["lm_head.weight"] = m.lm_head
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     for i, b in enumerate(m.layers):
         p = f"model.layers.{i}."
         tensors |= dict(zip([p + f"self_attn.{x}_proj.weight" for x in "qkv"], b.wqkv.split([q, kv, kv])))
+        if c.qkv_bias:
+            tensors |= dict(zip([p + f"self_attn.{x}_proj.bias" for x in "qkv"], b.bqkv.split([q, kv, kv])))
         tensors |= dict(zip([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")], b.w13.chunk(2)))
         tensors |= {p + "self_attn.o_proj.weight": b.wo, p + "mlp.down_proj.weight": b.w2,
                     p + "input_layernorm.weight": b.attn_norm, p + "post_attention_layernorm.weight": b.ffn_norm}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(c.vocab_size)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import engine
 import kernels
 import model
+from test_engine import save
 from test_model import fetch_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,41 +79,13 @@ def random_model(c, seed):
     return m
 
 
-def save_hf(m, path):
-    """An unpacked model as a Hugging Face directory: config.json, model.safetensors, a word-level tokenizer (words
-    w0 .. w95)."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    c = m.config
-    os.makedirs(path, exist_ok=True)
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    t = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.norm}
-    if not c.tie_embeddings:
-        t["lm_head.weight"] = m.lm_head
-    for i, b in enumerate(m.layers):
-        p = f"model.layers.{i}."
-        t |= dict(zip([p + f"self_attn.{x}_proj.weight" for x in "qkv"], b.wqkv.split([q, kv, kv])))
-        if c.qkv_bias:
-            t |= dict(zip([p + f"self_attn.{x}_proj.bias" for x in "qkv"], b.bqkv.split([q, kv, kv])))
-        t |= dict(zip([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], b.w13.chunk(2)))
-        t |= {p + "self_attn.o_proj.weight": b.wo, p + "mlp.down_proj.weight": b.w2,
-              p + "input_layernorm.weight": b.attn_norm, p + "post_attention_layernorm.weight": b.ffn_norm}
-    save_file({k: v.detach().contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config_to_hf(c), f)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(c.vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     """qwen2 (q/k/v biases, own head) and llama (tied embeddings) targets, and a smaller llama draft."""
     root = tmp_path_factory.mktemp("tp")
-    return {"qwen2": save_hf(random_model(tiny_config(), 0), root / "qwen2"),
-            "llama": save_hf(random_model(tiny_config("llama"), 1), root / "llama"),
-            "draft": save_hf(random_model(tiny_config("llama", n_heads=2, n_kv_heads=1, n_layers=1), 2), root / "d")}
+    return {"qwen2": save(random_model(tiny_config(), 0), root / "qwen2"),
+            "llama": save(random_model(tiny_config("llama"), 1), root / "llama"),
+            "draft": save(random_model(tiny_config("llama", n_heads=2, n_kv_heads=1, n_layers=1), 2), root / "d")}
 
 
 def logits_of(m, prompt, particles):
