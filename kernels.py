@@ -455,8 +455,19 @@ def _keep_in_place(offspring):
     return torch.where(offspring > 0, torch.arange(offspring.shape[1], device=offspring.device), fill)
 
 
+# An ESS within this relative distance below threshold * N counts as at the threshold, not below it. Compiled
+# Triton's exp and division are approximate, so k equal weights can give an ESS a few ulps (~1e-7 each) under
+# k; ESS < N (1 - 1e-5) takes weights spread by ~0.3% (log-weights by ~0.003 nats RMS), a real difference.
+ESS_RTOL = 1e-5
+
+
+def _ess_limit(threshold, N):
+    """The ESS below which a request resamples, one Python float for the kernel and the reference alike."""
+    return threshold * N * (1 - ESS_RTOL)
+
+
 def resample_ref(logw, threshold, rng):
-    """Systematic resampling of logw [R, N] float32 where ESS < threshold * N.
+    """Systematic resampling of logw [R, N] float32 where ESS < threshold * N * (1 - ESS_RTOL).
     -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R]."""
     R, N = logw.shape
     assert rng.shape == (R, 2), "one (seed, counter) per request"
@@ -467,8 +478,8 @@ def resample_ref(logw, threshold, rng):
     x = x.masked_fill(empty, 0.0)
     u = (x - x.amax(-1, keepdim=True)).exp()  # [R, N]; exactly 1 for the largest weights, 0 for -inf
     w = u / u.sum(-1, keepdim=True)
-    ess = (u.sum(-1) ** 2 / (u * u).sum(-1)).clamp(1, N)  # k equal weights give exactly k, as the kernel
-    resampled = ess < threshold * N
+    ess = (u.sum(-1) ** 2 / (u * u).sum(-1)).clamp(1, N)  # [R]; k equal weights give k here, ~k compiled
+    resampled = ess < _ess_limit(threshold, N)  # the float32 comparison the kernel makes
     pos = (i + _uniforms(_generators(rng), 1, logw.device)) / N  # [R, N], request r's uniform its own
     last = torch.where(w > 0, i, 0).amax(-1, keepdim=True)  # catches pos beyond a rounded-down total
     hit = (w.cumsum(-1)[:, None, :] > pos[:, :, None]) & (w[:, None, :] > 0)  # [R, slot, particle]
@@ -517,10 +528,12 @@ def resample(logw, threshold, rng):
 
     Weights are softmax(logw) with NaN read as -inf (zero weight); an all -inf row counts as uniform.
     ESS = 1 / sum(w^2), clamped to [1, N]. A row is resampled iff ESS < threshold * N (strict, as in
-    the paper): threshold 0 never resamples, 1 whenever the weights are not all equal (equal weights
-    would give every particle itself anyway). Ancestors put each particle with k >= 1 offspring (k is
-    floor or ceil of N w) in its own slot and its k - 1 spare copies in the slots of particles with
-    none, so only childless particles are overwritten; rows not resampled get the identity. Request r's
+    the paper) by more than a relative ESS_RTOL = 1e-5, so float rounding never decides (k equal weights
+    may give an ESS an ulp below k on a GPU): threshold 0 never resamples, 1 whenever the weights are not
+    all equal (log-weights spread by more than ~0.003 nats RMS; equal weights would give every particle
+    itself anyway). Ancestors put each particle with k >= 1 offspring (k is floor or ceil of N w) in its
+    own slot and its k - 1 spare copies in the slots of particles with none, so only childless particles
+    are overwritten; rows not resampled get the identity. Request r's
     uniform is keyed on its own rng[r] = (seed, counter) only, and every counter incremented in place. No
     host sync. The caller resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)).
     -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all
@@ -532,8 +545,8 @@ def resample(logw, threshold, rng):
     ancestors = torch.empty(R, N, dtype=torch.int64, device=logw.device)
     ess = torch.empty(R, dtype=torch.float32, device=logw.device)
     resampled, degenerate = (torch.empty(R, dtype=torch.bool, device=logw.device) for _ in range(2))
-    _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N, threshold * N,
-                           BLOCK=max(triton.next_power_of_2(N), 2))  # threshold * N rounded as the reference does
+    _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N,
+                           _ess_limit(threshold, N), BLOCK=max(triton.next_power_of_2(N), 2))  # fp32, as the ref
     rng[:, 1].add_(1)
     return ancestors, ess, resampled, degenerate
 
