@@ -315,8 +315,9 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
     _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix, scale, False)
     _attend_splits(q, suffix_k, suffix_v, suffix_len, out, lse, prefix[0], suffix, scale, True, tree)
-    share = lse.softmax(-1)  # each split's part of the softmax mass; the own token keeps one finite
-    return (out * share[..., None]).sum(-2).to(q.dtype)
+    share = lse.softmax(-1)  # [R, N, T, Hq, splits]: each split's part of the mass; the own token keeps one finite
+    # a batched matmul reads the partials once and makes no temporary of their size; empty splits weigh 0
+    return (share[..., None, :] @ out)[..., 0, :].to(q.dtype)  # [R, N, T, Hq, D]
 
 
 # ---------------------------------------------------------------- sampling

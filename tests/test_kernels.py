@@ -107,6 +107,21 @@ def test_attention_splits_share_the_live_keys_not_the_capacity():
     assert (out[..., used:, :] == 0).all()
 
 
+@needs_triton
+def test_merge_of_splits_with_empty_ones_matches_reference():
+    """Splits with no live keys (lse = -inf, output 0) take no share of the merge and bring no NaN in:
+    request 0 has an empty prompt (the draft of a one-token prompt) and a short suffix in a long cache,
+    beside request 1, whose keys reach into most splits of both passes."""
+    case = (2, 2, 2, 2, 16, torch.float32, (0, 40), (3, 50), 48, 256)
+    q, pk, pv, sk, sv, plen, slen = attention_inputs(*case)
+    N, T, G = case[0], case[1], case[3]
+    assert kernels._attention_plan(q, 48, N * T * G)[0] > 1 and kernels._attention_plan(q, 256, T * G)[0] > 1
+    out = kernels.particle_attention(q, pk, pv, sk, sv, plen, slen, 0.25)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, kernels.particle_attention_ref(q, pk, pv, sk, sv, plen, slen, 0.25),
+                               atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.skipif(kernels.triton is None, reason="no triton")
 @pytest.mark.parametrize("smem", [166912, 101376, 232448], ids=["A100", "RTX4090", "H100"])
 @pytest.mark.parametrize("D", [64, 128, 256])
