@@ -16,6 +16,7 @@ Methods run interleaved per prompt in one process: ratios within a run are what 
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -234,8 +235,9 @@ def profile_phases(e, ids, N, K, new_tokens, device):
     spent = {"draft_block": 0.0, "verify": 0.0, "cycle": 0.0}
 
     def timed(name):
-        fn = getattr(e, name)
+        fn = getattr(engine, name)
 
+        @functools.wraps(fn)
         def wrapper(*a, **kw):
             synchronize(device)
             start = time.perf_counter()
@@ -244,14 +246,15 @@ def profile_phases(e, ids, N, K, new_tokens, device):
             spent[name] += time.perf_counter() - start
             return out
         return wrapper
-    for name in spent:  # instance attributes shadow the methods for this run only
-        setattr(e, name, timed(name))
+    phases = {name: getattr(engine, name) for name in spent}
+    for name in spent:  # the cycle functions look each other up by name: timed for this run only
+        setattr(engine, name, timed(name))
     try:
         stats = e.generate(ids, method="smc", max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
                            draft_len=K, cuda_graphs=False).stats
     finally:
-        for name in spent:
-            delattr(e, name)
+        for name, fn in phases.items():
+            setattr(engine, name, fn)
     ms = {name: 1e3 * t / max(stats["cycles"], 1) for name, t in spent.items()}
     return {"N": N, "K": K, "draft_ms": ms["draft_block"], "verify_ms": ms["verify"],
             "weights_resample_ms": ms["cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["cycle"]}
@@ -422,6 +425,11 @@ def peer_models(paths, args):
     return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in paths[::-1])
 
 
+def pad_id(e):
+    """A real token id to pad transformers' batches with (the engine's own pad lies past the vocabulary)."""
+    return (e.config.eos_ids or [0])[0]
+
+
 def peer_options(pad):
     """transformers' sampling as the engine's: temperature only, top-k and top-p off."""
     return dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
@@ -519,9 +527,10 @@ def median_run(key, runs):
 
 
 def batch_cells(e, args):
-    """(method, N, K) of the batches: smc at the engine's default cell for the device (`engine.shape`), sd at
+    """(method, N, K) of the batches: smc at the engine's default cell for the device (`Settings.resolve`), sd at
     --sd-draft-len, "+overlap" methods only where some R is at least 2 (overlap needs a slot for each half)."""
-    return configs(args, [engine.shape("smc", None, None, e.device)], overlap=max(args.concurrency) >= 2)
+    s = engine.Settings().resolve(e.device)
+    return configs(args, [(s.particles, s.draft_len)], overlap=max(args.concurrency) >= 2)
 
 
 def batches(e, args):
@@ -574,7 +583,7 @@ def batch_report(e, hf_target, args):
     against the same method at R=1."""
     rows = batches(e, args)
     if hf_target is not None:
-        rows += batch_peer(hf_target, batch_prompts(e, args, max(args.concurrency)), e.pad, e.config.eos_ids, args)
+        rows += batch_peer(hf_target, batch_prompts(e, args, max(args.concurrency)), pad_id(e), e.config.eos_ids, args)
     versus_ar(rows, ("tokens_per_s",), key="R")
     at_one = {r["method"]: r["tokens_per_s"] for r in rows if r["R"] == 1}
     plain = {(r["R"], r["method"]): r for r in rows}
@@ -591,22 +600,24 @@ def batch_report(e, hf_target, args):
 def phase_timing(e):
     """Yields {"draft": [seconds], "verify": [seconds]}: every cycle phase the engine runs in the block, timed on
     the calling thread (and its CUDA stream); a whole cycle runs as its draft phase, then its verify phase."""
-    spent, cycle = {"draft": [], "verify": []}, e.cycle
+    spent, phases = {"draft": [], "verify": []}, {"draft": engine.draft_block, "verify": engine.verify_cycle}
 
-    def timed(st, s, phase=None):
-        for p in [phase] if phase else ["draft", "verify"]:
+    def timer(p, fn):
+        @functools.wraps(fn)  # its name: a batch replays graphs by name, and times only eager phases
+        def timed(*args):
             if e.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             start = time.perf_counter()
-            cycle(st, s, p)
+            fn(*args)
             if e.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             spent[p].append(time.perf_counter() - start)
-    e.cycle = timed  # an instance attribute shadows the method for this block only
-    try:
+        return timed
+    engine.draft_block, engine.verify_cycle = timer("draft", engine.draft_block), timer("verify", engine.verify_cycle)
+    try:  # a whole cycle calls both (`engine.cycle`); MineDraft's halves each in turn
         yield spent
     finally:
-        del e.cycle
+        engine.draft_block, engine.verify_cycle = phases["draft"], phases["verify"]
 
 
 def overlap_phases(e, args):
@@ -905,7 +916,7 @@ def main(argv=None):
     with_peer = paths and world == 1 and not args.skip_peer and importlib.util.find_spec("transformers")
     hf = peer_models(paths, args) if with_peer and (args.grid or batched) else None  # (target, draft)
     if hf and args.grid:
-        report["peer"] = peer(hf, ids_by_prompt, e.pad, args)
+        report["peer"] = peer(hf, ids_by_prompt, pad_id(e), args)
         print(peer_table(report["peer"]), "\n", flush=True)
     if batched:
         report["batch"] = batch_report(e, hf[0] if hf else None, args)

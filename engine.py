@@ -1,15 +1,19 @@
-"""Generation: plain autoregressive decoding (ar), speculative sampling (sd) and sequential Monte Carlo
-speculative decoding (smc), for one prompt or many, from the command line or from Python.
+"""Generation: autoregressive decoding (ar), speculative sampling (sd, easd, racer drafts) and sequential Monte
+Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
 
     python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
     python engine.py --method sd --temperature 0 --prompt-file p.txt
     python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
     Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
 
-Every method runs as the same loop: a fixed-shape cycle over a batch of slots that updates device tensors in
-place (captured once as a CUDA graph on CUDA, called eagerly elsewhere), then one small read of every slot's
-[done, settled, degenerate, length] by the host, which passes settled text on, ends finished requests and admits
-waiting ones into the freed slots (continuous batching)."""
+What it holds, top to bottom: Settings (a request's options, resolved and checked once) and Shape (what the
+requests of one batch share); the distributions the methods sample from; Request (a checked prompt on its way);
+State (the device tensors a cycle updates in place) and the cycle functions, one per method, with no host sync;
+Batch (slots of one shape, its CUDA graph recorded once when it is made) and Pair (MineDraft's two halves); the
+Scheduler (admit, cycle, collect, end, evict); Engine (the models and the public API); the command line.
+Every method runs as the same loop: a fixed-shape cycle over a batch of slots, then one small read of every
+slot's [done, settled, degenerate, length] by the host, which passes settled text on, ends finished requests
+and admits waiting ones into the freed slots (continuous batching)."""
 import argparse
 import copy
 import json
@@ -18,8 +22,8 @@ import os
 import queue
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -31,122 +35,143 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
 METHODS = ("smc", "sd", "easd", "ar")
 EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-m, share of the top-m they share
+IDLE_S = 60.0  # a batch without a request for this long is dropped, its caches freed
 
 
 class UsageError(Exception):
-    """A one-line problem with a request; the CLI prints it without a traceback."""
+    """A one-line problem with a request; the CLI prints it without a traceback. param: the option at fault."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.param = param
 
 
-@dataclass
-class Settings:
-    method: str
-    max_new_tokens: int
-    draft_temperature: float
-    target_temperature: float
-    particles: int
-    draft_len: int
-    ess_threshold: float
-    top_k: int
-    top_p: float
-    seed: int
-    select: str
-    cuda_graphs: bool
-    power: float = 1.0
-    easd: tuple = EASD
-    tree: int = 0  # racer: draft tokens per cycle, a tree at most draft_len deep (0: a chain of draft_len)
-    overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
+class DeviceFailed(Exception):
+    """The device can run nothing more (a CUDA error poisons the context for every later call)."""
 
-    def shape(self, tree_drafts=False):
-        """What the requests of one batch share: the cycle's shape."""
-        return Shape(self.method, self.particles, self.draft_len, self.ess_threshold if self.method == "smc" else
-                     None, self.cuda_graphs, self.power, tuple(self.easd) if self.method == "easd" else None,
-                     tree=(self.tree or self.draft_len) if tree_drafts and self.method == "sd" else 0,
-                     overlap=self.overlap)
+
+# ---------------------------------------------------------------- settings
 
 
 @dataclass(frozen=True)
 class Shape:
+    """What the requests of one batch share: the cycle's shape, and the batch's key."""
     method: str
     particles: int
     draft_len: int
-    ess_threshold: float | None
+    ess_threshold: float
+    power: float
+    easd: tuple | None  # easd's rule (`easd_trigger`)
+    restrict: bool  # top-k or top-p: the cycle restricts the target
+    tree: int  # racer: the draft tokens verified per cycle (a chain of draft_len when not a tree)
     cuda_graphs: bool
+    overlap: bool
+
+
+TYPES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+         tuple: "three numbers ENTROPY,TOP,SHARE (TOP an integer)"}
+OPTIONAL = {"draft_temperature": float, "target_temperature": float, "particles": int, "draft_len": int}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A request's options. `resolve` fills the defaults that depend on the device; `check` is the one
+    validation, used by the command line, the Python API and the server, before any weight is read."""
+    method: str = "smc"
+    max_new_tokens: int = 64
+    temperature: float = 0.7  # both models, unless draft_temperature / target_temperature are given
+    draft_temperature: float | None = None
+    target_temperature: float | None = None
+    particles: int | None = None  # smc's N (default by device: `resolve`)
+    draft_len: int | None = None  # K
+    ess_threshold: float = 0.5
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    select: str = "sample"  # smc's returned particle: "sample" (in proportion to its weight) or "argmax"
+    cuda_graphs: bool = True
     power: float = 1.0  # smc's target: the whole sequence's p ** power (normalised)
-    easd: tuple | None = None  # easd's rule (`easd_trigger`)
-    restrict: bool = False  # some request in the batch has top-k or top-p: the cycle restricts the target
-    tree: int = 0  # racer: the draft tokens verified per cycle (their tree comes from the host)
-    overlap: bool = False
+    easd: tuple = EASD
+    tree: int = 0  # racer: draft tokens per cycle, a tree at most draft_len deep (0: a chain of draft_len)
+    overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
+
+    def resolve(self, device):
+        """Every default filled: temperatures; (N, K): ar 1 x 1, sd and easd 1 x 4; smc by device, from the
+        bench grid's cells that resample and so stream text (README, Results): on a CPU, where every verify row
+        costs compute, N=3, K=2; on a GPU, where a verify of N x (K+1) rows reads the weights once, N=4, K=4."""
+        cpu = torch.device(device).type == "cpu"
+        n, k = {"ar": (1, 1), "smc": (3, 2) if cpu else (4, 4)}.get(self.method, (1, 4))
+        t = self.temperature
+        return replace(self, particles=n if self.method != "smc" or self.particles is None else self.particles,
+                       draft_len=k if self.method == "ar" or self.draft_len is None else self.draft_len,
+                       draft_temperature=t if self.draft_temperature is None else self.draft_temperature,
+                       target_temperature=t if self.target_temperature is None else self.target_temperature)
+
+    def check(self, vocab=None, draft="model"):
+        """Raise UsageError for a bad value; draft: "model", "racer" or None (none given); vocab: the models'
+        vocabulary (None: not known yet). Types first, so that a JSON "hot" is named, not compared."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), OPTIONAL.get(f.name, type(f.default))
+            if value is None and f.default is None:
+                continue
+            if kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            elif kind is tuple:
+                ok = isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[1], int) and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+            else:
+                ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if not ok:
+                raise UsageError(f"{f.name.replace('_', '-')} must be {TYPES[kind]}, got {value!r}", f.name)
+        s, vocab = self.resolve("cpu"), vocab or math.inf
+        entropy, top, share = s.easd
+        for param, ok, message in (
+                ("method", s.method in METHODS, f"unknown method {s.method!r} (choose from {', '.join(METHODS)})"),
+                ("method", s.method == "ar" or draft, f"method {s.method} needs a draft model (--draft)"),
+                ("temperature", min(s.draft_temperature, s.target_temperature) >= 0, "temperatures must be >= 0"),
+                ("temperature", s.method != "smc" or 0 not in (s.draft_temperature, s.target_temperature),
+                 "smc needs temperatures > 0 (greedy decoding has no importance weights); use --method sd or "
+                 "--method ar for greedy decoding"),
+                ("particles", s.particles >= 1, f"particles must be at least 1, got {s.particles}"),
+                ("draft_len", s.draft_len >= 1, f"draft-len must be at least 1, got {s.draft_len}"),
+                ("ess_threshold", 0 <= s.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got {s.ess_threshold}"),
+                ("max_new_tokens", s.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got {s.max_new_tokens}"),
+                ("top_k", 0 <= s.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {s.top_k}"),
+                ("top_p", 0 < s.top_p <= 1, f"top-p must lie in (0, 1], got {s.top_p}"),
+                ("seed", 0 <= s.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {s.seed}"),
+                ("top_k", s.method != "smc" or not (s.top_k or s.top_p < 1), "smc cannot honour top-k/top-p: its draft "
+                 "proposes tokens the restricted target forbids, whose weight is zero; use --method sd or --method "
+                 "ar with --top-k/--top-p"),
+                ("select", s.select in ("sample", "argmax"), f"select must be 'sample' or 'argmax', got {s.select!r}"),
+                ("power", s.power > 0 and (s.power == 1 or s.method == "smc"),
+                 f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}"),
+                ("tree", 0 <= s.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {s.tree}"),
+                ("easd", entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in [1, "
+                 f"{vocab}] (the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}"),
+                ("method", draft != "racer" or s.method not in ("smc", "easd"), f"{s.method} needs a draft model's "
+                 "distribution, and racer drafts are deterministic tokens; use --method sd with --draft racer"),
+                ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft racer "
+                 "--method sd"),
+                ("overlap", not s.overlap or draft == "model" and s.method != "ar", "overlap runs a draft model's drafting "
+                 "beside the target's verifying: use it with --method sd, easd or smc and a draft model")):
+            if not ok:
+                raise UsageError(message, param)
+        return self
+
+    def shape(self, racer_drafts=False):
+        """The batch key of these (resolved) settings."""
+        s = self
+        return Shape(s.method, s.particles, s.draft_len, s.ess_threshold if s.method == "smc" else 0.0, s.power,
+                     tuple(s.easd) if s.method == "easd" else None, bool(s.top_k or s.top_p < 1),
+                     (s.tree or s.draft_len) if racer_drafts and s.method == "sd" else 0, s.cuda_graphs, s.overlap)
 
 
-@dataclass
-class Result:
-    text: str | None  # None when the engine was given models without a tokenizer
-    tokens: list  # generated ids, without the EOS that ended them (a stop string cuts the text, not the ids)
-    stats: dict
-
-
-def shape(method, particles, draft_len, device):
-    """A request's (N particles, K draft tokens) where not given: ar 1 x 1, sd K=4; smc by device, from the
-    bench grid's cells that resample and so stream text (README, Results): on a CPU, where every verify row costs
-    compute, N=3, K=2; on a GPU, where a verify of N x (K+1) rows reads the weights once, N=4, K=4."""
-    if method == "ar":
-        return 1, 1
-    default_n, default_k = ((3, 2) if device.type == "cpu" else (4, 4)) if method == "smc" else (1, 4)  # sd, easd
-    n = default_n if particles is None or method != "smc" else particles
-    return n, default_k if draft_len is None else draft_len
-
-
-def check_settings(s, has_draft):
-    """Reject a bad request before anything is allocated."""
-    if s.method not in METHODS:
-        raise UsageError(f"unknown method {s.method!r} (choose from {', '.join(METHODS)})")
-    if s.method != "ar" and not has_draft:
-        raise UsageError(f"method {s.method} needs a draft model (--draft)")
-    if min(s.draft_temperature, s.target_temperature) < 0:
-        raise UsageError("temperatures must be >= 0")
-    if s.method == "smc" and 0 in (s.draft_temperature, s.target_temperature):
-        raise UsageError("smc needs temperatures > 0 (greedy decoding has no importance weights); "
-                         "use --method sd or --method ar for greedy decoding")
-    if s.particles < 1:
-        raise UsageError(f"particles must be at least 1, got {s.particles}")
-    if s.draft_len < 1:
-        raise UsageError(f"draft-len must be at least 1, got {s.draft_len}")
-    if not 0 <= s.ess_threshold <= 1:
-        raise UsageError(f"ess-threshold must lie in [0, 1], got {s.ess_threshold}")
-    if s.max_new_tokens < 1:
-        raise UsageError(f"max-new-tokens must be at least 1, got {s.max_new_tokens}")
-    if s.top_k < 0 or not 0 < s.top_p <= 1:
-        raise UsageError("top-k must be >= 0 and top-p in (0, 1]")
-    if s.method == "smc" and (s.top_k or s.top_p < 1):
-        raise UsageError("smc cannot honour top-k/top-p: its draft proposes tokens the restricted target "
-                         "forbids, whose weight is zero; use --method sd or --method ar with --top-k/--top-p")
-    if s.select not in ("sample", "argmax"):
-        raise UsageError(f"select must be 'sample' or 'argmax', got {s.select!r}")
-    if not s.power > 0 or (s.power != 1 and s.method != "smc"):
-        raise UsageError(f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}")
-    if not 0 <= s.tree <= 64:
-        raise UsageError(f"tree must lie in [0, 64] draft tokens, got {s.tree}")
-    entropy, top, share = s.easd
-    if not (entropy >= 0 and top >= 1 and 0 <= share <= 1):
-        raise UsageError(f"easd takes ENTROPY >= 0, TOP >= 1 and SHARE in [0, 1], got {entropy},{top},{share}")
-
-
-def free_bytes(device):
-    """Memory free for new tensors on `device`, or None when unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+def settings(options):
+    """Settings from keyword options; an unknown one is a UsageError."""
     try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-
-
-def check_fits(need, device, what, advice):
-    free = free_bytes(device)
-    if free is not None and need > free:
-        raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free on "
-                         f"{device}; {advice}")
+        return Settings(**options)
+    except TypeError as e:
+        raise UsageError(str(e).replace("Settings.__init__() ", "")) from None
 
 
 # ---------------------------------------------------------------- distributions (settings per request: [R])
@@ -212,37 +237,37 @@ def bernoulli(p, rng):
 
 
 class Request:
-    """A checked prompt (ids) with its settings on its way through a batch. Callbacks, all called on the
-    thread that decodes: on_tokens(settled ids) whenever more have settled (returning True stops the request
-    there), on_text(piece) with new settled text (whole UTF-8 characters; text that may begin a stop string is
-    held back), on_done(Result) once at the end, on_cycle(batch, slot) after each cycle (traces). A stop string
-    in the text ends the request; the text ends before it."""
+    """A checked prompt (ids) with its resolved Settings on its way through a batch, and its progress. Callbacks,
+    all called on the thread that decodes: on_tokens(settled ids) whenever more have settled (returning True stops
+    the request there), on_text(piece) with new settled text (whole UTF-8 characters; text that may begin a stop
+    string is held back), on_done(Result) once at the end, on_cycle(batch, slot) after each cycle (traces). A stop
+    string in the text ends the request; the text ends before it."""
 
-    def __init__(self, ids, s, capacity, stop=(), on_tokens=None, on_text=None, on_done=None, on_cycle=None,
-                 tokenizer=None):
-        self.ids, self.s, self.capacity, self.stop, self.tokenizer = ids, s, capacity, list(stop), tokenizer
+    def __init__(self, ids, s, shape, capacity, stop=(), tokenizer=None, drafter=None, on_tokens=None,
+                 on_text=None, on_done=None, on_cycle=None):
+        self.ids, self.s, self.shape, self.capacity, self.stop = ids, s, shape, capacity, list(stop)
+        self.tokenizer, self.drafter = tokenizer, drafter  # drafter: racer's Retrieval, for tree drafts
         self.on_tokens, self.on_text, self.on_done, self.on_cycle = on_tokens, on_text, on_done, on_cycle
-        self.particle = 0
-        self.restricts = bool(s.top_k or s.top_p < 1)
-        self.settled, self.shown, self.streamed, self.cycles, self.prefill_seconds = [], 0, 0, 0, 0.0
+        self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0  # progress, kept by its batch
+        self.start, self.prefill_seconds, self.particle = 0.0, 0.0, 0
         self.cancelled, self.result = False, None
 
     def cancel(self):
         """Thread-safe: the request ends at its batch's next cycle, with stats["stop"] = "cancelled"."""
         self.cancelled = True
 
-    def stats(self, tokens, stop, eos_ids, seconds):
-        """The statistics every request has (a method's own come from its batch)."""
-        new = len(until_eos(tokens, eos_ids))
+    def stats(self, tokens, stop, ends):
+        """The statistics every request has (a method's own come from `method_stats`)."""
+        new, seconds = len(until_eos(tokens, ends)), time.perf_counter() - self.start if self.start else 0.0
         return {"method": self.s.method, "prompt_tokens": len(self.ids), "new_tokens": new,
                 "seconds": round(seconds, 4), "prefill_seconds": round(self.prefill_seconds, 4),
                 "streamed": min(self.streamed, new), "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0,
                 "cycles": self.cycles, "stop": stop or ("eos" if new < len(tokens) else "length")}
 
-    def settle(self, tokens, eos_ids):
+    def settle(self, tokens, ends):
         """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request."""
         self.settled += tokens
-        tokens = until_eos(self.settled, eos_ids)
+        tokens = until_eos(self.settled, ends)
         if self.on_tokens and self.on_tokens(tokens):
             self.streamed = len(self.settled)
             return "stopped"
@@ -267,9 +292,9 @@ class Request:
             self.on_text(text[self.shown:end])
         self.shown = max(self.shown, end)
 
-    def finish(self, tokens, stats, eos_ids):
+    def finish(self, tokens, stats, ends):
         """The result from the returned particle's tokens; on_done."""
-        tokens = until_eos(tokens, eos_ids)
+        tokens = until_eos(tokens, ends)
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         if text is not None:
             text, cut = self.cut(text)
@@ -280,70 +305,269 @@ class Request:
             self.on_done(self.result)
 
 
-def until_eos(tokens, eos_ids):
-    """tokens up to, without, the first EOS."""
-    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos_ids), tokens)
+@dataclass
+class Result:
+    text: str | None  # None when the engine was given models without a tokenizer
+    tokens: list  # generated ids, without the EOS that ended them (a stop string cuts the text, not the ids)
+    stats: dict
 
 
-def sizes(requests):
-    """The (prompt, suffix) tokens a slot needs to hold any of requests."""
-    return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
+def until_eos(tokens, ends):
+    """tokens up to, without, the first of `ends` (the EOS ids and the pad)."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in ends), tokens)
 
 
 # ---------------------------------------------------------------- decoding state
 
 
+@dataclass
+class Models:
+    """What a cycle reads besides its State: the models, the EOS table is_eos [V + 1] and the pad, V: an id past
+    the vocabulary that marks a particle's tokens after its end (is_eos[pad] is True; models see it clamped)."""
+    target: model.Transformer
+    draft: model.Transformer | None
+    is_eos: torch.Tensor
+    pad: int
+
+
+@dataclass
 class State:
-    """Everything a cycle reads and writes, as device tensors updated in place: the static buffers a CUDA
-    graph replays on. R slots of N particles; hist [R, N, H] holds each particle's generated tokens, the last
-    of which, x0, is pending (not in any cache yet); prev is the one before it. Each slot has its own settings
-    (temperatures, top-k, top-p, budget) and rng row, so a request's draws do not depend on its neighbours."""
+    """Everything a cycle reads and writes, as device tensors updated in place: the static buffers a CUDA graph
+    replays on. R slots of N particles. hist [R, N, 1 + H]: column 0 the prompt's last token, column j the j-th
+    generated token; gen_len [R] tokens generated, the last of which (x0, column gen_len) is pending: in no cache
+    yet. Each slot has its own settings and rng row, so a request's draws do not depend on its neighbours."""
+    tcache: model.KVCache
+    dcache: model.KVCache | None
+    rng: torch.Tensor  # [R, 2] seed, counter
+    temp_d: torch.Tensor  # [R] settings
+    temp_t: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    max_new: torch.Tensor
+    live: torch.Tensor  # [R] a request that is not done: an empty or done slot appends nothing
+    degenerate: torch.Tensor  # [R]
+    finished: torch.Tensor  # [R, N] the particle has ended (EOS or stop string)
+    hist: torch.Tensor  # [R, N, 1 + H]
+    gen_len: torch.Tensor  # [R] int32
+    logw: torch.Tensor  # [R, N] smc's log weights since the last resampling
+    log_z: torch.Tensor  # [R] smc's log-normaliser estimate
+    ess_sum: torch.Tensor
+    accepted: torch.Tensor  # [R] statistics
+    resamples: torch.Tensor
+    triggers: torch.Tensor
+    flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: the host's one read per cycle
+    # the last cycle, for traces: appended tokens and how many were kept, weights before resampling, ESS, whether
+    # it resampled, the ancestors
+    block: torch.Tensor  # [R, N, K+1]
+    kept: torch.Tensor  # [R]
+    logw_before: torch.Tensor
+    ess: torch.Tensor
+    resampled: torch.Tensor
+    ancestors: torch.Tensor  # [R, N]
+    # the draft phase's output, which the verify phase reads (MineDraft runs them apart)
+    drafted: torch.Tensor  # [R, N, K]
+    logq: torch.Tensor  # [R, N, K] log q under the draft temperature
+    q_logits: torch.Tensor | None  # [R, K, V] sd and easd: the draft's logits
+    # racer: the host's draft tree ([R, T]: node 0 the pending token, -1 no node) and the target's cues
+    nodes: torch.Tensor | None = None
+    parent: torch.Tensor | None = None
+    depth: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [R, T, T]: node j is node i or one of its ancestors
+    cues: torch.Tensor | None = None  # [R, T, CUES]
+    cue_p: torch.Tensor | None = None
 
-    def small_tensors(self):
-        """All state except the K/V, which a warm-up only writes beyond the lengths it restores."""
-        lengths = [c.suffix_len for c in (self.tcache, self.dcache) if c is not None]
-        return [v for v in vars(self).values() if torch.is_tensor(v)] + lengths
+    def narrow(self, n):
+        """The first n slots, as views, so a cycle over them updates self in place (a CPU cycle skips the empty
+        slots past the last busy one, since there every row costs compute)."""
+        part = copy.copy(self)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, model.KVCache):
+                c = copy.copy(v)
+                for name in ("prefix_k", "prefix_v", "suffix_k", "suffix_v"):  # [L, R, ...]
+                    setattr(c, name, getattr(v, name).narrow(1, 0, n))
+                c.prefix_len, c.suffix_len = v.prefix_len[:n], v.suffix_len[:n]
+                setattr(part, f.name, c)
+            elif torch.is_tensor(v):
+                setattr(part, f.name, v[:n])
+        return part
 
 
-def first_slots(x, n):
-    """A State or KVCache narrowed to its first n slots, as views, so a cycle over them updates x in place.
-    The K/V tensors [L, R, ...] (5 or 6 dimensions) have the slot second, every other tensor first."""
-    part = copy.copy(x)
-    for name, v in vars(x).items():
-        if isinstance(v, model.KVCache):
-            setattr(part, name, first_slots(v, n))
-        elif torch.is_tensor(v):
-            setattr(part, name, v.narrow(int(v.dim() >= 5), 0, n))
-    return part
+def new_state(m, shape, slots, prefix_cap, suffix_cap, dtype):
+    """A State for `slots` empty slots."""
+    R, N, K, V, device = slots, shape.particles, shape.draft_len, m.target.config.vocab_size, m.is_eos.device
+    new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=device)  # noqa
+    caches = [model.KVCache(c.config, N, prefix_cap, suffix_cap, device, dtype, R) for c in (m.target, m.draft)
+              if c is not None and (c is m.target or shape.method != "ar" and not shape.tree)]
+    T = shape.tree + 1
+    tree = dict(nodes=new(R, T, dtype=torch.int64), parent=new(R, T, dtype=torch.int64),
+                depth=new(R, T, dtype=torch.int64), mask=new(R, T, T, dtype=torch.bool),
+                cues=new(R, T, racer.CUES, dtype=torch.int64), cue_p=new(R, T, racer.CUES)) if shape.tree else {}
+    i64, i32, b = torch.int64, torch.int32, torch.bool
+    return State(caches[0], caches[1] if len(caches) > 1 else None, new(R, 2, dtype=i64), new(R), new(R),
+                 new(R, dtype=i64), new(R, value=1.0), new(R, dtype=i32), new(R, dtype=b), new(R, dtype=b),
+                 new(R, N, dtype=b, value=True), new(R, N, 1 + suffix_cap, dtype=i64), new(R, dtype=i32), new(R, N),
+                 new(R), new(R), new(R, dtype=i64), new(R, dtype=i64), new(R, dtype=i64), new(R, 4, dtype=i32),
+                 new(R, N, K + 1, dtype=i64), new(R, dtype=i32), new(R, N), new(R), new(R, dtype=b),
+                 new(R, N, dtype=i64), new(R, N, K, dtype=i64), new(R, N, K),
+                 new(R, K, V) if shape.method in ("sd", "easd") and not shape.tree else None, **tree)
+
+
+def cache_bytes(configs, shape, slots, prefix_cap, suffix_cap, dtype):
+    """Memory a batch takes: its KV caches, and float32 logits of a cycle with a few copies."""
+    need = sum(model.KVCache.nbytes(c, shape.particles, prefix_cap, suffix_cap, dtype, slots) for c in configs)
+    return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * configs[0].vocab_size * 4
+
+
+# ---------------------------------------------------------------- cycles: fixed shapes, no host sync
+
+
+def pending(st):
+    """-> (prev, x0) [R, N]: the last two entries of the history, x0 not yet in any cache."""
+    R, N, _ = st.hist.shape
+    at = st.gen_len.long()[:, None, None].expand(R, N, 1)
+    x = st.hist.gather(2, torch.cat([(at - 1).clamp(min=0), at], -1))
+    return x[..., 0], x[..., 1]
+
+
+def ids(m, tokens):
+    """tokens as model inputs: the pad of an ended particle as a real id (what it computes is never used)."""
+    return tokens.clamp(max=m.pad - 1)
 
 
 def publish(st):
     """flags [R, 4] = [done, settled, degenerate, length] per slot: done when every particle has ended or the
     budget is spent; settled = how many leading tokens all particles share (they can never change again, so they
-    may be shown); degenerate (smc) when no particle has a positive weight left or a weight is NaN."""
-    H = st.hist.shape[-1]
+    may be shown); degenerate (smc) when no particle has a positive weight left or a weight is NaN. A done slot
+    is no longer live: it appends nothing until it is refilled."""
+    H = st.hist.shape[-1] - 1
     done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
-    shared = (st.hist == st.hist[:, :1]).all(1) & (torch.arange(H, device=st.hist.device) < st.gen_len[:, None])
+    shared = (st.hist[..., 1:] == st.hist[:, :1, 1:]).all(1) & (torch.arange(H, device=st.hist.device) <
+                                                                 st.gen_len[:, None])
     st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int(),
                                 st.gen_len], -1))
+    st.live &= ~done
 
 
-def append(st, tokens, kept, is_eos):
-    """Commit the first `kept` (int32 [R]; none in an empty slot) of tokens [R, N, T]: history, lengths,
-    pending token, finished. The target already holds K/V for the pending token and the kept tokens but the
-    last, the new pending one."""
+def append(m, st, tokens, kept):
+    """Commit the first `kept` (int32 [R]; none in a slot that is not live) of tokens [R, N, T]: history,
+    lengths, finished. The target already holds K/V for the pending token and the kept tokens but the last."""
     R, N, T = tokens.shape
     kept = kept * st.live
     st.block[..., :T].copy_(tokens)
     st.kept.copy_(kept)
-    at = st.gen_len.long()[:, None, None] + torch.arange(T, device=tokens.device)  # [R, 1, T]
-    st.hist.scatter_(2, at.expand(R, N, T), tokens)
+    at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
+    st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
     real = torch.arange(T, device=tokens.device) < kept[:, None, None]  # [R, 1, T]
-    st.finished |= (is_eos[tokens] & real).any(-1)
-    st.x0.copy_(torch.where(st.live[:, None], tokens.gather(2, (kept.long() - 1).clamp(min=0)[:, None, None]
-                                                            .expand(R, N, 1))[..., 0], st.x0))
+    st.finished |= (m.is_eos[tokens] & real).any(-1)
     st.gen_len += kept
     st.tcache.suffix_len += kept
+
+
+def restricted(logits, st, s):
+    return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
+
+
+def cycle(m, st, s):
+    """One cycle of s.method for the slots of st, then their flags for the host."""
+    if s.method != "ar" and not s.tree:
+        draft_block(m, st, s)
+    verify_cycle(m, st, s)
+
+
+def verify_cycle(m, st, s):
+    """The part of a cycle after drafting: the target's verify and the method's rule, then the flags."""
+    (racer_cycle if s.tree else RULES[s.method])(m, st, s)
+    if st.dcache is not None:
+        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
+    publish(st)
+
+
+def ar_cycle(m, st, s):
+    """One target step on the pending token."""
+    x0 = pending(st)[1]
+    logits = restricted(m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0], st, s)  # [R, V]
+    x = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
+    append(m, st, x.view(-1, 1, 1), torch.ones_like(st.gen_len))
+
+
+def draft_block(m, st, s):
+    """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
+    -> st.drafted [R, N, K], their log q under the draft temperature st.logq [R, N, K], and for sd the draft's
+    logits st.q_logits [R, K, V]. Advances the draft's suffix_len by K + 1."""
+    R, N = st.finished.shape
+    x = ids(m, torch.stack(pending(st), -1))  # [R, N, 2]
+    for k in range(s.draft_len):
+        out = m.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
+        st.dcache.suffix_len += x.shape[-1]
+        t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
+        x = t.view(R, N, 1)
+        st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
+        if st.q_logits is not None:
+            st.q_logits[:, k] = out[:, 0]
+
+
+def verify(m, st, t, s):
+    """One target forward over [x0, t_1..t_K] -> restricted logits [R, N, K+1, V]: row k - 1 scores t_k, row K is
+    the bonus token's distribution."""
+    return restricted(m.target.step(ids(m, torch.cat([pending(st)[1][..., None], t], -1)), st.tcache), st, s)
+
+
+def sd_cycle(m, st, s):
+    """Speculative sampling, each request accepting its own number of tokens: accept t_k with probability
+    min(1, p/q); the first rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a bonus
+    token from p. Exact at any temperature. easd: also rejects where `easd_trigger` fires, replacing the token by
+    a draw from p (not exact: it trades the draft's low-confidence agreement for the target)."""
+    K, R, device = s.draft_len, st.gen_len.shape[0], st.gen_len.device
+    p = probs(verify(m, st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
+    q = probs(st.q_logits, st.temp_d)  # [R, K, V]
+    t = st.drafted[:, 0]  # [R, K]
+    pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
+    accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
+    residual = (p[:, :K] - q).clamp(min=0)
+    if s.easd:
+        triggered = easd_trigger(p[:, :K], q, t, s.easd)
+        accept &= ~triggered
+        residual = torch.where(triggered[..., None], p[:, :K], residual)
+    n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
+    if s.easd:
+        st.triggers += triggered.gather(1, n.long().clamp(max=K - 1)[:, None])[:, 0] & (n < K)
+    at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
+    fix = torch.cat([residual, p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
+    fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
+    c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
+    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
+                         c[:, None])  # t_1..t_n, c, filler
+    st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
+    st.accepted += n
+    append(m, st, tokens[:, None], n + 1)
+
+
+def racer_cycle(m, st, s):
+    """sd on racer's draft tree (racer.py), verified exactly in one target forward: a node sees the prefix, its
+    ancestors and itself (st.mask), at position length + depth. Walking down from the root, y ~ p is drawn at
+    each node; the child whose token is y is followed, else y is emitted: the text follows p exactly (greedy: y is
+    the argmax, ar's token), a chain being the tree of one child per node. The path's K/V then moves down to
+    consecutive positions. Each node's top tokens become the host's cues."""
+    (R, T), K, device = st.nodes.shape, s.draft_len, st.gen_len.device
+    nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
+    base = st.tcache.suffix_len.clone()
+    logits = m.target.step(ids(m, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
+    logits = restricted(logits, st, s)  # [R, T, V]
+    y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
+    follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
+    on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
+    d = torch.arange(K + 1, device=device)
+    path = (on_path[:, None] & (st.depth[:, None] == d[:, None])).int().argmax(-1)  # [R, K+1]: 0 past the end
+    n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
+    c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
+    tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
+    compact(st.tcache, base, path)
+    top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
+    st.cues.copy_(top.indices)
+    st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
+    st.accepted += n
+    append(m, st, tokens[:, None], n.int() + 1)
 
 
 def compact(cache, base, path):
@@ -356,215 +580,234 @@ def compact(cache, base, path):
         kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
 
 
-def settle(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
+def smc_cycle(m, st, s):
+    """Score the K drafted tokens per particle with the target in one forward, weight, append K + 1 tokens (the
+    last a bonus token from the target), resample where the ESS falls below the threshold. A power target
+    p ** alpha (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
+    K, (R, N), t = s.draft_len, st.finished.shape, st.drafted
+    logits = verify(m, st, t, s)  # [R, N, K+1, V]
+    logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
+    bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
+    b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
+    increments, tokens = settle(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, m, log_bonus)
+    st.logw += increments
+    append(m, st, tokens, torch.full_like(st.gen_len, K + 1))
+    resample(st, s)
+
+
+def settle(x0, t, b, logp, logq, finished, m, log_bonus=0.0):
     """EOS is absorbing. The draft token t_k [R, N, K] weighs log p(t_k) - log q(t_k) unless an EOS came before
     it (in x0 [R, N] or t_<k, or the particle had already finished), the bonus token b log_bonus [R, N]
-    likewise; after a particle's first EOS its new tokens become `pad` (an EOS). -> weight increments [R, N],
-    the K + 1 new tokens [R, N, K+1] (t, then b).
-    is_eos [V] bool: a table lookup costs the same for any number of EOS ids (torch.isin sorts, and syncs with
-    the host, once there are about ten)."""
+    likewise; after a particle's first EOS its new tokens become the pad. -> weight increments [R, N], the K + 1
+    new tokens [R, N, K+1] (t, then b). is_eos is a table: a lookup costs the same for any number of EOS ids
+    (torch.isin sorts, and syncs with the host, once there are about ten)."""
     K = t.shape[-1]
     block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
-    ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
+    ended = (m.is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
     increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1) + torch.where(ended[..., K], 0.0, log_bonus)
-    return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])
+    return increments, torch.where(ended[..., :K + 1], m.pad, block[..., 1:])
+
+
+def resample(st, s):
+    """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
+    draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight, and the
+    weights restart at 0. A population with no positive weight (the target forbids every particle's draft
+    tokens) or a NaN weight (non-finite logits) is degenerate: resampling it would be a uniform draw that hides
+    the failure, so the request ends (publish)."""
+    ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
+    st.degenerate |= degenerate & st.live
+    for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess), (st.resampled, resampled)):
+        saved.copy_(x)
+    st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
+    st.logw.masked_fill_(resampled[:, None], 0.0)
+    for cache in (st.tcache, st.dcache):
+        for kv in (cache.suffix_k, cache.suffix_v):
+            kernels.gather_suffix(kv, ancestors, cache.suffix_len)
+    kernels.gather_suffix(st.hist, ancestors, st.gen_len + 1)
+    st.finished.copy_(st.finished.gather(1, ancestors))
+    st.resamples += resampled
+    st.ess_sum += ess
+
+
+RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "smc": smc_cycle}
+
+
+def method_stats(st, r, s, cycles):
+    """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
+    if s.method in ("sd", "easd"):
+        accepted = int(st.accepted[r])
+        stats = {"draft_len": s.draft_len, "accepted": accepted,
+                 "acceptance": round(accepted / max(cycles * s.draft_len, 1), 4)}
+        triggers = int(st.triggers[r])
+        return stats | ({"triggers": triggers, "trigger_rate": round(triggers / max(cycles, 1), 4)}
+                        if s.method == "easd" else {})
+    if s.method == "smc":
+        final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
+        return {"particles": s.particles, "draft_len": s.draft_len, "resamples": int(st.resamples[r]),
+                "mean_ess": round(float(st.ess_sum[r]) / max(cycles, 1), 3), "log_z": round(float(st.log_z[r] + final), 4)}
+    return {}
 
 
 # ---------------------------------------------------------------- cuda graphs
 
 
-def record(cycle):
-    """-> the replay of a CUDA graph of cycle(), run once first on a side stream (Triton compiles, cuBLAS picks
-    its kernels) so that the capture records warm kernels. The warm-up cycle advances the state."""
+def record(fn):
+    """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
+    kernels) so that the capture records warm kernels. Made over empty slots, which append nothing."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        cycle()
+        fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cycle()
+        fn()
     return graph.replay
 
 
-def graphs_apply(s, st):
+def graphs(shape, device):
     """Whether cycles run as CUDA-graph replays (a function of its own so a test can take that path on a CPU)."""
-    return s.cuda_graphs and st.hist.is_cuda
-
-
-class Captured:
-    """The cycle as a CUDA-graph replay, recorded at its first call: a request that is done before its first
-    cycle (max_new_tokens=1) never runs the warm-up cycle, which would write past the end of its history. The
-    state the warm-up advanced is restored, so a seed gives the eager output; `seconds` is the recording time,
-    which is not decoding time."""
-
-    def __init__(self, cycle, st):
-        self.cycle, self.st, self.replay, self.seconds = cycle, st, None, 0.0
-
-    def __call__(self):
-        if self.replay is None:
-            start = time.perf_counter()
-            saved = [t.clone() for t in self.st.small_tensors()]
-            self.replay = record(self.cycle)
-            for t, value in zip(self.st.small_tensors(), saved):
-                t.copy_(value)
-            self.seconds = time.perf_counter() - start
-        self.replay()
+    return shape.cuda_graphs and device.type == "cuda"
 
 
 # ---------------------------------------------------------------- batches
 
 
+def prefill_slot(m, st, shape, r, req):
+    """Request req into slot r: its prompt into the prefix caches, its settings, every particle's first token x0
+    from the target, its statistics reset."""
+    s, N = req.s, shape.particles
+    prompt = torch.tensor(req.ids, device=st.hist.device)
+    logits = m.target.prefill(prompt, st.tcache, r)  # [V]
+    st.rng[r] = torch.tensor([s.seed, 0])
+    st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
+                                                            s.top_p)
+    logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
+    st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
+    logits = restricted(logits, replace(st, **{k: getattr(st, k)[r:r + 1] for k in ("temp_t", "top_k", "top_p")}),
+                        shape)
+    x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
+    if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
+        st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
+        if len(req.ids) > 1:
+            m.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
+    st.hist[r] = 0
+    st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
+    st.gen_len[r], st.max_new[r], st.finished[r] = 1, s.max_new_tokens, m.is_eos[x0]
+    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
+        x[r] = 0
+    st.live[r] = True
+    publish(st)
+
+
+def plant(st, requests, shape):
+    """Racer: every busy slot's draft tree from its request's Retrieval into the cycle's tensors: node tokens
+    (-1: no node), parents (node 0, the pending token, is its own), depths, ancestor-or-self masks."""
+    R, T = st.nodes.shape
+    nodes, parent = [[-1] * T for _ in range(R)], [[0] * T for _ in range(R)]
+    for r, req in enumerate(requests):
+        if req:
+            tokens, parents = req.drafter.draft(shape.draft_len, shape.tree)
+            nodes[r][1:len(tokens) + 1], parent[r][1:len(tokens) + 1] = tokens, parents
+    parent, rows = torch.tensor(parent), torch.arange(R)
+    mask, depth = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1), torch.zeros(R, T, dtype=torch.int64)
+    for j in range(1, T):  # parents come before children
+        mask[:, j] |= mask[rows, parent[:, j]]
+        depth[:, j] = depth[rows, parent[:, j]] + 1
+    for x, value in ((st.nodes, torch.tensor(nodes)), (st.parent, parent), (st.depth, depth), (st.mask, mask)):
+        x.copy_(value)
+
+
 class Batch:
     """`slots` requests of one shape decoded together (continuous batching): a request is prefilled into a free
-    slot between cycles and leaves its slot when it ends. An empty slot has lengths 0 and appends nothing, so
-    it costs no attention work; on a CUDA graph (captured once for all slots) it still costs its rows of the
-    matmuls, which memory-bound decoding does not notice, while an eager cycle (the CPU) runs only the slots up
-    to the last busy one, since there every row costs compute."""
+    slot between cycles and leaves its slot when it ends. The caches are allocated and the CUDA graphs recorded
+    once, here, over empty slots (nothing live: they append nothing), so no request is ever on the device while a
+    graph is recorded. On a graph every slot costs its rows of the matmuls, which memory-bound decoding does not
+    notice; an eager cycle (the CPU) runs only the slots up to the last busy one, since there every row costs
+    compute. phases: the functions graphed (the whole cycle, or MineDraft's draft and verify apart)."""
 
-    def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
-        e, N, R = engine, shape.particles, slots
-        self.engine, self.shape, self.requests, self.graphs = e, shape, [None] * R, {}
-        configs = [e.config] + ([e.draft_config] if shape.method != "ar" and e.draft_config else [])
-        need = sum(model.KVCache.nbytes(c, N, prefix_cap, suffix_cap, e.dtype, R) for c in configs)
-        need += 4 * R * N * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4  # logits, copies
-        check_fits(need, e.device, f"{R} slots' KV caches and logits", "lower --slots, --particles or the budget")
-        new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=e.device)
-        st = self.st = State()
-        st.tcache, st.dcache = [model.KVCache(c, N, prefix_cap, suffix_cap, e.device, e.dtype, R) for c in configs] \
-            + [None] * (2 - len(configs))
-        st.rng = new(R, 2, dtype=torch.int64)
-        st.temp_d, st.temp_t, st.top_p = new(R), new(R), new(R, value=1.0)
-        st.top_k, st.max_new = new(R, dtype=torch.int64), new(R, dtype=torch.int32)
-        st.live, st.degenerate = new(R, dtype=torch.bool), new(R, dtype=torch.bool)
-        st.finished = new(R, N, dtype=torch.bool, value=True)
-        st.x0, st.prev = new(R, N, dtype=torch.int64, value=e.pad), new(R, N, dtype=torch.int64, value=e.pad)
-        st.hist = new(R, N, suffix_cap, dtype=torch.int64)
-        st.gen_len = new(R, dtype=torch.int32)
-        st.logw, st.log_z, st.ess_sum = new(R, N), new(R), new(R)
-        st.accepted, st.resamples, st.triggers = (new(R, dtype=torch.int64) for _ in range(3))
-        st.flags = new(R, 4, dtype=torch.int32)
-        # the last cycle, for traces: appended tokens and how many were kept, draft tokens, weights before
-        # resampling, ESS, whether it resampled and the ancestors (device copies: no host sync)
-        st.block, st.kept = new(R, N, shape.draft_len + 1, dtype=torch.int64), new(R, dtype=torch.int32)
-        st.logw_before, st.ess, st.resampled = new(R, N), new(R), new(R, dtype=torch.bool)
-        st.ancestors = new(R, N, dtype=torch.int64)
-        # the draft phase's output, which the verify phase reads (MineDraft runs them apart): tokens, log q, and
-        # for sd the draft's logits
-        st.drafted, st.logq = new(R, N, shape.draft_len, dtype=torch.int64), new(R, N, shape.draft_len)
-        st.q_logits = new(R, shape.draft_len, e.config.vocab_size) if shape.method != "smc" else None
-        if shape.tree:  # racer: the host's draft tree ([R, T]: node 0 the pending token) and the target's cues
-            T = shape.tree + 1
-            st.nodes, st.parent, st.depth = (new(R, T, dtype=torch.int64) for _ in range(3))
-            st.mask = new(R, T, T, dtype=torch.bool)  # [r, i, j]: node j is node i or one of its ancestors
-            st.cues, st.cue_p = new(R, T, racer.CUES, dtype=torch.int64), new(R, T, racer.CUES)
+    def __init__(self, engine, shape, slots, prefix_cap, suffix_cap, phases=(cycle,)):
+        self.m, self.shape, self.ends, self.tokenizer = engine.models, shape, engine.ends, engine.tokenizer
+        self.requests, self.idle_since = [None] * slots, time.monotonic()
+        self.st = new_state(self.m, shape, slots, prefix_cap, suffix_cap, engine.dtype)
+        self.graphs = {fn.__name__: record(lambda fn=fn: fn(self.m, self.st, shape)) for fn in phases} \
+            if graphs(shape, engine.device) else {}
 
     def busy(self):
         return any(self.requests)
 
     def admit(self, req):
-        """Prefill the prompt into a free slot (False if none), sample every particle's first token x0 from the
-        target, and reset the slot's state."""
+        """Prefill req into a free slot (False if none); a failure leaves the slot empty."""
         if None not in self.requests:
             return False
-        e, st, s, r, N = self.engine, self.st, req.s, self.requests.index(None), self.shape.particles
-        req.start, req.capture_start = time.perf_counter(), self.capture_seconds()
-        prompt = torch.tensor(req.ids, device=e.device)
-        logits = e.target.prefill(prompt, st.tcache, r)  # [V]
-        st.rng[r] = torch.tensor([s.seed, 0])
-        st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature,
-                                                                s.top_k, s.top_p)
-        settings = [x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)]
-        logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
-        st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
-        logits = restrict(logits, *settings) if req.restricts else logits
-        x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
-        if st.dcache:  # the draft leaves the last prompt token to the first draft step, beside x0
-            st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
-            if len(req.ids) > 1:
-                e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
-        st.x0[r], st.prev[r], st.hist[r], st.hist[r, :, 0] = x0, prompt[-1], 0, x0
-        st.gen_len[r], st.max_new[r], st.finished[r] = 1, s.max_new_tokens, e.is_eos[x0]
-        for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
-            x[r] = 0
-        st.live[r] = True
+        r = self.requests.index(None)
+        req.start = time.perf_counter()
+        try:
+            prefill_slot(self.m, self.st, self.shape, r, req)
+        except BaseException:
+            self.leave(r)
+            raise
         self.requests[r] = req
-        publish(st)
         req.prefill_seconds = time.perf_counter() - req.start
         return True
 
     def leave(self, r):
-        """Empty slot r: lengths 0, every particle finished, nothing pending."""
+        """Empty slot r: lengths 0, every particle finished, not live."""
         st = self.st
-        self.requests[r] = None
+        self.requests[r], self.idle_since = None, time.monotonic()
         for c in (st.tcache, st.dcache):
-            if c:
+            if c is not None:
                 c.prefix_len[r], c.suffix_len[r] = 0, 0
         st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
-        st.x0[r], st.prev[r] = self.engine.pad, self.engine.pad
 
-    def capture_seconds(self):
-        return sum(g.seconds for g in self.graphs.values())
+    def cycle(self):
+        """One cycle of every busy slot."""
+        if self.shape.tree:
+            plant(self.st, self.requests, self.shape)
+        self.run(cycle)
+        self.cycled()
 
-    def cycle(self, phase=None):
-        """One cycle of every busy slot (phase "draft" or "verify": that half of it alone)."""
-        s = replace(self.shape, restrict=any(r and r.restricts for r in self.requests))
-        if s.tree:
-            self.plant(s)
-        if graphs_apply(s, self.st) and phase is None:
-            if s not in self.graphs:
-                self.graphs[s] = Captured(lambda: self.engine.cycle(self.st, s), self.st)
-            self.graphs[s]()
+    def run(self, fn):
+        """fn (`cycle` or one of its phases) as a graph replay over every slot, or eagerly over the slots up to
+        the last busy one."""
+        if fn.__name__ in self.graphs:
+            self.graphs[fn.__name__]()
         else:
-            self.engine.cycle(first_slots(self.st, 1 + max(i for i, r in enumerate(self.requests) if r)), s, phase)
-        if phase == "draft":
-            return
+            fn(self.m, self.st.narrow(1 + max(i for i, r in enumerate(self.requests) if r)), self.shape)
+
+    def cycled(self):
         for r, req in enumerate(self.requests):
             if req:
                 req.cycles += 1
                 if req.on_cycle:
                     req.on_cycle(self, r)
 
-    def plant(self, s):
-        """Racer: every busy slot's draft tree from its request's Retrieval into the cycle's tensors: node tokens
-        (-1: no node), parents (node 0, the pending token, is its own), depths, ancestor-or-self masks."""
-        R, T = self.st.nodes.shape
-        nodes, parent = [[-1] * T for _ in range(R)], [[0] * T for _ in range(R)]
-        for r, req in enumerate(self.requests):
-            if req:
-                tokens, parents = req.drafter.draft(s.draft_len, s.tree)
-                nodes[r][1:len(tokens) + 1], parent[r][1:len(tokens) + 1] = tokens, parents
-        parent, rows = torch.tensor(parent), torch.arange(R)
-        mask, depth = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1), torch.zeros(R, T, dtype=torch.int64)
-        for j in range(1, T):  # parents come before children
-            mask[:, j] |= mask[rows, parent[:, j]]
-            depth[:, j] = depth[rows, parent[:, j]] + 1
-        for x, value in ((self.st.nodes, torch.tensor(nodes)), (self.st.parent, parent), (self.st.depth, depth),
-                         (self.st.mask, mask)):
-            x.copy_(value)
-
     def collect(self, stop=None):
-        """Read every slot's flags (the host's one read of a cycle), pass settled tokens on, end the requests
-        that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
-        flags = self.st.flags.tolist()
+        """Read every slot's flags (the host's one read of a cycle) and the new part of the history, pass settled
+        tokens on, end the requests that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
         busy = [(r, req) for r, req in enumerate(self.requests) if req]
-        rows = self.st.hist[:, 0, :max((flags[r][3] for r, _ in busy), default=0)].tolist() if busy else []
-        cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)] if self.shape.tree and busy else None
+        if not busy:
+            return
+        flags = self.st.flags.tolist()
+        lo = min(min(len(req.settled), req.drafter.seen if req.drafter else math.inf) for _, req in busy)
+        rows = self.st.hist[:, 0, 1 + lo:1 + max(flags[r][3] for r, _ in busy)].tolist()
+        cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)] if self.shape.tree else None
         for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:
                 fresh = req.cycles > req.drafter.cycles
-                req.drafter.observe(rows[r][req.drafter.seen:length], zip(cues[0][r], cues[1][r]) if fresh else None)
+                req.drafter.observe(rows[r][req.drafter.seen - lo:length - lo],
+                                    zip(cues[0][r], cues[1][r]) if fresh else None)
                 req.drafter.cycles = req.cycles
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
             if why is None and count > len(req.settled):
-                why = req.settle(rows[r][len(req.settled):count], self.engine.config.eos_ids)
+                why = req.settle(rows[r][len(req.settled) - lo:count - lo], self.ends)
             if why is None and not done and req.stop and self.shape.particles > 1:
                 done = self.stop_particles(r, req, length)
             if why or done:
-                tokens = req.settled if why else self.pick(r, req.s)
-                req.finish(tokens, self.statistics(r, req, tokens, why), self.engine.config.eos_ids)
+                tokens = req.settled if why else self.pick(r, req)
+                req.finish(tokens, req.stats(tokens, why, self.ends) | method_stats(self.st, r, req), self.ends)
                 self.leave(r)
             else:
                 req.streamed = len(req.settled)
@@ -574,55 +817,55 @@ class Batch:
         tokens carry no weight (those it drafted past the string in that cycle weigh p/q, which is 1 in
         expectation, so the prefix keeps its distribution). -> whether every particle has ended. Without this
         a request would end only once its particles agree on the text up to the string."""
-        texts = [self.engine.tokenizer.decode(until_eos(tokens, self.engine.config.eos_ids))
-                 for tokens in self.st.hist[r, :, :length].tolist()]
+        texts = [self.tokenizer.decode(until_eos(tokens, self.ends)) for tokens in
+                 self.st.hist[r, :, 1:1 + length].tolist()]
         ended = [i for i, text in enumerate(texts) if req.cut(text)[1]]
         if ended:
             self.st.finished[r, ended] = True
         return bool(self.st.finished[r].all())
 
-    def pick(self, r, s):
+    def pick(self, r, req):
         """Slot r's returned particle: drawn in proportion to its weight, or the heaviest."""
-        st = self.st
-        if s.select == "argmax":
-            i = int(st.logw[r].argmax())
-        else:
-            i = int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
-        self.requests[r].particle = i
-        return st.hist[r, i, :min(int(st.gen_len[r]), s.max_new_tokens)].tolist()
-
-    def statistics(self, r, req, tokens, stop):
-        """seconds: from the start of the prefill to the last token; prefill: until the first token was drawn."""
         st, s = self.st, req.s
-        seconds = time.perf_counter() - req.start - (self.capture_seconds() - req.capture_start)
-        stats = req.stats(tokens, stop, self.engine.config.eos_ids, seconds)
-        if s.method in ("sd", "easd"):
-            accepted = int(st.accepted[r])
-            stats |= {"draft_len": s.draft_len, "accepted": accepted,
-                      "acceptance": round(accepted / max(req.cycles * s.draft_len, 1), 4)}
-        if s.method == "easd":
-            triggers = int(st.triggers[r])
-            stats |= {"triggers": triggers, "trigger_rate": round(triggers / max(req.cycles, 1), 4)}
-        if s.method == "smc":
-            final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
-            stats |= {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
-                      "resamples": int(st.resamples[r]),
-                      "mean_ess": round(float(st.ess_sum[r]) / max(req.cycles, 1), 3),
-                      "log_z": round(float(st.log_z[r] + final), 4)}
-        return stats
+        if s.select == "argmax":
+            req.particle = int(st.logw[r].argmax())
+        else:
+            req.particle = int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
+        return st.hist[r, req.particle, 1:1 + min(int(st.gen_len[r]), s.max_new_tokens)].tolist()
+
+    def close(self):
+        pass
+
+
+def method_stats(st, r, req):
+    """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
+    s, cycles = req.s, req.cycles
+    if s.method in ("sd", "easd"):
+        accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
+        stats = {"draft_len": s.draft_len, "accepted": accepted,
+                 "acceptance": round(accepted / max(cycles * s.draft_len, 1), 4)}
+        return stats | ({"triggers": triggers, "trigger_rate": round(triggers / max(cycles, 1), 4)}
+                        if s.method == "easd" else {})
+    if s.method == "smc":
+        final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
+        return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
+                "resamples": int(st.resamples[r]), "mean_ess": round(float(st.ess_sum[r]) / max(cycles, 1), 3),
+                "log_z": round(float(st.log_z[r] + final), 4)}
+    return {}
 
 
 class Pair:
     """MineDraft (arXiv 2603.18016): a batch's slots as two halves that take turns, drafting one while the
     target verifies the other, on two threads: on a CPU each with half of the cores, on CUDA each on a stream of
-    its own (eager cycles: the phases are not graph-captured). A request's tokens are those it gets without the
+    its own, replaying the half's draft or verify graph. A request's tokens are those it gets without the
     overlap (its randomness is its own). A half is read, ended and refilled only between its verify and its next
     draft; it drafts alone when neither half holds drafts (the start), after which the halves alternate."""
 
     def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
         if slots < 2:
             raise UsageError("overlap needs at least 2 slots, one for each half")
-        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap) for i in (1, 0)]
+        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap, (draft_block, verify_cycle))
+                       for i in (1, 0)]
         self.drafted, self.cuda = [False, False], engine.device.type == "cuda"
         where = torch.cuda.current_device() if self.cuda else max(1, torch.get_num_threads() // 2)
         self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
@@ -639,6 +882,10 @@ class Pair:
     def requests(self):
         return self.halves[0].requests + self.halves[1].requests
 
+    @property
+    def idle_since(self):
+        return max(h.idle_since for h in self.halves)
+
     def busy(self):
         return any(h.busy() for h in self.halves)
 
@@ -650,23 +897,204 @@ class Pair:
             if stop or not d:
                 h.collect(stop)
 
-    def run(self, half, phase):
+    def run(self, half, fn):
         with torch.inference_mode():
-            half.cycle(phase)
+            half.run(fn)
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
 
     def cycle(self):
-        """The drafted half verifies while the other drafts, or (none drafted) the first busy half drafts."""
+        """The drafted half verifies while the other drafts, or (none drafted) the first busy half drafts. Both
+        jobs end before an error in either is raised."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
-        phases = ["verify" if d else "draft" if h.busy() else None for h, d in zip(self.halves, self.drafted)]
-        if "verify" not in phases and phases[0] == "draft":
+        phases = [verify_cycle if d else draft_block if h.busy() else None for h, d in zip(self.halves, self.drafted)]
+        if verify_cycle not in phases and phases[0] is draft_block:
             phases[1] = None  # the halves start apart
         jobs = [self.pool.submit(self.run, h, p) for h, p in zip(self.halves, phases) if p]
+        wait(jobs)
         for job in jobs:
             job.result()
-        self.drafted = [p == "draft" for p in phases]
+        self.drafted = [p is draft_block for p in phases]
+        for h, p in zip(self.halves, phases):
+            if p is verify_cycle:
+                h.cycled()
+
+    def close(self):
+        self.pool.shutdown()
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+class Scheduler:
+    """The requests of one serving loop, waiting and running. Requests of one shape share a batch of `slots`
+    slots of caps (prompt, rest) tokens, made at the shape's first request and dropped once idle for idle_s;
+    batches of different shapes take turns cycle by cycle. raise_errors (generate): a failure raises; else
+    (serve) it ends the requests of its batch "error" and serving goes on, unless the device itself failed."""
+
+    def __init__(self, engine, slots, caps, raise_errors, idle_s=IDLE_S):
+        self.engine, self.slots, self.caps, self.raise_errors, self.idle_s = engine, slots, caps, raise_errors, idle_s
+        self.batches, self.waiting = {}, []
+
+    def busy(self):
+        return bool(self.waiting) or any(b.busy() for b in self.batches.values())
+
+    def serving(self, inbox, until_idle):
+        """Take Requests from inbox until None arrives (requests still running end "cancelled") or, with
+        until_idle, until none is left; yields after every round."""
+        while not until_idle or self.busy() or not inbox.empty():
+            try:  # idle: wait for work, waking to drop idle batches
+                items = [] if self.busy() else [inbox.get(timeout=self.idle_s if self.batches else None)]
+            except queue.Empty:
+                items = []
+            while not inbox.empty():  # this loop is the queue's one reader
+                items.append(inbox.get())
+            self.waiting += [item for item in items if item is not None]
+            if None in items:
+                return self.stop("cancelled")
+            self.step()
+            yield
+
+    def step(self):
+        """One round: collect every batch (ending what the last cycle finished), admit waiting requests into
+        free slots (collecting those batches again: a request can be done as it is admitted), cycle every busy
+        batch, drop idle batches."""
+        for key, b in list(self.batches.items()):
+            self.guarded(key, b.collect)
+        for key in self.admit():
+            self.guarded(key, self.batches[key].collect)
+        for key, b in list(self.batches.items()):
+            if b.busy():
+                self.guarded(key, b.cycle)
+        self.evict(self.idle_s)
+
+    def guarded(self, key, fn):
+        try:
+            fn()
+        except Exception as e:
+            if self.raise_errors:
+                raise
+            b = self.batches.pop(key)
+            b.close()
+            self.end([req for req in b.requests if req], "error", e)
+            self.check_device(e)
+
+    def check_device(self, error):
+        if not self.engine.device_ok():
+            raise DeviceFailed(f"the device failed and can run nothing more: {' '.join(str(error).split())}")
+
+    def admit(self):
+        """Move waiting requests into free slots of their shape's batch -> the keys of the batches that took one."""
+        took = set()
+        for req in list(self.waiting):
+            try:
+                if not req.cancelled and (len(req.ids) > self.caps[0] or req.capacity > self.caps[1]):
+                    raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
+                                     f"{self.caps[0]} + {self.caps[1]}: check requests with request(context=...)")
+                admitted = req.cancelled or self.batch(req.shape).admit(req)
+            except Exception as e:
+                if self.raise_errors:
+                    raise
+                self.waiting.remove(req)
+                self.end([req], "error", e)
+                self.check_device(e)
+                continue
+            if admitted:
+                self.waiting.remove(req)
+                if req.cancelled:
+                    self.end([req], "cancelled")
+                else:
+                    took.add(req.shape)
+        return took
+
+    def batch(self, shape):
+        """The batch of this shape, made if there is none (after dropping idle batches if memory is short)."""
+        if shape not in self.batches:
+            need = batch_bytes(self.engine, shape, self.slots, self.caps)
+            if not fits(need, self.engine.device):
+                self.evict(0.0)
+            check_fits(need, self.engine.device, f"{self.slots} slots' KV caches and logits",
+                       "lower the slots, particles, draft length or context")
+            self.batches[shape] = (Pair if shape.overlap else Batch)(self.engine, shape, self.slots, *self.caps)
+        return self.batches[shape]
+
+    def evict(self, idle_s):
+        """Drop the batches idle for idle_s seconds or more: a long-running server keeps no cache per shape ever
+        seen."""
+        for key, b in list(self.batches.items()):
+            if not b.busy() and time.monotonic() - b.idle_since >= idle_s:
+                self.batches.pop(key).close()
+
+    def end(self, requests, why, error=None):
+        """End requests with what they made so far and stats["stop"] = why (an error's message in
+        stats["error"])."""
+        for req in requests:
+            stats = req.stats(req.settled, why, self.engine.ends)
+            req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
+                       self.engine.ends)
+
+    def stop(self, why, error=None):
+        """End every request, running and waiting; after an error the device is not read again."""
+        running = []
+        for b in self.batches.values():
+            if error is None:
+                b.collect(stop=why)
+            running += [req for req in b.requests if req]
+            b.close()
+        self.batches = {}
+        self.end(running + self.waiting, why, error)
+        self.waiting = []
+
+
+# ---------------------------------------------------------------- memory
+
+
+def free_bytes(device):
+    """Memory free for new tensors on `device` (on CUDA including what torch has cached but does not use), or
+    None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def fits(need, device):
+    free = free_bytes(device)
+    return free is None or need <= free
+
+
+def check_fits(need, device, what, advice):
+    if not fits(need, device):
+        raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {free_bytes(device) / 2**30:.2f} GiB is "
+                         f"free on {device}; {advice}")
+
+
+def batch_bytes(e, shape, slots, caps):
+    """Memory a batch of this shape takes: its KV caches, and float32 logits of a cycle with a few copies."""
+    configs = [e.config] + ([e.draft_config] if e.draft_config and shape.method != "ar" else [])
+    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, e.dtype, slots) for c in configs)
+    return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
+
+
+def capacity(e, prompt_len, s, shape, context=None):
+    """Context checks -> the suffix capacity a request needs: its budget plus a draft block of lookahead."""
+    extra = 0 if s.method == "ar" else max(shape.tree, s.draft_len)  # what a cycle writes ahead
+    configs = [c for c in (e.config, e.draft_config if s.method != "ar" else None) if c is not None]
+    context = min([c.max_seq_len for c in configs] + [context or math.inf])
+    if prompt_len >= context:
+        raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
+    if prompt_len + extra + 1 > context:
+        raise UsageError(f"{'tree' if shape.tree > s.draft_len else 'draft-len'} {extra} does not fit the context "
+                         f"of {context} after a {prompt_len}-token prompt; use at most {context - prompt_len - 1}")
+    if prompt_len + s.max_new_tokens + extra > context:
+        raise UsageError(f"max-new-tokens {s.max_new_tokens} does not fit the context of {context} after a "
+                         f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}")
+    return s.max_new_tokens + extra
 
 
 # ---------------------------------------------------------------- engine
@@ -674,11 +1102,12 @@ class Pair:
 
 class Engine:
     """A target model and an optional draft, each a path (Hugging Face directory or .gguf file) or a loaded
-    model.Transformer (then prompts are token ids and results carry no text). Paths are opened at once (config,
-    tokenizer, the weight files' headers), so that a bad request is refused before any weight is read; the
-    weights are read by `load()`, which the first `generate` calls. Under torchrun every rank builds this engine
-    with its shard of the target (tensor parallel, `model.shard_config`) and a whole draft, and decodes the same
-    requests: identical logits and rng on every rank give every rank the same decisions."""
+    model.Transformer (then prompts are token ids and results carry no text); draft "racer" drafts without a
+    draft model. Paths are opened at once (config, tokenizer, the weight files' headers), so that a bad request is
+    refused before any weight is read; `load()`, which the first `generate` calls, reads the weights. Under
+    torchrun every rank builds this engine with its shard of the target (tensor parallel, `model.shard_config`)
+    and a whole draft, and decodes the same requests: identical logits and rng give every rank the same
+    decisions. `failure` says why the engine can serve nothing more (its device failed), else None."""
 
     def __init__(self, target, draft=None, device=None, dtype=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -697,10 +1126,11 @@ class Engine:
                              f"{self.config.vocab_size}")
         self.device, self.dtype = (self.target.device, self.target.embed.dtype) if self.target else (device, dtype)
         check_fits(self.unread_bytes(), self.device, "the weights", "try a smaller model or another --device")
-        self.tokenizer = self.opened[0] and self.opened[0][2]
-        self.is_eos = torch.zeros(self.config.vocab_size, dtype=torch.bool, device=self.device)  # [V]
-        self.is_eos[self.config.eos_ids] = True
-        self.pad = (self.config.eos_ids or [0])[0]
+        self.tokenizer, self.failure = self.opened[0] and self.opened[0][2], None
+        V = self.config.vocab_size
+        self.is_eos = torch.zeros(V + 1, dtype=torch.bool, device=self.device)  # [V + 1]: the pad V ends too
+        self.is_eos[self.config.eos_ids + [V]] = True
+        self.ends, self.models = set(self.config.eos_ids) | {V}, None
 
     def unread_bytes(self):
         """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
@@ -717,11 +1147,14 @@ class Engine:
         if self.draft is None and self.opened[1]:
             self.draft = model.build(*self.opened[1][:2], self.device, self.dtype)
         self.opened = [None, None]
+        self.models = Models(self.target, self.draft, self.is_eos, self.config.vocab_size)
         return self
 
     def encode(self, prompt):
         if not isinstance(prompt, str):
-            ids = [int(i) for i in prompt]
+            ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+            if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise UsageError("a prompt is text or a list of token ids")
         elif self.tokenizer is None:
             raise UsageError("this engine has no tokenizer: give the prompt as token ids")
         elif not prompt.strip():
@@ -734,51 +1167,22 @@ class Engine:
             raise UsageError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         return ids
 
-    def request(self, prompt, method="smc", max_new_tokens=64, temperature=0.7, draft_temperature=None,
-                target_temperature=None, particles=None, draft_len=None, ess_threshold=0.5, top_k=0, top_p=1.0,
-                seed=0, select="sample", cuda_graphs=True, power=1.0, easd=EASD, tree=0, overlap=False, stop=(),
-                on_tokens=None, on_text=None, on_done=None, on_cycle=None, context=None):
-        """Check a request against the models' configs and the free memory, before any weight is read ->
-        Request. Raises UsageError. context: the most tokens (prompt, new ones and a draft block) a slot of the
-        serving batch holds, when that is below the models' context."""
-        s = Settings(method, max_new_tokens, temperature if draft_temperature is None else draft_temperature,
-                     temperature if target_temperature is None else target_temperature,
-                     *shape(method, particles, draft_len, self.device), ess_threshold, top_k, top_p, seed, select,
-                     cuda_graphs, power, easd, tree, overlap)
-        check_settings(s, self.draft_config is not None or self.racer)
-        if self.racer and s.method in ("smc", "easd"):
-            raise UsageError(f"{s.method} needs a draft model's distribution, and racer drafts are deterministic "
-                             "tokens; use --method sd with --draft racer")
-        if s.tree and not self.racer:
-            raise UsageError("tree drafts come from racer: use --tree with --draft racer --method sd")
-        if s.overlap and (self.racer or s.method == "ar"):
-            raise UsageError("overlap runs a draft model's drafting beside the target's verifying: use it with "
-                             "--method sd, easd or smc and a draft model")
+    def request(self, prompt, stop=(), on_tokens=None, on_text=None, on_done=None, on_cycle=None, context=None,
+                **options):
+        """A prompt (text or ids) with its options (`Settings`' fields) -> a checked Request, before any weight
+        is read; raises UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones
+        and a draft block) a slot of the serving batch holds, when that is below the models' context."""
+        draft = "racer" if self.racer else "model" if self.draft_config else None
+        s = settings(options).check(self.config.vocab_size, draft).resolve(self.device)
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise UsageError("stop must be a string or a list of non-empty strings")
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none")
-        ids, key = self.encode(prompt), s.shape(self.racer)
-        req = Request(ids, s, self.check_request(len(ids), s, key, context), [stop] if isinstance(stop, str) else
-                      stop, on_tokens, on_text, on_done, on_cycle, self.tokenizer)
-        req.key, req.drafter = key, racer.Retrieval(ids, chain=not s.tree) if key.tree else None
-        return req
-
-    def check_request(self, prompt_len, s, key, context=None):
-        """Context and memory checks -> the suffix capacity: the budget plus a draft block of lookahead."""
-        extra = 0 if s.method == "ar" else max(key.tree, s.draft_len)  # what a cycle writes ahead
-        capacity = s.max_new_tokens + extra
-        configs = [c for c in (self.config, self.draft_config if s.method != "ar" else None) if c is not None]
-        context = min([c.max_seq_len for c in configs] + [context or math.inf])
-        if prompt_len >= context:
-            raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
-        if prompt_len + capacity > context:
-            raise UsageError(f"max-new-tokens {s.max_new_tokens} does not fit the context of {context} after a "
-                             f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}")
-        need = sum(model.KVCache.nbytes(c, s.particles, prompt_len, capacity, self.dtype) for c in configs)
-        need += 4 * s.particles * (extra + 1) * self.config.vocab_size * 4  # float32 logits, a few copies
-        need += self.unread_bytes()  # free memory is measured before the weights are read
-        check_fits(need, self.device, "the KV caches and logits" + (" with the weights" if self.opened[0] else ""),
-                   "lower --particles or --max-new-tokens")
-        return capacity
+        ids, shape = self.encode(prompt), s.shape(self.racer)
+        return Request(ids, s, shape, capacity(self, len(ids), s, shape, context), stop, self.tokenizer,
+                       racer.Retrieval(ids, chain=not s.tree) if shape.tree else None, on_tokens, on_text, on_done,
+                       on_cycle)
 
     def requests(self, prompts, **options):
         """Checked Requests for a list of prompts, each text, ids, or {"prompt": ..., **options of its own}."""
@@ -786,262 +1190,90 @@ class Engine:
         for i, p in enumerate(prompts):
             try:
                 out.append(self.request(**{**options, **p}) if isinstance(p, dict) else self.request(p, **options))
-            except TypeError as e:  # an option that does not exist
-                raise UsageError(f"prompt {i + 1}: {str(e).replace('Engine.request() ', '')}") from None
+            except (UsageError, TypeError) as e:
+                raise UsageError(f"prompt {i + 1}: {e}") from None
         return out
 
     def generate(self, prompt, on_tokens=None, slots=None, **options):
-        """prompt: text or token ids -> Result(text, tokens, stats); or a list of prompts (each text, ids, or a
-        dict {"prompt": ..., **options of its own}) -> [Result], decoded together, `slots` at a time (default: up
-        to 8), each request with its own randomness: its output does not depend on its neighbours.
-        Options (see `request`): method, max_new_tokens, temperature (the draft's and the target's) or
-        draft_temperature / target_temperature, particles (smc's N) and draft_len (K; None for either: `shape`'s
-        defaults), ess_threshold, top_k, top_p (ar and sd), seed, select (the final particle by "sample", in
-        proportion to its weight, or "argmax"), cuda_graphs, power (smc's target p ** power), easd (easd's rule),
-        tree (racer's draft tokens per cycle as a tree), overlap (MineDraft's halves), stop (strings that end the
-        text).
+        """prompt: text, token ids or {"prompt": ..., **options} -> Result(text, tokens, stats); or a list of
+        prompts -> [Result], decoded together, `slots` at a time (default: up to 8), each request with its own
+        randomness: its output does not depend on its neighbours. Options: `Settings`' fields, and stop.
         on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
         returning True stops generation there (the settled tokens are the result). stats["stop"] says why it
         ended: "eos", "length", "stop" (a stop string), "stopped", "interrupted", or "degenerate" (smc: no
         particle kept a positive weight, or one is NaN; the result is what had settled before)."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
-        return self.run([self.request(prompt, on_tokens=on_tokens, **options)], 1)[0]
+        one = {**options, **prompt} if isinstance(prompt, dict) else {**options, "prompt": prompt}
+        return self.run([self.request(on_tokens=on_tokens, **one)], 1)[0]
+
+    def check_memory(self, requests, slots):
+        """The unread weights and the batches these requests need fit in free memory, or a UsageError."""
+        caps = sizes(requests)
+        need = self.unread_bytes() + sum(batch_bytes(self, shape, slots, caps) for shape in
+                                         {req.shape for req in requests})
+        check_fits(need, self.device, ("the weights, " if self.opened[0] else "") + f"{slots} slots' KV caches and "
+                   "logits", "lower --slots, --particles, --draft-len or --max-new-tokens")
 
     def run(self, requests, slots=None):
         """Decode checked Requests to the end -> their Results."""
-        inbox = queue.Queue()
-        for req in requests:
-            inbox.put(req)
-        self.serve(inbox, slots or min(len(requests), 8), sizes(requests), until_idle=True)
+        slots = slots or min(len(requests), 8)
+        self.check_memory(requests, slots)
+        for _ in self.serving(requests, slots, sizes(requests), True):
+            pass
         return [req.result for req in requests]
 
     def stream(self, prompts, slots=None, **options):
         """generate's list form as it goes: yields (i, text, None) as the i-th prompt's text settles, then
         (i, "", Result) when it ends (models without a tokenizer: the Results only)."""
         events, requests = [], self.requests(prompts, **options)
-        inbox = queue.Queue()
         for i, req in enumerate(requests):
             req.on_text = lambda piece, i=i: events.append((i, piece, None))
             req.on_done = lambda result, i=i: events.append((i, "", result))
-            inbox.put(req)
-        for _ in self.serving(inbox, slots or min(len(requests), 8), sizes(requests), True):
+        for _ in self.serving(requests, slots or min(len(requests), 8), sizes(requests), True):
             yield from events
             events.clear()
         yield from events
 
-    def serve(self, inbox, slots=4, context=2048, until_idle=False):
+    def serve(self, inbox, slots=4, context=2048, idle_s=IDLE_S):
         """Decode the Requests put in inbox (a queue.Queue) until None arrives (requests still running end
-        "cancelled") or, with until_idle, until none is left. Requests of one shape (method, particles,
-        draft_len, ess_threshold) share a batch of `slots` slots and join it as slots free up; batches of
-        different shapes take turns cycle by cycle. context: the tokens a slot holds (prompt, new tokens and a
-        draft block; a pair (prompt, the rest) for each apart); check requests against it (`request(context=)`).
-        A failure in one batch ends its requests "error" (until_idle: raises) and serving goes on."""
-        for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, until_idle):
+        "cancelled"). context: the tokens a slot holds (prompt, new tokens and a draft block; a pair (prompt,
+        the rest) for each apart); check requests against it (`request(context=)`). A failure in one batch ends
+        its requests "error" and serving goes on; a failed device ends them all and raises DeviceFailed."""
+        for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, False, idle_s):
             pass
 
-    def serving(self, inbox, slots, caps, until_idle):
-        """serve, as a generator that yields after every round of cycles."""
+    def serving(self, inbox, slots, caps, until_idle, idle_s=IDLE_S):
+        """The Scheduler's loop over inbox (a queue.Queue, or a list of Requests), yielding after every round."""
+        if isinstance(inbox, list):
+            requests, inbox = inbox, queue.Queue()
+            for req in requests:
+                inbox.put(req)
         self.load()
-        batches, waiting = {}, []
+        sched = Scheduler(self, slots, caps, until_idle, idle_s)
         with torch.inference_mode():
             try:
-                while True:
-                    busy = bool(waiting) or any(b.busy() for b in batches.values())
-                    if until_idle and not busy and inbox.empty():
-                        return
-                    items = [] if busy else [inbox.get()]  # idle: wait for work
-                    while not inbox.empty():  # this loop is the queue's one reader
-                        items.append(inbox.get())
-                    waiting += [item for item in items if item is not None]
-                    if None in items:
-                        return self.end(batches, waiting, "cancelled")
-                    for b in batches.values():
-                        b.collect()  # frees the slots of requests the last cycle ended
-                    self.admit(waiting, batches, slots, caps, until_idle)
-                    for key, b in list(batches.items()):
-                        try:
-                            b.collect()  # a request can be done as it is admitted (max_new_tokens=1)
-                            if b.busy():
-                                b.cycle()
-                        except Exception as e:
-                            if until_idle:
-                                raise
-                            self.end({key: batches.pop(key)}, [], "error", e)
-                    yield
+                yield from sched.serving(inbox, until_idle)
             except KeyboardInterrupt:
-                self.end(batches, waiting, "interrupted")
+                sched.stop("interrupted")
+            except DeviceFailed as e:
+                self.failure = str(e)
+                sched.stop("error", e)
+                raise
 
-    def admit(self, waiting, batches, slots, caps, until_idle):
-        """Move waiting requests into free slots of their shape's batch, made at its shape's first request."""
-        for req in list(waiting):
-            key = req.key
-            try:
-                if not req.cancelled and key not in batches:
-                    batches[key] = (Pair if key.overlap else Batch)(self, key, slots, *caps)
-                if not req.cancelled and (len(req.ids) > caps[0] or req.capacity > caps[1]):
-                    raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
-                                     f"{caps[0]} + {caps[1]}: check requests with request(context=...)")
-                admitted = req.cancelled or batches[key].admit(req)  # a failed prefill leaves the slot free
-            except Exception as e:
-                if until_idle:
-                    raise
-                waiting.remove(req)
-                self.end({}, [req], "error", e)
-                continue
-            if admitted:
-                waiting.remove(req)
-                if req.cancelled:
-                    self.end({}, [req], "cancelled")
+    def device_ok(self):
+        """Whether the device still runs work (a CUDA error is sticky: every later call fails)."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return True
+        except RuntimeError:
+            return False
 
-    def end(self, batches, waiting, why, error=None):
-        """End every request in batches and in waiting with what it made so far and stats["stop"] = why; after
-        an error (its message in stats["error"]) the batches' device state is not read again."""
-        for b in batches.values():
-            if error is None:
-                b.collect(stop=why)
-            waiting = waiting + ([req for req in b.requests if req] if error is not None else [])
-        for req in waiting:
-            stats = req.stats(req.settled, why, self.config.eos_ids, 0.0)
-            req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
-                       self.config.eos_ids)
 
-    # ------------------------------------------------------------ cycles: fixed shapes, no host sync
-
-    def cycle(self, st, s, phase=None):
-        """One cycle of s.method for the slots of st, then their flags for the host; phase "draft" or "verify":
-        that half of it alone (MineDraft's overlap)."""
-        if phase != "verify" and s.method != "ar" and not s.tree:
-            self.draft_block(st, s)
-        if phase != "draft":
-            methods = {"ar": self.ar_cycle, "sd": self.sd_cycle, "easd": self.sd_cycle, "smc": self.smc_cycle}
-            (self.racer_cycle if s.tree else methods[s.method])(st, s)
-            if st.dcache:
-                st.dcache.suffix_len.mul_(st.live)  # an empty slot drafted into nothing
-            publish(st)
-
-    def restricted(self, logits, st, s):
-        return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
-
-    def ar_cycle(self, st, s):
-        """One target step on the pending token."""
-        logits = self.restricted(self.target.step(st.x0[..., None], st.tcache)[:, 0, 0], st, s)  # [R, V]
-        x = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
-        append(st, x.view(-1, 1, 1), torch.ones_like(st.gen_len), self.is_eos)
-
-    def draft_block(self, st, s):
-        """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left
-        unwritten -> st.drafted [R, N, K], their log q under the draft temperature st.logq [R, N, K], and for sd
-        the draft's logits st.q_logits [R, K, V]. Advances the draft's suffix_len by K + 1."""
-        R, N = st.x0.shape
-        x = torch.stack([st.prev, st.x0], -1)  # [R, N, 2]
-        for k in range(s.draft_len):
-            out = self.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
-            st.dcache.suffix_len += x.shape[-1]
-            t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
-            x = t.view(R, N, 1)
-            st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
-            if st.q_logits is not None:
-                st.q_logits[:, k] = out[:, 0]
-
-    def verify(self, st, t, s):
-        """One target forward over [x0, t_1..t_K] -> restricted logits [R, N, K+1, V]: row k - 1 scores t_k,
-        row K is the bonus token's distribution."""
-        return self.restricted(self.target.step(torch.cat([st.x0[..., None], t], -1), st.tcache), st, s)
-
-    def sd_cycle(self, st, s):
-        """Speculative sampling, each request accepting its own number of tokens: accept t_k with probability
-        min(1, p/q); the first rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a
-        bonus token from p. Exact at any temperature. easd: also rejects where `easd_trigger` fires, replacing
-        the token by a draw from p (not exact: it trades the draft's low-confidence agreement for the target)."""
-        K, R, device = s.draft_len, st.x0.shape[0], st.x0.device
-        p = probs(self.verify(st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
-        q = probs(st.q_logits, st.temp_d)  # [R, K, V]
-        t = st.drafted[:, 0]  # [R, K]
-        pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
-        accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
-        residual = (p[:, :K] - q).clamp(min=0)
-        if s.easd:
-            triggered = easd_trigger(p[:, :K], q, t, s.easd)
-            accept &= ~triggered
-            residual = torch.where(triggered[..., None], p[:, :K], residual)
-        n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
-        if s.easd:
-            st.triggers += triggered.gather(1, n.long().clamp(max=K - 1)[:, None])[:, 0] & (n < K)
-        at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
-        fix = torch.cat([residual, p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
-        fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
-        c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
-        st.prev.copy_(torch.cat([st.x0, t], 1).gather(1, n.long()[:, None]))
-        tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
-                             c[:, None])  # t_1..t_n, c, filler
-        st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
-        st.accepted += n
-        append(st, tokens[:, None], n + 1, self.is_eos)
-
-    def racer_cycle(self, st, s):
-        """sd on racer's draft tree (racer.py), verified exactly in one target forward: a node sees the prefix,
-        its ancestors and itself (st.mask), at position length + depth. Walking down from the root, y ~ p is drawn
-        at each node; the child whose token is y is followed, else y is emitted: the text follows p exactly
-        (greedy: y is the argmax, ar's token), a chain being the tree of one child per node. The path's K/V then
-        moves down to consecutive positions. Each node's top tokens become the host's cues."""
-        (R, T), K, device = st.nodes.shape, s.draft_len, st.x0.device
-        nodes = torch.cat([st.x0, st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
-        base = st.tcache.suffix_len.clone()
-        logits = self.target.step(nodes.clamp(min=0)[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
-        logits = self.restricted(logits, st, s)  # [R, T, V]
-        y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
-        follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
-        on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
-        d = torch.arange(K + 1, device=device)
-        path = (on_path[:, None] & (st.depth[:, None] == d[:, None])).int().argmax(-1)  # [R, K+1]: 0 past the end
-        n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
-        c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
-        tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
-        compact(st.tcache, base, path)
-        top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
-        st.cues.copy_(top.indices)
-        st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
-        st.accepted += n
-        append(st, tokens[:, None], n.int() + 1, self.is_eos)
-
-    def smc_cycle(self, st, s):
-        """Draft K tokens per particle, score them with the target in one forward, weight, append K + 1
-        tokens (the last a bonus token from the target), resample where the ESS falls below the threshold.
-        A power target p ** alpha (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
-        K, (R, N), t = s.draft_len, st.x0.shape, st.drafted
-        logits = self.verify(st, t, s)  # [R, N, K+1, V]
-        logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
-        bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
-        b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-        increments, tokens = settle(st.x0, t, b, s.power * logp, st.logq, st.finished, self.is_eos, self.pad,
-                                    log_bonus)
-        st.logw += increments
-        st.prev.copy_(tokens[..., K - 1])
-        append(st, tokens, torch.full_like(st.gen_len, K + 1), self.is_eos)
-        self.resample(st, s)
-
-    def resample(self, st, s):
-        """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
-        draft), history, pending tokens and finished flag become its ancestor's; the log-normaliser takes the
-        mean weight, and the weights restart at 0. A population with no positive weight (the target forbids
-        every particle's draft tokens) or a NaN weight (non-finite logits) is degenerate: resampling it would be
-        a uniform draw that hides the failure, so the request ends (publish)."""
-        ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
-        st.degenerate |= degenerate & st.live
-        for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess),
-                         (st.resampled, resampled)):
-            saved.copy_(x)
-        st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
-        st.logw.masked_fill_(resampled[:, None], 0.0)
-        for cache in (st.tcache, st.dcache):
-            for kv in (cache.suffix_k, cache.suffix_v):
-                kernels.gather_suffix(kv, ancestors, cache.suffix_len)
-        kernels.gather_suffix(st.hist, ancestors, st.gen_len)
-        for x in (st.x0, st.prev, st.finished):
-            x.copy_(x.gather(1, ancestors))
-        st.resamples += resampled
-        st.ess_sum += ess
+def sizes(requests):
+    """The (prompt, suffix) tokens a slot needs to hold any of requests."""
+    return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
 
 
 # ---------------------------------------------------------------- command line
@@ -1070,16 +1302,14 @@ def apply_chat(tokenizer, messages):
                                                            bos_token="", eos_token="")
 
 
+SUMMARY = {"sd": ", {cycles} cycles, acceptance {acceptance:.2f}",
+           "easd": ", {cycles} cycles, acceptance {acceptance:.2f}, {triggers} easd rejections",
+           "smc": ", {cycles} cycles, {resamples} resamples, mean ESS {mean_ess:.2f}/{particles}, log Z {log_z:.3f}"}
+
+
 def summary(stats):
-    line = f"[{stats['method']}: {stats['new_tokens']} new tokens, {stats['tokens_per_s']:.1f} tok/s"
-    if stats["method"] in ("sd", "easd"):
-        line += f", {stats['cycles']} cycles, acceptance {stats['acceptance']:.2f}"
-    if stats["method"] == "easd":
-        line += f", {stats['triggers']} easd rejections"
-    if stats["method"] == "smc":
-        line += (f", {stats['cycles']} cycles, {stats['resamples']} resamples, mean ESS {stats['mean_ess']:.2f}"
-                 f"/{stats['particles']}, log Z {stats['log_z']:.3f}")
-    return line + ("" if stats["stop"] != "interrupted" else ", interrupted") + "]"
+    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s" + SUMMARY.get(stats["method"], "")
+    return line.format(**stats) + ("" if stats["stop"] != "interrupted" else ", interrupted") + "]"
 
 
 def easd_rule(text):
@@ -1119,81 +1349,93 @@ def read_jsonl(path):
     return items
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
-    p.add_argument("--draft", help="draft model, same vocabulary as the target; racer: drafts from retrieval and "
-                   "the target's own logits, no draft model (sd)")
-    p.add_argument("--method", choices=METHODS, default="smc")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--prompt-file", help="read the prompt from this file instead; a .jsonl file holds one "
-                   '{"prompt": ...} per line (with options of its own) and gives one JSON result per line')
-    p.add_argument("--slots", type=int, default=4, help="prompts of a .jsonl file decoded together")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.7, help="draft and target temperature; 0 = greedy")
-    p.add_argument("--draft-temperature", type=float)
-    p.add_argument("--target-temperature", type=float)
-    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest target tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
-    p.add_argument("--particles", type=int, help="smc: particles N (default: 3 on a CPU, 4 on a GPU)")
-    p.add_argument("--draft-len", type=int, help="sd, smc: draft tokens K per cycle (default: sd 4; smc 2 on a "
-                   "CPU, 4 on a GPU)")
-    p.add_argument("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
-    p.add_argument("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE",
-                   help="easd: reject the draft token where both models' entropies reach ENTROPY nats and their "
-                   "top-TOP tokens share SHARE x TOP, the token among them (default %(default)s)")
-    p.add_argument("--power", type=float, default=1.0, help="smc: sample whole sequences from p ** power "
-                   "(normalised; > 1 sharper than the target)")
-    p.add_argument("--tree", type=int, default=0, metavar="NODES", help="--draft racer: draft a tree of up to "
-                   "NODES tokens, at most --draft-len deep, verified in one forward (default: a chain)")
-    p.add_argument("--overlap", action="store_true", help="MineDraft: split the slots into two halves, drafting "
-                   "one while the target verifies the other")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
-    p.add_argument("--trace", metavar="PATH", help="write one JSON line per cycle to PATH: what each particle "
-                   "appended, its weights, ESS, ancestors, settled length, phase times (python plot.py PATH)")
-    args = p.parse_args(argv)
+    add = p.add_argument
+    add("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
+    add("--draft", help="draft model, same vocabulary as the target; racer: drafts from retrieval and the target's "
+        "own logits, no draft model (sd)")
+    add("--method", choices=METHODS, default="smc")
+    add("--prompt", default=DEFAULT_PROMPT)
+    add("--prompt-file", help='read the prompt from this file instead; a .jsonl file holds one {"prompt": ...} per '
+        "line (with options of its own) and gives one JSON result per line")
+    add("--slots", type=int, default=4, help="prompts of a .jsonl file decoded together")
+    add("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    add("--max-new-tokens", type=int, default=64)
+    add("--temperature", type=float, default=0.7, help="draft and target temperature; 0 = greedy")
+    add("--draft-temperature", type=float)
+    add("--target-temperature", type=float)
+    add("--top-k", type=int, default=0, help="keep the k likeliest target tokens (0 = all)")
+    add("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
+    add("--particles", type=int, help="smc: particles N (default: 3 on a CPU, 4 on a GPU)")
+    add("--draft-len", type=int, help="sd, smc: draft tokens K per cycle (default: sd 4; smc 2 on a CPU, 4 on a GPU)")
+    add("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
+    add("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE", help="easd: reject the draft token "
+        "where both models' entropies reach ENTROPY nats and their top-TOP tokens share SHARE x TOP, the token "
+        "among them (default %(default)s)")
+    add("--power", type=float, default=1.0, help="smc: sample whole sequences from p ** power (normalised; > 1 "
+        "sharper than the target)")
+    add("--tree", type=int, default=0, metavar="NODES", help="--draft racer: draft a tree of up to NODES tokens, at "
+        "most --draft-len deep, verified in one forward (default: a chain)")
+    add("--overlap", action="store_true", help="MineDraft: split the slots into two halves, drafting one while the "
+        "target verifies the other")
+    add("--seed", type=int, default=0)
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
+    add("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    add("--trace", metavar="PATH", help="write one JSON line per cycle to PATH: what each particle appended, its "
+        "weights, ESS, ancestors, settled length, phase times (python plot.py PATH)")
+    return p
+
+
+def options_of(args):
+    """The command line's request options (Settings' fields), checked before any model is opened."""
+    options = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name not in ("select", "cuda_graphs")}
+    settings(options | {"cuda_graphs": not args.no_cuda_graphs}).check(None, "racer" if args.draft == "racer" else
+                                                                      "model")
+    if args.draft not in (None, "racer") and not args.target:
+        raise UsageError("--draft needs --target")
+    if args.slots < 1:
+        raise UsageError(f"--slots must be at least 1, got {args.slots}")
+    return options | {"cuda_graphs": not args.no_cuda_graphs}
+
+
+def prepare(args, batch, rank, world):
+    """-> (engine, requests, prompt), every check done before a weight is read or the prompt echoed."""
+    if world > 1 and not args.target:
+        raise UsageError("under torchrun give --target (and --draft): fetch the default pair first with python "
+                         "weights/fetch.py, so that the ranks do not fetch it at once")
+    options = options_of(args)
+    if args.trace and batch:
+        raise UsageError("--trace follows one prompt; give --prompt or a text --prompt-file")
+    prompt = read_jsonl(args.prompt_file) if batch else read_prompt(args.prompt_file) if args.prompt_file \
+        else args.prompt
+    if not batch and not prompt.strip():
+        raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
+    draft, target = (args.draft, args.target) if args.target else default_pair()
+    engine = Engine(target, "racer" if args.draft == "racer" else draft, args.device, args.dtype)
+    if args.chat and not (engine.tokenizer and engine.tokenizer.chat_template):
+        raise UsageError(f"--chat: {target} has no chat template; give the prompt as the model should read it")
+    chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
+    items = [item | {"prompt": chat(item["prompt"])} for item in (prompt if batch else [{"prompt": prompt}])]
+    requests = engine.requests(items, **options) if batch else [engine.request(items[0]["prompt"], **options)]
+    engine.check_memory(requests, min(args.slots, len(requests)))
+    return engine, requests, prompt
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
-        device = torch.device(args.device)
+        args.device = torch.device(args.device)
     except RuntimeError:
         sys.exit(f"error: unknown device {args.device!r}; use cpu or cuda")
-    draft_temperature, target_temperature = (args.temperature if t is None else t
-                                             for t in (args.draft_temperature, args.target_temperature))
-    particles, draft_len = shape(args.method, args.particles, args.draft_len, device)
-    options = dict(method=args.method, max_new_tokens=args.max_new_tokens, draft_temperature=draft_temperature,
-                   target_temperature=target_temperature, particles=particles, draft_len=draft_len,
-                   ess_threshold=args.ess_threshold, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   cuda_graphs=not args.no_cuda_graphs, power=args.power, easd=args.easd, tree=args.tree,
-                   overlap=args.overlap)
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
-    rank, world = model.init_distributed(device)  # under torchrun; only rank 0 speaks
+    rank, world = model.init_distributed(args.device)  # under torchrun; only rank 0 speaks
     if rank:
         sys.stdout = open(os.devnull, "w")
     try:
-        if world > 1 and not args.target:
-            raise UsageError("under torchrun give --target (and --draft): fetch the default pair first with "
-                             "python weights/fetch.py, so that the ranks do not fetch it at once")
-        check_settings(Settings(**options, select="sample"), has_draft=True)  # before the default pair is fetched
-        if args.draft not in (None, "racer") and not args.target:
-            raise UsageError("--draft needs --target")
-        if args.slots < 1:
-            raise UsageError(f"--slots must be at least 1, got {args.slots}")
-        if args.trace and batch:
-            raise UsageError("--trace follows one prompt; give --prompt or a text --prompt-file")
-        prompt = read_jsonl(args.prompt_file) if batch else read_prompt(args.prompt_file) if args.prompt_file \
-            else args.prompt
-        if not batch and not prompt.strip():
-            raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
-        draft, target = (args.draft, args.target) if args.target else default_pair()
-        draft = "racer" if args.draft == "racer" else draft  # retrieval drafts for the default target
-        engine = Engine(target, draft, device, args.dtype)  # opens the files; reads no weights yet
-        chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
-        items = [item | {"prompt": chat(item["prompt"])} for item in (prompt if batch else [{"prompt": prompt}])]
-        requests = engine.requests(items, **options)  # every check, before the weights are read or the prompt echoed
+        engine, requests, prompt = prepare(args, batch, rank, world)
         if not (batch or args.json):
             requests[0].on_text = lambda piece: print(piece, end="", flush=True)
             print("" if args.chat else prompt, end="", flush=True)
@@ -1201,23 +1443,23 @@ def main(argv=None):
             import plot
             tracer = plot.Tracer(args.trace, engine, requests[0])
             requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
-        results = engine.run(requests, args.slots)
+        results = engine.run(requests, min(args.slots, len(requests)))
     except (model.LoadError, UsageError) as e:
         sys.exit(1 if rank else f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
     if world > 1:
         torch.distributed.destroy_process_group()
-    result = results[0]
     if batch or args.json:
         for r in results:
             print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}), flush=True)
     else:
         print()
-        print(summary(result.stats), file=sys.stdout if rank else sys.stderr)
-    if result.stats["stop"] == "interrupted":
+        print(summary(results[0].stats), file=sys.stdout if rank else sys.stderr)
+    stop = results[0].stats["stop"]
+    if stop == "interrupted":
         sys.exit(130)
-    if result.stats["stop"] == "degenerate" and not batch:  # a batch reports it in its JSON lines
+    if stop == "degenerate" and not batch:  # a batch reports it in its JSON lines
         sys.exit(1 if rank else "error: smc stopped: no particle kept a positive weight, or one is NaN (the models' "
                  "log-probabilities are not finite); the text above is what had settled")
 

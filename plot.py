@@ -7,6 +7,7 @@
 The trace is written by `Tracer` (engine.py --trace imports it from here); the pictures need matplotlib, an
 optional requirement of this file alone (pip install matplotlib)."""
 import atexit
+import functools
 import json
 import math
 import os
@@ -29,7 +30,8 @@ class Tracer:
     a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no half-written trace is left."""
 
     def __init__(self, path, engine, request):
-        self.path, self.engine, self.ms, self.cycles = path, engine, {}, 0
+        import engine as module
+        self.path, self.engine, self.ms, self.cycles, self.module = path, engine, {}, 0, module
         self.file = open(path + ".tmp", "w")
         atexit.register(self.discard)
         s = request.s
@@ -37,13 +39,15 @@ class Tracer:
                     "ess_threshold": s.ess_threshold, "draft_temperature": s.draft_temperature,
                     "target_temperature": s.target_temperature, "seed": s.seed, "max_new_tokens": s.max_new_tokens,
                     "prompt_tokens": len(request.ids), "prompt": self.decode(request.ids)})
-        for name in ("draft_block", "verify", "cycle"):
-            setattr(engine, name, self.timed(name, getattr(engine, name)))
+        self.phases = {name: getattr(module, name) for name in ("draft_block", "verify", "cycle")}
+        for name, fn in self.phases.items():  # the cycle functions look each other up by name: timed until done
+            setattr(module, name, self.timed(name, fn))
 
     def decode(self, ids):
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer else None
 
     def timed(self, name, fn):
+        @functools.wraps(fn)  # its name: a batch replays its graphs by name
         def wrapper(*args):
             if self.engine.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return fn(*args)  # recording a CUDA graph: no sync allowed, and replays are not timed anyway
@@ -83,8 +87,14 @@ class Tracer:
         self.write({"kind": "end", "tokens": result.tokens, "text": result.text, "stats": result.stats})
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
+        self.restore()
+
+    def restore(self):
+        for name, fn in self.phases.items():
+            setattr(self.module, name, fn)
 
     def discard(self):
+        self.restore()
         if not self.file.closed:
             self.file.close()
             os.remove(self.path + ".tmp")

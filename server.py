@@ -109,13 +109,11 @@ def options_of(body, chat, defaults):
     o = dict(defaults, max_new_tokens=get(body, "max_tokens", int, 256 if chat else 16))
     if chat and body.get("max_completion_tokens") is not None:  # the newer name
         o["max_new_tokens"] = get(body, "max_completion_tokens", int)
-    check(o["max_new_tokens"] >= 1, "max_tokens must be at least 1", "max_tokens")
+    check(o["max_new_tokens"] >= 1, "max_tokens must be at least 1", "max_tokens")  # the API's name for it
     for name, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int), ("seed", int),
                        ("method", str), ("particles", int), ("draft_len", int)):
         if body.get(name) is not None:
             o[name] = get(body, name, kind)
-    check(o.get("temperature", 1) >= 0, "temperature must be >= 0", "temperature")
-    check(0 < o.get("top_p", 1) <= 1, "top_p must lie in (0, 1]", "top_p")
     o.setdefault("seed", random.randrange(2 ** 31))  # no seed given: a fresh sample, as OpenAI's
     if "method" not in body and o["method"] == "smc" and (o.get("temperature", 1) == 0 or o.get("top_p", 1) < 1
                                                           or o.get("top_k", 0) > 0):
@@ -136,7 +134,7 @@ class Worker:
 
     def __init__(self, eng, slots, context, max_waiting):
         self.eng, self.slots, self.context, self.max_waiting = eng, slots, context, max_waiting
-        self.inbox, self.live, self.loop = queue.Queue(), set(), None
+        self.inbox, self.live, self.loop, self.failure = queue.Queue(), set(), None, None
 
     def start(self):
         self.loop = asyncio.get_running_loop()
@@ -146,10 +144,15 @@ class Worker:
     def run(self):
         try:
             self.eng.serve(self.inbox, self.slots, self.context)
-        except BaseException:
+        except engine.DeviceFailed as e:  # the engine ended every request; later ones are refused with this
+            self.failure = str(e)
+            print(f"error: {e}", file=sys.stderr)
+        except BaseException as e:
+            self.failure = f"the serving loop stopped: {e!r}"
             traceback.print_exc()
         finally:  # what is still live will never finish: tell its clients
-            gone = SimpleNamespace(text="", tokens=[], stats={"stop": "error", "error": "the serving loop stopped"})
+            gone = SimpleNamespace(text="", tokens=[], stats={"stop": "error", "error": self.failure or
+                                                              "the serving loop stopped"})
             self.post(lambda: [self.finish(events, gone) for events in list(self.live)])
 
     def post(self, call, *args):
@@ -163,8 +166,8 @@ class Worker:
 
     def submit(self, prompt, stop, options, stream):
         """-> (engine.Request, its queue); engine.UsageError for a bad request; a 503 when too many wait."""
-        if not self.thread.is_alive():
-            raise ApiError(503, "the serving loop has stopped", kind="server_error")
+        if self.failure or not self.thread.is_alive():
+            raise ApiError(503, self.failure or "the serving loop has stopped", kind="server_error")
         if len(self.live) >= self.slots + self.max_waiting:
             raise ApiError(503, f"server busy: {len(self.live)} requests running or waiting", kind="server_error")
         events = asyncio.Queue()
@@ -274,18 +277,20 @@ async def models(request):
 
 
 async def health(request):
+    """200 while the engine serves; 503, with the reason, once it cannot (its device failed, its loop stopped)."""
     worker = request.app.state.worker
-    ok = worker.thread.is_alive()
-    return JSONResponse({"status": "ok" if ok else "serving loop stopped", "requests": len(worker.live)},
-                        200 if ok else 503)
+    ok = worker.thread.is_alive() and not worker.failure
+    return JSONResponse({"status": "ok" if ok else worker.failure or "the serving loop stopped",
+                         "requests": len(worker.live)}, 200 if ok else 503)
 
 
 async def api_error(request, e):
     """OpenAI's error object for an ApiError, an engine.UsageError (400) or Starlette's 404 and 405."""
     if isinstance(e, HTTPException):
         e = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
-    elif not isinstance(e, ApiError):
-        e = ApiError(400, str(e))
+    elif not isinstance(e, ApiError):  # the engine's one check names the option: the API's name for it
+        e = ApiError(400, str(e), {"max_new_tokens": "max_tokens", "draft_temperature": "temperature",
+                                   "target_temperature": "temperature"}.get(e.param, e.param))
     return JSONResponse(error_body(str(e), e.param, e.kind), e.status)
 
 

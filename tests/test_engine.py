@@ -202,14 +202,14 @@ def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     e = engine.Engine(TARGET, "racer")
     with torch.inference_mode():
         req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
-        b = engine.Batch(e.load(), req.key, 1, len(PROMPT), req.capacity)
+        b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(4):
             b.cycle()
             b.collect()
         st, n = b.st, int(b.st.gen_len[0])
-        assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.accepted[0]) == n - 5
-        tokens = PROMPT + st.hist[0, 0, :n - 1].tolist()
+        assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.accepted[0]) == n - 1 - req.cycles  # +1 a cycle
+        tokens = PROMPT + st.hist[0, 0, 1:n].tolist()
         fresh = model.KVCache(TARGET.config, 1, len(tokens), 1, "cpu", torch.float32)
         TARGET.prefill(torch.tensor(tokens), fresh)
         assert torch.allclose(st.tcache.suffix_k[:, 0, 0, :, :n - 1], fresh.prefix_k[:, 0, :, len(PROMPT):],
@@ -229,8 +229,8 @@ def test_racer_on_the_graph_path_and_at_the_end_of_its_budget(monkeypatch, tree)
         options = dict(method="sd", max_new_tokens=budget, seed=2, draft_len=4, tree=tree, temperature=1.0)
         eager = e.generate(PROMPT, **options)
         with monkeypatch.context() as m:
-            m.setattr(engine, "record", lambda cycle: cycle() or cycle)
-            m.setattr(engine, "graphs_apply", lambda s, st: True)
+            m.setattr(engine, "record", lambda fn: fn() or fn)
+            m.setattr(engine, "graphs", lambda shape, device: True)
             assert e.generate(PROMPT, **options).tokens == eager.tokens and len(eager.tokens) == budget
 
 
@@ -306,11 +306,11 @@ def test_smc_with_a_power_target_approaches_p_to_the_alpha():
 
 
 def started(e, **options):
-    """A one-slot batch with PROMPT admitted -> its State and Shape (call inside torch.inference_mode)."""
+    """A one-slot batch with PROMPT admitted -> its Models, State and Shape (call inside torch.inference_mode)."""
     req = e.request(PROMPT, **options)
-    b = engine.Batch(e.load(), req.key, 1, len(PROMPT), req.capacity)
+    b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
     b.admit(req)
-    return b.st, b.shape
+    return b.m, b.st, b.shape
 
 
 def test_draft_and_target_caches_hold_every_particle_context():
@@ -318,34 +318,35 @@ def test_draft_and_target_caches_hold_every_particle_context():
     tokens: the target's up to x0 (pending), the draft's up to t_K (its first draft step writes t_K and b)."""
     e = engine.Engine(TARGET, DRAFT)
     with torch.inference_mode():
-        st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=3, ess_threshold=1.0)
+        m, st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=3, ess_threshold=1.0)
         for _ in range(3):
-            e.cycle(st, s)
+            engine.cycle(m, st, s)
         n = int(st.gen_len[0])
         assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.dcache.suffix_len[0]) == n - 1
         assert st.resamples[0] == 3
+        prev, x0 = engine.pending(st)
         for i in range(4):
-            assert st.x0[0, i] == st.hist[0, i, n - 1] and st.prev[0, i] == st.hist[0, i, n - 2]
-            for m, cache, known in ((TARGET, st.tcache, n - 1), (DRAFT, st.dcache, n - 2)):
-                tokens = PROMPT + st.hist[0, i, :known].tolist()
-                fresh = model.KVCache(m.config, 1, len(tokens), 1, "cpu", torch.float32)
-                m.prefill(torch.tensor(tokens), fresh)
+            assert x0[0, i] == st.hist[0, i, n] and prev[0, i] == st.hist[0, i, n - 1]
+            for net, cache, known in ((TARGET, st.tcache, n - 1), (DRAFT, st.dcache, n - 2)):
+                tokens = PROMPT + st.hist[0, i, 1:1 + known].tolist()
+                fresh = model.KVCache(net.config, 1, len(tokens), 1, "cpu", torch.float32)
+                net.prefill(torch.tensor(tokens), fresh)
                 start = len(tokens) - int(cache.suffix_len[0])
                 assert torch.allclose(cache.suffix_k[:, 0, i, :, :int(cache.suffix_len[0])],
                                       fresh.prefix_k[:, 0, :, start:], atol=1e-5)
 
 
 def test_tokens_after_eos_carry_no_weight():
-    """EOS (0) at t_2 of a K = 4 block: t_1 and t_2 weigh, t_3 and t_4 not; later tokens become EOS. A finished
-    particle weighs nothing."""
-    eos = torch.arange(V) == 0  # [V] the EOS table
+    """EOS (0) at t_2 of a K = 4 block: t_1 and t_2 weigh, t_3 and t_4 not; later tokens become the pad (V). A
+    finished particle weighs nothing."""
+    m = engine.Models(None, None, torch.arange(V + 1) % V == 0, V)  # the EOS table: 0, and the pad
     x0, t, b = torch.tensor([[5, 5]]), torch.tensor([[[4, 0, 6, 7], [4, 4, 6, 7]]]), torch.tensor([[3, 3]])
     logp, logq = torch.full((1, 2, 4), -1.0), torch.full((1, 2, 4), -2.0)
-    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), eos, 0)
+    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), m)
     assert increments.tolist() == [[2.0, 4.0]]
-    assert tokens.tolist() == [[[4, 0, 0, 0, 0], [4, 4, 6, 7, 3]]]
-    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[True, False]]), eos, 0)
-    assert increments.tolist() == [[0.0, 4.0]] and tokens[0, 0].tolist() == [0] * 5
+    assert tokens.tolist() == [[[4, 0, V, V, V], [4, 4, 6, 7, 3]]]
+    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[True, False]]), m)
+    assert increments.tolist() == [[0.0, 4.0]] and tokens[0, 0].tolist() == [V] * 5
 
 
 def eos_prone(seed):
@@ -368,14 +369,14 @@ def test_eos_inside_a_draft_block_ends_the_text():
 def test_finished_particles_stay_and_can_be_ancestors():
     e = engine.Engine(eos_prone(0), eos_prone(1))
     with torch.inference_mode():
-        st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=2)
-        e.cycle(st, s)
+        m, st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=2)
+        engine.cycle(m, st, s)
         before = int(st.resamples[0])
         st.finished[0] = torch.tensor([False, True, False, False])
-        st.hist[0, 1, :3] = torch.tensor([7, 0, 0])
+        st.hist[0, 1, 1:4] = torch.tensor([7, 0, V])
         st.logw[0] = torch.tensor([-50.0, 0.0, -50.0, -50.0])
-        e.resample(st, s)
-    assert st.finished.all() and (st.hist[0, :, :3] == torch.tensor([7, 0, 0])).all()
+        engine.resample(st, s)
+    assert st.finished.all() and (st.hist[0, :, 1:4] == torch.tensor([7, 0, V])).all()
     assert st.logw.eq(0).all() and st.resamples[0] == before + 1
 
 
@@ -433,12 +434,13 @@ def test_on_tokens_can_stop_generation():
 def test_default_shapes_resample():
     """smc's default N on every device can resample at the default threshold (ESS < 0.5 N is reachable, since
     ESS >= 1; N=2 never would); given values win; sd drafts 4 tokens, ar is one row."""
+    def nk(method, particles=None, draft_len=None, device="cpu"):
+        s = engine.Settings(method=method, particles=particles, draft_len=draft_len).resolve(device)
+        return s.particles, s.draft_len
     for device, expected in (("cpu", (3, 2)), ("cuda", (4, 4))):
-        n, k = engine.shape("smc", None, None, torch.device(device))
+        n, k = nk("smc", device=device)
         assert (n, k) == expected and 0.5 * n > 1
-    assert engine.shape("smc", 5, None, torch.device("cpu")) == (5, 2)
-    assert engine.shape("sd", 5, None, torch.device("cpu")) == (1, 4)
-    assert engine.shape("ar", None, 3, torch.device("cpu")) == (1, 1)
+    assert nk("smc", 5) == (5, 2) and nk("sd", 5) == (1, 4) and nk("ar", None, 3) == (1, 1)
 
 
 def test_streamed_counts_what_settled_before_the_last_cycle():
@@ -457,10 +459,10 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
     e = engine.Engine(TARGET, DRAFT)
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=1.0, seed=1)
     full = e.generate(PROMPT, **options).tokens
-    verify = e.verify
+    verify = engine.verify
 
-    def broken(st, t, s):
-        logits = verify(st, t, s)  # [R, N, K+1, V]
+    def broken(m, st, t, s):
+        logits = verify(m, st, t, s)  # [R, N, K+1, V]
         calls.append(1)
         if len(calls) == 1:
             return logits
@@ -470,7 +472,7 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
         return logits
     for how in ("forbidden", "nan"):
         calls = []
-        monkeypatch.setattr(e, "verify", broken)
+        monkeypatch.setattr(engine, "verify", broken)
         r = e.generate(PROMPT, **options)
         assert r.stats["stop"] == "degenerate" and r.stats["cycles"] == 2
         assert r.tokens == full[:len(r.tokens)] and len(r.tokens) < 30
@@ -478,24 +480,27 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
 
 @pytest.mark.parametrize("method", engine.METHODS)
 @pytest.mark.parametrize("budget", [1, 2])
-def test_cuda_graph_warm_up_stays_inside_the_history(monkeypatch, method, budget):
-    """The CUDA-graph path with its recording swapped for the warm-up cycle alone (replays run eagerly), so its
-    logic runs on a CPU: a request done before its first cycle runs no warm-up (one wrote past the end of the
-    history), and the output is the eager one."""
-    warm_ups = []
+def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, budget):
+    """The CUDA-graph path with its recording swapped for its warm-up cycle (replays run eagerly over every slot),
+    so its logic runs on a CPU: the batch records once, when it is made, before any request is in it (the
+    warm-up changes no request's state), a request done at its first token runs no cycle, and the output is the
+    eager one."""
+    recorded = []
 
-    def record(cycle):
-        warm_ups.append(1)
-        cycle()
-        return cycle
+    def record(fn):
+        recorded.append(fn.__defaults__[0].__name__)  # the phase the lambda records
+        fn()
+        return fn
     e = engine.Engine(TARGET, DRAFT)
     options = dict(method=method, max_new_tokens=budget, seed=2, particles=3, draft_len=3)
     eager = e.generate(PROMPT, **options)
     monkeypatch.setattr(engine, "record", record)
-    monkeypatch.setattr(engine, "graphs_apply", lambda s, st: True)
+    monkeypatch.setattr(engine, "graphs", lambda shape, device: True)
+    admit = engine.Batch.admit
+    monkeypatch.setattr(engine.Batch, "admit", lambda b, req: recorded.append("admit") or admit(b, req))
     graph = e.generate(PROMPT, **options)
-    assert graph.tokens == eager.tokens and len(graph.tokens) == budget
-    assert len(warm_ups) == budget - 1
+    assert graph.tokens == eager.tokens and len(graph.tokens) == budget and graph.stats["cycles"] == budget - 1
+    assert recorded == ["cycle", "admit"]
 
 
 def test_the_draft_prefill_computes_no_logits(monkeypatch):
@@ -622,11 +627,11 @@ def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, 
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0, slots=3)
     eager = e.generate(mixed_requests(method), **options)
     recordings = []
-    monkeypatch.setattr(engine, "record", lambda cycle: recordings.append(1) or cycle() or cycle)
-    monkeypatch.setattr(engine, "graphs_apply", lambda s, st: True)
+    monkeypatch.setattr(engine, "record", lambda fn: recordings.append(1) or fn() or fn)
+    monkeypatch.setattr(engine, "graphs", lambda shape, device: True)
     graph = e.generate(mixed_requests(method), **options)
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
-    assert 1 <= len(recordings) <= 2  # a graph with top-p in the batch, one without: each recorded once
+    assert len(recordings) == (1 if method == "smc" else 2)  # one batch with top-p requests, one without
 
 
 @pytest.mark.parametrize("method", ["sd", "smc"])
@@ -635,14 +640,15 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     request decoding as alone; a half is refilled between its verify and its next draft."""
     e = engine.Engine(eos_prone(0), eos_prone(1))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
-    requests = mixed_requests(method) + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
-    alone = [e.generate(**(options | r)) for r in requests]
-    rounds, cycle = [], engine.Batch.cycle
+    requests = [r | {"top_p": 1.0} for r in mixed_requests(method)] + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
+    alone = [e.generate(**(options | r)) for r in requests]  # one shape: top-p would make a batch of its own
+    rounds, run = [], engine.Batch.run
+    phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
-    def traced(batch, phase=None):
-        rounds.append((threading.get_ident(), id(batch), phase))
-        return cycle(batch, phase)
-    monkeypatch.setattr(engine.Batch, "cycle", traced)
+    def traced(batch, fn):
+        rounds.append((threading.get_ident(), id(batch), phases[fn.__name__]))
+        return run(batch, fn)
+    monkeypatch.setattr(engine.Batch, "run", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     halves = sorted({b for _, b, _ in rounds})
@@ -706,14 +712,14 @@ def test_serve_takes_requests_from_a_queue_until_none():
 def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     import queue
     e = engine.Engine(TARGET, DRAFT)
-    verify, calls = e.verify, []
+    verify, calls = engine.verify, []
 
-    def failing(st, t, s):
+    def failing(m, st, t, s):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("out of\nmemory")
-        return verify(st, t, s)
-    monkeypatch.setattr(e, "verify", failing)
+        return verify(m, st, t, s)
+    monkeypatch.setattr(engine, "verify", failing)
     inbox, done = queue.Queue(), []
     first = e.request(PROMPT, method="smc", max_new_tokens=20, on_done=done.append)
     second = e.request(PROMPT, method="smc", max_new_tokens=20, seed=1, on_done=done.append)
@@ -728,6 +734,98 @@ def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     with pytest.raises(RuntimeError):  # the API (until_idle) raises instead
         calls.clear()
         e.generate(PROMPT, method="smc", max_new_tokens=20)
+
+
+def test_a_failed_device_ends_everything_and_says_why(monkeypatch):
+    """A failure after which the device runs nothing (a CUDA error is sticky) ends every request, running and
+    waiting, with its reason, and serving stops with DeviceFailed; engine.failure says why (the server's 503)."""
+    import queue
+    e = engine.Engine(TARGET, DRAFT)
+    monkeypatch.setattr(engine, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
+    monkeypatch.setattr(e, "device_ok", lambda: False)
+    inbox, done = queue.Queue(), []
+    for seed in range(3):
+        inbox.put(e.request(PROMPT, method="smc", max_new_tokens=20, seed=seed, on_done=done.append))
+    with pytest.raises(engine.DeviceFailed, match="device-side assert"):
+        e.serve(inbox, slots=2, context=(8, 32))
+    assert len(done) == 3 and all(r.stats["stop"] == "error" and "device-side assert" in r.stats["error"]
+                                  for r in done)
+    assert "the device failed" in e.failure
+
+
+def test_a_failing_admit_leaves_its_slot_empty(monkeypatch):
+    """A prefill that fails after writing the slot's prefix length leaves the slot as it was: empty."""
+    e = engine.Engine(TARGET, DRAFT).load()
+    prefill = TARGET.prefill
+
+    def half_done(tokens, cache, r=0, **k):
+        prefill(tokens, cache, r, **k)
+        raise RuntimeError("no memory")
+    with torch.inference_mode():
+        req = e.request(PROMPT, method="smc", max_new_tokens=10)
+        b = engine.Batch(e, req.shape, 2, 8, req.capacity)
+        monkeypatch.setattr(TARGET, "prefill", half_done)
+        with pytest.raises(RuntimeError, match="no memory"):
+            b.admit(req)
+        assert b.requests == [None, None] and b.st.tcache.prefix_len.tolist() == [0, 0] and not b.st.live.any()
+
+
+def test_one_dict_prompt_is_one_request():
+    e = engine.Engine(TARGET, DRAFT)
+    r = e.generate({"prompt": PROMPT, "seed": 3, "max_new_tokens": 7}, method="sd")
+    assert r.tokens == e.generate(PROMPT, method="sd", seed=3, max_new_tokens=7).tokens
+
+
+def test_without_eos_ids_the_pad_is_no_token(tmp_path):
+    """With no EOS id the pad lies past the vocabulary: smc particles ended by a stop string append it, and it
+    shows up in no result's tokens or counts."""
+    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), dtype="float32")
+    assert not e.config.eos_ids
+    for seed in range(4):
+        r = e.generate("w1 w2 w3", method="smc", particles=4, draft_len=2, max_new_tokens=30, seed=seed,
+                       temperature=1.0, ess_threshold=0.0, stop=["w6"])
+        assert all(0 <= t < V for t in r.tokens) and r.stats["new_tokens"] == len(r.tokens)
+        assert r.stats["stop"] in ("stop", "length")
+
+
+def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
+    """Free CUDA memory includes what torch has cached but does not use; a request that joins a batch that
+    exists needs no new memory, however little is free."""
+    import queue
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
+    assert engine.free_bytes(torch.device("cuda")) == 4 << 30
+    monkeypatch.undo()
+    e = engine.Engine(TARGET, DRAFT)
+    inbox, done = queue.Queue(), []
+    inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
+    loop = e.serving(inbox, 2, (8, 16), False)
+    while not done:
+        next(loop)
+    monkeypatch.setattr(engine, "free_bytes", lambda device: 0)
+    late, other = (e.request(PROMPT, method=m, max_new_tokens=6, seed=1, on_done=done.append) for m in ("sd", "smc"))
+    inbox.put(late)
+    inbox.put(other)
+    while len(done) < 3:
+        next(loop)
+    assert late.result.stats["stop"] == "length"  # its batch exists
+    assert other.result.stats["stop"] == "error" and "GiB" in other.result.stats["error"]  # a new batch: refused
+
+
+def test_idle_batches_are_dropped():
+    """A batch with no request for idle_s is dropped: a long-running server keeps no cache per shape seen."""
+    import queue
+    e = engine.Engine(TARGET, DRAFT)
+    inbox, done, batches = queue.Queue(), [], []
+    sched = engine.Scheduler(e.load(), 2, (8, 32), False, idle_s=0.0)
+    for method in ("sd", "smc", "ar"):
+        inbox.put(e.request(PROMPT, method=method, max_new_tokens=6, on_done=done.append))
+        with torch.inference_mode():
+            for _ in sched.serving(inbox, True):
+                batches.append({s.method for s in sched.batches})
+    assert len(done) == 3 and all(r.stats["stop"] == "length" for r in done)
+    assert all(len(b) <= 1 for b in batches) and not sched.batches
 
 
 def test_smc_particles_end_at_a_stop_string(tmp_path):
@@ -855,6 +953,15 @@ def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees)
     (dict(ess_threshold=1.5), r"ess-threshold must lie in \[0, 1\]"),
     (dict(max_new_tokens=100), "max-new-tokens 100 does not fit the context of 64 .* at most 59"),
     (dict(particles=10 ** 9, max_new_tokens=8), "KV caches and logits need .* GiB but only"),
+    (dict(method="sd", top_k=V + 1), rf"top-k must lie in \[0, {V}\] \(the vocabulary\), got {V + 1}"),
+    (dict(method="easd", easd=(1.0, V + 1, 0.5)), rf"easd takes .*TOP in \[1, {V}\]"),
+    (dict(seed=2 ** 63), r"seed must lie in \[0, 2\*\*63\)"),
+    (dict(seed="x"), "seed must be an integer, got 'x'"),
+    (dict(temperature="hot"), "temperature must be a finite number, got 'hot'"),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(draft_len=61), "draft-len 61 does not fit the context of 64 after a 3-token prompt; use at most 60"),
+    (dict(colour="red"), "unexpected keyword argument 'colour'"),
     (dict(method="beam"), "unknown method"),
     (dict(top_k=1), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
     (dict(top_p=0.9), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
@@ -988,6 +1095,9 @@ def test_cli_streams_text_then_a_summary(pair):
     (["--prompt-file", os.devnull], "error: .*: the prompt is empty or only whitespace"),
     (["--prompt", " \n\t "], "error: --prompt: the prompt is empty or only whitespace"),
     (["--particles", "0"], "error: particles must be at least 1"),
+    (["--temperature", "nan"], "error: temperature must be a finite number, got nan"),
+    (["--method", "sd", "--top-k", "1000"], r"error: top-k must lie in \[0, 8\]"),
+    (["--chat"], "error: --chat: .* has no chat template"),
     (["--device", "gpu0"], "error: unknown device 'gpu0'; use cpu or cuda"),
 ])
 def test_cli_errors_are_one_line(pair, args, message):
@@ -999,7 +1109,8 @@ def test_cli_errors_are_one_line(pair, args, message):
 @pytest.mark.parametrize("args, message", [
     (["--prompt", "w1 " * 64], "the prompt is 64 tokens, longer than the context of 64"),
     (["--max-new-tokens", "100"], "max-new-tokens 100 does not fit the context of 64"),
-    (["--particles", str(10 ** 9), "--max-new-tokens", "8"], "the KV caches and logits with the weights need"),
+    (["--particles", str(10 ** 9), "--max-new-tokens", "8"], "the weights, 1 slots' KV caches and logits need"),
+    (["--draft-len", "999"], "draft-len 999 does not fit the context of 64"),
     (["--prompt", " \n "], "--prompt: the prompt is empty or only whitespace"),
     (["--top-p", "0.5"], "smc cannot honour top-k/top-p"),
 ])

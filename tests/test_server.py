@@ -234,8 +234,10 @@ BAD = [  # (body, param or None, words of the message)
     ({"stop": [1]}, "stop", "stop"),
     ({"prompt": "w1 " * 5000}, None, "context"),  # longer than the context: the engine's UsageError
     ({"prompt": " "}, None, "empty"),
-    ({"method": "beam"}, None, "beam"),
-    ({"method": "smc", "temperature": 0}, None, "smc"),
+    ({"method": "beam"}, "method", "beam"),
+    ({"method": "smc", "temperature": 0}, "temperature", "smc"),
+    ({"method": "sd", "top_k": V + 1}, "top_k", f"top-k must lie in [0, {V}]"),  # a crash, then a CUDA poison
+    ({"seed": 2 ** 63}, "seed", "seed must lie in [0, 2**63)"),
 ]
 
 
@@ -304,3 +306,32 @@ def test_load(server):
         finishes = list(pool.map(run, range(200), timeout=120))
     assert finishes == ["length"] * 200
     assert server.get("/health") == (200, {"status": "ok", "requests": 0})
+
+
+def test_health_and_new_requests_say_why_once_the_device_failed(monkeypatch):
+    """A device error after which nothing runs (a CUDA error is sticky) ends the running requests with it; then
+    /health answers 503 with the reason and new requests are refused with it, rather than failing one by one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import engine
+    import server
+    from test_engine import DRAFT, PROMPT, TARGET
+    e = engine.Engine(TARGET, DRAFT)
+    monkeypatch.setattr(engine, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
+    monkeypatch.setattr(e, "device_ok", lambda: False)
+
+    async def scenario():
+        worker = server.Worker(e, 2, 32, 4)
+        worker.start()
+        _, events = worker.submit(PROMPT, [], {"method": "smc", "max_new_tokens": 8}, False)
+        result = await asyncio.wait_for(events.get(), 60)
+        await asyncio.to_thread(worker.thread.join, 30)
+        health = await server.health(SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(worker=worker))))
+        with pytest.raises(server.ApiError) as refused:
+            worker.submit(PROMPT, [], {"method": "ar", "max_new_tokens": 8}, False)
+        return result, health, refused.value
+    result, health, refused = asyncio.run(scenario())
+    assert result.stats["stop"] == "error" and "device-side assert" in result.stats["error"]
+    assert health.status_code == 503 and b"the device failed" in health.body
+    assert refused.status == 503 and "the device failed" in str(refused)
