@@ -2,18 +2,15 @@
 Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
 
     python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
-    python engine.py --method sd --temperature 0 --prompt-file p.txt
     python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
     Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
 
-What it holds, top to bottom: Settings (a request's options, resolved and checked once) and Shape (what the
-requests of one batch share); the distributions the methods sample from; Request (a checked prompt on its way);
-State (the device tensors a cycle updates in place) and the cycle functions, one per method, with no host sync;
-Batch (slots of one shape, its CUDA graph recorded once when it is made) and Pair (MineDraft's two halves); the
-Scheduler (admit, cycle, collect, end, evict); Engine (the models and the public API); the command line.
-Every method runs as the same loop: a fixed-shape cycle over a batch of slots, then one small read of every
-slot's [done, settled, degenerate, length] by the host, which passes settled text on, ends finished requests
-and admits waiting ones into the freed slots (continuous batching)."""
+Top to bottom: Settings (a request's options, checked once) and Shape (a batch's key); Request; State (the
+device tensors a cycle updates in place) and one cycle function per method, free of host syncs; Batch (slots of
+one shape, its CUDA graphs recorded once when it is made) and Pair (MineDraft's halves); the Scheduler (collect,
+admit, cycle, evict); Engine (the models and the API); the command line. Each round of the loop cycles every
+busy batch, then the host reads each slot's [done, settled, degenerate, length] once, passes settled text on,
+ends finished requests and refills their slots (continuous batching)."""
 import argparse
 import copy
 import json
@@ -35,11 +32,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
 METHODS = ("smc", "sd", "easd", "ar")
 EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-m, share of the top-m they share
-IDLE_S = 60.0  # a batch without a request for this long is dropped, its caches freed
+IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
 
 
 class UsageError(Exception):
-    """A one-line problem with a request; the CLI prints it without a traceback. param: the option at fault."""
+    """A one-line problem with a request, before any work; param: the option at fault."""
 
     def __init__(self, message, param=None):
         super().__init__(message)
@@ -47,7 +44,7 @@ class UsageError(Exception):
 
 
 class DeviceFailed(Exception):
-    """The device can run nothing more (a CUDA error poisons the context for every later call)."""
+    """The device runs nothing more (a CUDA error poisons the context for every later call)."""
 
 
 # ---------------------------------------------------------------- settings
@@ -55,34 +52,34 @@ class DeviceFailed(Exception):
 
 @dataclass(frozen=True)
 class Shape:
-    """What the requests of one batch share: the cycle's shape, and the batch's key."""
+    """What the requests of one batch share, and so its key: the cycle's shape."""
     method: str
     particles: int
     draft_len: int
     ess_threshold: float
     power: float
-    easd: tuple | None  # easd's rule (`easd_trigger`)
-    restrict: bool  # top-k or top-p: the cycle restricts the target
-    tree: int  # racer: the draft tokens verified per cycle (a chain of draft_len when not a tree)
+    easd: tuple | None
+    restrict: bool  # some request has top-k or top-p: the cycle restricts the target
+    tree: int  # racer: the draft tokens verified per cycle (a chain of draft_len, or a tree)
     cuda_graphs: bool
     overlap: bool
 
 
-TYPES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
          tuple: "three numbers ENTROPY,TOP,SHARE (TOP an integer)"}
 OPTIONAL = {"draft_temperature": float, "target_temperature": float, "particles": int, "draft_len": int}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """A request's options. `resolve` fills the defaults that depend on the device; `check` is the one
-    validation, used by the command line, the Python API and the server, before any weight is read."""
+    """A request's options; `resolve` fills the defaults that depend on the device, `check` is the one validation
+    (command line, Python API, server), before any weight is read."""
     method: str = "smc"
     max_new_tokens: int = 64
     temperature: float = 0.7  # both models, unless draft_temperature / target_temperature are given
     draft_temperature: float | None = None
     target_temperature: float | None = None
-    particles: int | None = None  # smc's N (default by device: `resolve`)
+    particles: int | None = None  # smc's N
     draft_len: int | None = None  # K
     ess_threshold: float = 0.5
     top_k: int = 0
@@ -96,11 +93,10 @@ class Settings:
     overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
 
     def resolve(self, device):
-        """Every default filled: temperatures; (N, K): ar 1 x 1, sd and easd 1 x 4; smc by device, from the
-        bench grid's cells that resample and so stream text (README, Results): on a CPU, where every verify row
-        costs compute, N=3, K=2; on a GPU, where a verify of N x (K+1) rows reads the weights once, N=4, K=4."""
-        cpu = torch.device(device).type == "cpu"
-        n, k = {"ar": (1, 1), "smc": (3, 2) if cpu else (4, 4)}.get(self.method, (1, 4))
+        """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc from the bench grid's cells that resample and so
+        stream (README, Results): N=3, K=2 on a CPU, where every verify row costs compute; N=4, K=4 on a GPU,
+        where a verify of N x (K+1) rows reads the weights once."""
+        n, k = {"ar": (1, 1), "smc": (3, 2) if torch.device(device).type == "cpu" else (4, 4)}.get(self.method, (1, 4))
         t = self.temperature
         return replace(self, particles=n if self.method != "smc" or self.particles is None else self.particles,
                        draft_len=k if self.method == "ar" or self.draft_len is None else self.draft_len,
@@ -108,21 +104,17 @@ class Settings:
                        target_temperature=t if self.target_temperature is None else self.target_temperature)
 
     def check(self, vocab=None, draft="model"):
-        """Raise UsageError for a bad value; draft: "model", "racer" or None (none given); vocab: the models'
-        vocabulary (None: not known yet). Types first, so that a JSON "hot" is named, not compared."""
+        """-> self, or a UsageError; draft: "model", "racer" or None; vocab: None while unknown. Types first, so
+        that a JSON "hot" is named, not compared."""
         for f in fields(self):
             value, kind = getattr(self, f.name), OPTIONAL.get(f.name, type(f.default))
-            if value is None and f.default is None:
-                continue
-            if kind is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            elif kind is tuple:
-                ok = isinstance(value, (tuple, list)) and len(value) == 3 and isinstance(value[1], int) and all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
-            else:
-                ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa
+            ok = value is None and f.default is None or (
+                number(value) if kind is float else isinstance(value, (tuple, list)) and len(value) == 3 and
+                all(map(number, value)) and isinstance(value[1], int) if kind is tuple else
+                isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
             if not ok:
-                raise UsageError(f"{f.name.replace('_', '-')} must be {TYPES[kind]}, got {value!r}", f.name)
+                raise UsageError(f"{f.name.replace('_', '-')} must be {KINDS[kind]}, got {value!r}", f.name)
         s, vocab = self.resolve("cpu"), vocab or math.inf
         entropy, top, share = s.easd
         for param, ok, message in (
@@ -134,130 +126,70 @@ class Settings:
                  "--method ar for greedy decoding"),
                 ("particles", s.particles >= 1, f"particles must be at least 1, got {s.particles}"),
                 ("draft_len", s.draft_len >= 1, f"draft-len must be at least 1, got {s.draft_len}"),
-                ("ess_threshold", 0 <= s.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got {s.ess_threshold}"),
-                ("max_new_tokens", s.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got {s.max_new_tokens}"),
+                ("ess_threshold", 0 <= s.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got "
+                 f"{s.ess_threshold}"),
+                ("max_new_tokens", s.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got "
+                 f"{s.max_new_tokens}"),
                 ("top_k", 0 <= s.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {s.top_k}"),
                 ("top_p", 0 < s.top_p <= 1, f"top-p must lie in (0, 1], got {s.top_p}"),
                 ("seed", 0 <= s.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {s.seed}"),
-                ("top_k", s.method != "smc" or not (s.top_k or s.top_p < 1), "smc cannot honour top-k/top-p: its draft "
-                 "proposes tokens the restricted target forbids, whose weight is zero; use --method sd or --method "
-                 "ar with --top-k/--top-p"),
+                ("top_k", s.method != "smc" or not (s.top_k or s.top_p < 1), "smc cannot honour top-k/top-p: its "
+                 "draft proposes tokens the restricted target forbids, whose weight is zero; use --method sd or "
+                 "--method ar with --top-k/--top-p"),
                 ("select", s.select in ("sample", "argmax"), f"select must be 'sample' or 'argmax', got {s.select!r}"),
                 ("power", s.power > 0 and (s.power == 1 or s.method == "smc"),
                  f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}"),
                 ("tree", 0 <= s.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {s.tree}"),
-                ("easd", entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in [1, "
-                 f"{vocab}] (the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}"),
+                ("easd", entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in "
+                 f"[1, {vocab}] (the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}"),
                 ("method", draft != "racer" or s.method not in ("smc", "easd"), f"{s.method} needs a draft model's "
                  "distribution, and racer drafts are deterministic tokens; use --method sd with --draft racer"),
-                ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft racer "
-                 "--method sd"),
-                ("overlap", not s.overlap or draft == "model" and s.method != "ar", "overlap runs a draft model's drafting "
-                 "beside the target's verifying: use it with --method sd, easd or smc and a draft model")):
+                ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft "
+                 "racer --method sd"),
+                ("overlap", not s.overlap or draft == "model" and s.method != "ar", "overlap runs a draft model's "
+                 "drafting beside the target's verifying: use it with --method sd, easd or smc and a draft model")):
             if not ok:
                 raise UsageError(message, param)
         return self
 
     def shape(self, racer_drafts=False):
-        """The batch key of these (resolved) settings."""
-        s = self
-        return Shape(s.method, s.particles, s.draft_len, s.ess_threshold if s.method == "smc" else 0.0, s.power,
-                     tuple(s.easd) if s.method == "easd" else None, bool(s.top_k or s.top_p < 1),
-                     (s.tree or s.draft_len) if racer_drafts and s.method == "sd" else 0, s.cuda_graphs, s.overlap)
+        """The batch key of these resolved settings."""
+        return Shape(self.method, self.particles, self.draft_len, self.ess_threshold if self.method == "smc" else
+                     0.0, self.power, tuple(self.easd) if self.method == "easd" else None,
+                     bool(self.top_k or self.top_p < 1), (self.tree or self.draft_len) if racer_drafts and
+                     self.method == "sd" else 0, self.cuda_graphs, self.overlap)
 
 
 def settings(options):
-    """Settings from keyword options; an unknown one is a UsageError."""
     try:
         return Settings(**options)
-    except TypeError as e:
+    except TypeError as e:  # an option that does not exist
         raise UsageError(str(e).replace("Settings.__init__() ", "")) from None
-
-
-# ---------------------------------------------------------------- distributions (settings per request: [R])
-
-
-def per_request(x, like):
-    """x [R] viewed to broadcast against like [R, ..., V]."""
-    return x.view(-1, *[1] * (like.dim() - 1))
-
-
-def restrict(logits, temperature, top_k, top_p):
-    """logits [R, ..., V] with the tokens outside request r's top-k (top_k [R], 0 = all) and outside its top-p
-    nucleus of softmax(logits / T) (top_p [R]) set to -inf: the target distribution every method samples from."""
-    ordered, order = logits.sort(-1, descending=True)
-    k = per_request(torch.where(top_k > 0, top_k, logits.shape[-1]), logits) - 1
-    ordered = ordered.masked_fill(ordered < ordered.gather(-1, k.expand(*logits.shape[:-1], 1)), float("-inf"))
-    p = (ordered / per_request(torch.where(temperature > 0, temperature, 1.0), logits)).softmax(-1)
-    top_p = per_request(top_p, logits)
-    outside = ((top_p < 1) & (p.cumsum(-1) - p >= top_p)) | (ordered == float("-inf"))  # mass before reaches p
-    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-
-
-def probs(logits, temperature):
-    """The distribution sampled at request r's temperature (temperature [R], logits [R, ..., V]):
-    softmax(logits / T), one-hot on the argmax where T = 0."""
-    t = per_request(temperature, logits)
-    soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
-    return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
-
-
-def power_bonus(logits, temperature, power):
-    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the
-    SMC-SD paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is
-    Z, log Z = logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. At alpha = 1
-    the target's own logits, weight 0."""
-    if power == 1:
-        return logits, logits.new_zeros(logits.shape[:-1])
-    scaled = logits / per_request(temperature, logits)
-    return logits * power, (power * scaled).logsumexp(-1) - power * scaled.logsumexp(-1)
-
-
-def easd_trigger(p, q, t, rule):
-    """EASD's rule (arXiv 2512.23765; its code was not available, so defined here): draft token t_k is rejected,
-    and replaced by a draw from the target's p_k itself, where both models are uncertain (the entropies of p_k and
-    q_k reach `entropy` nats) while their top-`top` tokens mostly agree (at least share x top in common) and t_k is
-    one of those shared tokens: agreement in low confidence, which would otherwise pass through. p, q [R, K, V],
-    t [R, K] -> bool [R, K]."""
-    entropy, top, share = rule
-    uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
-    top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
-    shared = (top_p[..., :, None] == top_q[..., None, :]).any(-1)  # [R, K, top]: p's top tokens also q's
-    aligned = (shared & (top_p == t[..., None])).any(-1)
-    return uncertain(p) & uncertain(q) & (shared.sum(-1) >= share * top) & aligned
-
-
-def bernoulli(p, rng):
-    """True with probability p [R, M], drawn on the device from each request's rng: a two-way categorical."""
-    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [R, M, 2]
-    return (kernels.sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
 
 
 # ---------------------------------------------------------------- requests
 
 
 class Request:
-    """A checked prompt (ids) with its resolved Settings on its way through a batch, and its progress. Callbacks,
-    all called on the thread that decodes: on_tokens(settled ids) whenever more have settled (returning True stops
-    the request there), on_text(piece) with new settled text (whole UTF-8 characters; text that may begin a stop
-    string is held back), on_done(Result) once at the end, on_cycle(batch, slot) after each cycle (traces). A stop
-    string in the text ends the request; the text ends before it."""
+    """A checked prompt (ids) with its resolved Settings and Shape on its way through a batch, and its progress.
+    Callbacks, called on the decoding thread: on_tokens(settled ids) as more settle (True stops the request),
+    on_text(piece) with new settled text (whole characters; what may begin a stop string is held back),
+    on_done(Result) at the end, on_cycle(batch, slot) after each cycle (traces). A stop string ends the text."""
 
     def __init__(self, ids, s, shape, capacity, stop=(), tokenizer=None, drafter=None, on_tokens=None,
                  on_text=None, on_done=None, on_cycle=None):
         self.ids, self.s, self.shape, self.capacity, self.stop = ids, s, shape, capacity, list(stop)
-        self.tokenizer, self.drafter = tokenizer, drafter  # drafter: racer's Retrieval, for tree drafts
+        self.tokenizer, self.drafter = tokenizer, drafter  # drafter: racer's Retrieval
         self.on_tokens, self.on_text, self.on_done, self.on_cycle = on_tokens, on_text, on_done, on_cycle
-        self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0  # progress, kept by its batch
-        self.start, self.prefill_seconds, self.particle = 0.0, 0.0, 0
-        self.cancelled, self.result = False, None
+        self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0
+        self.start, self.prefill_seconds, self.particle, self.cancelled, self.result = 0.0, 0.0, 0, False, None
 
     def cancel(self):
-        """Thread-safe: the request ends at its batch's next cycle, with stats["stop"] = "cancelled"."""
+        """Thread-safe: the request ends at its batch's next round, with stats["stop"] = "cancelled"."""
         self.cancelled = True
 
     def stats(self, tokens, stop, ends):
-        """The statistics every request has (a method's own come from `method_stats`)."""
+        """The statistics every request has (its method's own: `method_stats`)."""
         new, seconds = len(until_eos(tokens, ends)), time.perf_counter() - self.start if self.start else 0.0
         return {"method": self.s.method, "prompt_tokens": len(self.ids), "new_tokens": new,
                 "seconds": round(seconds, 4), "prefill_seconds": round(self.prefill_seconds, 4),
@@ -283,7 +215,7 @@ class Request:
 
     def show(self, text, final):
         """Pass on the text not shown yet, holding back (until final) a half-decoded character and a tail that
-        may be the start of a stop string."""
+        may begin a stop string."""
         end = len(text)
         if not final:
             end = len(text.rstrip("\ufffd"))
@@ -293,7 +225,7 @@ class Request:
         self.shown = max(self.shown, end)
 
     def finish(self, tokens, stats, ends):
-        """The result from the returned particle's tokens; on_done."""
+        """The Result from the returned particle's tokens; on_done."""
         tokens = until_eos(tokens, ends)
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         if text is not None:
@@ -307,7 +239,7 @@ class Request:
 
 @dataclass
 class Result:
-    text: str | None  # None when the engine was given models without a tokenizer
+    text: str | None  # None when the engine's models have no tokenizer
     tokens: list  # generated ids, without the EOS that ended them (a stop string cuts the text, not the ids)
     stats: dict
 
@@ -321,125 +253,121 @@ def until_eos(tokens, ends):
 
 
 @dataclass
-class Models:
-    """What a cycle reads besides its State: the models, the EOS table is_eos [V + 1] and the pad, V: an id past
-    the vocabulary that marks a particle's tokens after its end (is_eos[pad] is True; models see it clamped)."""
-    target: model.Transformer
-    draft: model.Transformer | None
-    is_eos: torch.Tensor
-    pad: int
-
-
-@dataclass
 class State:
-    """Everything a cycle reads and writes, as device tensors updated in place: the static buffers a CUDA graph
-    replays on. R slots of N particles. hist [R, N, 1 + H]: column 0 the prompt's last token, column j the j-th
-    generated token; gen_len [R] tokens generated, the last of which (x0, column gen_len) is pending: in no cache
-    yet. Each slot has its own settings and rng row, so a request's draws do not depend on its neighbours."""
-    tcache: model.KVCache
-    dcache: model.KVCache | None
+    """Everything a cycle reads and writes: device tensors updated in place, the static buffers a CUDA graph
+    replays on. R slots of N particles; each slot has its own settings and rng row, so a request's draws do not
+    depend on its neighbours. hist's column 0 is the prompt's last token, column j the j-th generated token; the
+    last (x0, column gen_len) is pending: in no cache yet."""
+    tcache: model.KVCache  # target: prefix [L, R, Hkv, P, D], suffix [L, R, N, Hkv, S, D]
+    dcache: model.KVCache | None  # draft
     rng: torch.Tensor  # [R, 2] seed, counter
-    temp_d: torch.Tensor  # [R] settings
-    temp_t: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    max_new: torch.Tensor
-    live: torch.Tensor  # [R] a request that is not done: an empty or done slot appends nothing
-    degenerate: torch.Tensor  # [R]
+    temp_d: torch.Tensor  # [R] the draft's temperature
+    temp_t: torch.Tensor  # [R] the target's
+    top_k: torch.Tensor  # [R]
+    top_p: torch.Tensor  # [R]
+    max_new: torch.Tensor  # [R]
+    live: torch.Tensor  # [R] a request not done yet: an empty or done slot appends nothing
+    degenerate: torch.Tensor  # [R] smc: no particle has weight left
     finished: torch.Tensor  # [R, N] the particle has ended (EOS or stop string)
     hist: torch.Tensor  # [R, N, 1 + H]
-    gen_len: torch.Tensor  # [R] int32
+    gen_len: torch.Tensor  # [R] tokens generated
     logw: torch.Tensor  # [R, N] smc's log weights since the last resampling
     log_z: torch.Tensor  # [R] smc's log-normaliser estimate
-    ess_sum: torch.Tensor
-    accepted: torch.Tensor  # [R] statistics
-    resamples: torch.Tensor
-    triggers: torch.Tensor
-    flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: the host's one read per cycle
-    # the last cycle, for traces: appended tokens and how many were kept, weights before resampling, ESS, whether
-    # it resampled, the ancestors
-    block: torch.Tensor  # [R, N, K+1]
-    kept: torch.Tensor  # [R]
-    logw_before: torch.Tensor
-    ess: torch.Tensor
-    resampled: torch.Tensor
+    ess_sum: torch.Tensor  # [R] statistics
+    accepted: torch.Tensor  # [R]
+    resamples: torch.Tensor  # [R]
+    triggers: torch.Tensor  # [R]
+    flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: what the host reads each round
+    block: torch.Tensor  # [R, N, K+1] the last cycle, for traces: the tokens appended
+    kept: torch.Tensor  # [R] how many of them were kept
+    logw_before: torch.Tensor  # [R, N] the weights before resampling
+    ess: torch.Tensor  # [R]
+    resampled: torch.Tensor  # [R]
     ancestors: torch.Tensor  # [R, N]
-    # the draft phase's output, which the verify phase reads (MineDraft runs them apart)
-    drafted: torch.Tensor  # [R, N, K]
-    logq: torch.Tensor  # [R, N, K] log q under the draft temperature
-    q_logits: torch.Tensor | None  # [R, K, V] sd and easd: the draft's logits
-    # racer: the host's draft tree ([R, T]: node 0 the pending token, -1 no node) and the target's cues
-    nodes: torch.Tensor | None = None
-    parent: torch.Tensor | None = None
-    depth: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [R, T, T]: node j is node i or one of its ancestors
-    cues: torch.Tensor | None = None  # [R, T, CUES]
-    cue_p: torch.Tensor | None = None
+    drafted: torch.Tensor  # [R, N, K] the draft phase's tokens, which the verify phase reads
+    logq: torch.Tensor  # [R, N, K] their log q under the draft temperature
+    q_logits: torch.Tensor | None  # [R, K, V] sd: the draft's logits
+    nodes: torch.Tensor | None = None  # [R, T] racer's tree from the host: tokens (-1: none; node 0 is x0)
+    parent: torch.Tensor | None = None  # [R, T]
+    depth: torch.Tensor | None = None  # [R, T]
+    mask: torch.Tensor | None = None  # [R, T, T] node j is node i or one of its ancestors
+    cues: torch.Tensor | None = None  # [R, T, CUES] the target's top tokens after each node, for the host
+    cue_p: torch.Tensor | None = None  # [R, T, CUES] their probabilities
 
     def narrow(self, n):
-        """The first n slots, as views, so a cycle over them updates self in place (a CPU cycle skips the empty
-        slots past the last busy one, since there every row costs compute)."""
+        """The first n slots, as views, so that a cycle over them updates self in place."""
         part = copy.copy(self)
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, model.KVCache):
-                c = copy.copy(v)
+                v = copy.copy(v)
                 for name in ("prefix_k", "prefix_v", "suffix_k", "suffix_v"):  # [L, R, ...]
-                    setattr(c, name, getattr(v, name).narrow(1, 0, n))
-                c.prefix_len, c.suffix_len = v.prefix_len[:n], v.suffix_len[:n]
-                setattr(part, f.name, c)
-            elif torch.is_tensor(v):
-                setattr(part, f.name, v[:n])
+                    setattr(v, name, getattr(v, name)[:, :n])
+                v.prefix_len, v.suffix_len = v.prefix_len[:n], v.suffix_len[:n]
+            setattr(part, f.name, v[:n] if torch.is_tensor(v) else v)
         return part
 
 
-def new_state(m, shape, slots, prefix_cap, suffix_cap, dtype):
-    """A State for `slots` empty slots."""
-    R, N, K, V, device = slots, shape.particles, shape.draft_len, m.target.config.vocab_size, m.is_eos.device
+def new_state(e, shape, R, prefix_cap, suffix_cap):
+    """A State of R empty slots."""
+    N, K, V, device, dtype = shape.particles, shape.draft_len, e.config.vocab_size, e.device, e.dtype
     new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=device)  # noqa
-    caches = [model.KVCache(c.config, N, prefix_cap, suffix_cap, device, dtype, R) for c in (m.target, m.draft)
-              if c is not None and (c is m.target or shape.method != "ar" and not shape.tree)]
-    T = shape.tree + 1
-    tree = dict(nodes=new(R, T, dtype=torch.int64), parent=new(R, T, dtype=torch.int64),
-                depth=new(R, T, dtype=torch.int64), mask=new(R, T, T, dtype=torch.bool),
-                cues=new(R, T, racer.CUES, dtype=torch.int64), cue_p=new(R, T, racer.CUES)) if shape.tree else {}
-    i64, i32, b = torch.int64, torch.int32, torch.bool
-    return State(caches[0], caches[1] if len(caches) > 1 else None, new(R, 2, dtype=i64), new(R), new(R),
-                 new(R, dtype=i64), new(R, value=1.0), new(R, dtype=i32), new(R, dtype=b), new(R, dtype=b),
-                 new(R, N, dtype=b, value=True), new(R, N, 1 + suffix_cap, dtype=i64), new(R, dtype=i32), new(R, N),
-                 new(R), new(R), new(R, dtype=i64), new(R, dtype=i64), new(R, dtype=i64), new(R, 4, dtype=i32),
-                 new(R, N, K + 1, dtype=i64), new(R, dtype=i32), new(R, N), new(R), new(R, dtype=b),
-                 new(R, N, dtype=i64), new(R, N, K, dtype=i64), new(R, N, K),
-                 new(R, K, V) if shape.method in ("sd", "easd") and not shape.tree else None, **tree)
-
-
-def cache_bytes(configs, shape, slots, prefix_cap, suffix_cap, dtype):
-    """Memory a batch takes: its KV caches, and float32 logits of a cycle with a few copies."""
-    need = sum(model.KVCache.nbytes(c, shape.particles, prefix_cap, suffix_cap, dtype, slots) for c in configs)
-    return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * configs[0].vocab_size * 4
+    i64, i32, b, T = torch.int64, torch.int32, torch.bool, shape.tree + 1
+    tcache, dcache = (model.KVCache(c.config, N, prefix_cap, suffix_cap, device, dtype, R) if c else None
+                      for c in (e.target, e.draft if shape.method != "ar" and not shape.tree else None))
+    tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
+                mask=new(R, T, T, dtype=b), cues=new(R, T, racer.CUES, dtype=i64),
+                cue_p=new(R, T, racer.CUES)) if shape.tree else {}
+    return State(
+        tcache=tcache, dcache=dcache, rng=new(R, 2, dtype=i64), temp_d=new(R), temp_t=new(R), top_k=new(R, dtype=i64),
+        top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=b), degenerate=new(R, dtype=b),
+        finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
+        logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), resamples=new(R, dtype=i64),
+        triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32), block=new(R, N, K + 1, dtype=i64),
+        kept=new(R, dtype=i32), logw_before=new(R, N), ess=new(R), resampled=new(R, dtype=b),
+        ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
+        q_logits=new(R, K, V) if shape.method in ("sd", "easd") and not shape.tree else None, **tree)
 
 
 # ---------------------------------------------------------------- cycles: fixed shapes, no host sync
 
 
+def cycle(e, st, s):
+    """One cycle of s.method over the slots of st, then their flags for the host."""
+    if s.method != "ar" and not s.tree:
+        draft_block(e, st, s)
+    verify_cycle(e, st, s)
+
+
+def verify_cycle(e, st, s):
+    """The cycle after drafting: the target's verify and the method's rule, then the flags."""
+    (racer_cycle if s.tree else RULES[s.method])(e, st, s)
+    if st.dcache is not None:
+        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
+    publish(st)
+
+
 def pending(st):
-    """-> (prev, x0) [R, N]: the last two entries of the history, x0 not yet in any cache."""
+    """-> (prev, x0) [R, N]: the history's last two entries."""
     R, N, _ = st.hist.shape
     at = st.gen_len.long()[:, None, None].expand(R, N, 1)
     x = st.hist.gather(2, torch.cat([(at - 1).clamp(min=0), at], -1))
     return x[..., 0], x[..., 1]
 
 
-def ids(m, tokens):
-    """tokens as model inputs: the pad of an ended particle as a real id (what it computes is never used)."""
-    return tokens.clamp(max=m.pad - 1)
+def ids(e, tokens):
+    """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
+    return tokens.clamp(max=e.pad - 1)
+
+
+def restricted(logits, st, s):
+    return kernels.restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
 
 
 def publish(st):
-    """flags [R, 4] = [done, settled, degenerate, length] per slot: done when every particle has ended or the
-    budget is spent; settled = how many leading tokens all particles share (they can never change again, so they
-    may be shown); degenerate (smc) when no particle has a positive weight left or a weight is NaN. A done slot
-    is no longer live: it appends nothing until it is refilled."""
+    """flags [R, 4] = [done, settled, degenerate, length]: done when every particle has ended, the budget is
+    spent or (smc) no weight is left; settled = how many leading tokens all particles share (they can never change
+    again, so they may be shown). A done slot is no longer live: it appends nothing until it is refilled."""
     H = st.hist.shape[-1] - 1
     done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
     shared = (st.hist[..., 1:] == st.hist[:, :1, 1:]).all(1) & (torch.arange(H, device=st.hist.device) <
@@ -449,56 +377,34 @@ def publish(st):
     st.live &= ~done
 
 
-def append(m, st, tokens, kept):
-    """Commit the first `kept` (int32 [R]; none in a slot that is not live) of tokens [R, N, T]: history,
-    lengths, finished. The target already holds K/V for the pending token and the kept tokens but the last."""
+def append(e, st, tokens, kept):
+    """Commit the first `kept` [R] of tokens [R, N, T] (none where a slot is not live): history, lengths,
+    finished. The target holds K/V for the old pending token and the kept tokens but the last."""
     R, N, T = tokens.shape
     kept = kept * st.live
     st.block[..., :T].copy_(tokens)
     st.kept.copy_(kept)
     at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
     st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
-    real = torch.arange(T, device=tokens.device) < kept[:, None, None]  # [R, 1, T]
-    st.finished |= (m.is_eos[tokens] & real).any(-1)
+    st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
     st.gen_len += kept
     st.tcache.suffix_len += kept
 
 
-def restricted(logits, st, s):
-    return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
-
-
-def cycle(m, st, s):
-    """One cycle of s.method for the slots of st, then their flags for the host."""
-    if s.method != "ar" and not s.tree:
-        draft_block(m, st, s)
-    verify_cycle(m, st, s)
-
-
-def verify_cycle(m, st, s):
-    """The part of a cycle after drafting: the target's verify and the method's rule, then the flags."""
-    (racer_cycle if s.tree else RULES[s.method])(m, st, s)
-    if st.dcache is not None:
-        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
-    publish(st)
-
-
-def ar_cycle(m, st, s):
+def ar_cycle(e, st, s):
     """One target step on the pending token."""
-    x0 = pending(st)[1]
-    logits = restricted(m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0], st, s)  # [R, V]
-    x = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
-    append(m, st, x.view(-1, 1, 1), torch.ones_like(st.gen_len))
+    logits = restricted(e.target.step(ids(e, pending(st)[1][..., None]), st.tcache)[:, 0, 0], st, s)  # [R, V]
+    append(e, st, kernels.sample(logits, st.temp_t, st.rng)[0].view(-1, 1, 1), torch.ones_like(st.gen_len))
 
 
-def draft_block(m, st, s):
+def draft_block(e, st, s):
     """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
-    -> st.drafted [R, N, K], their log q under the draft temperature st.logq [R, N, K], and for sd the draft's
-    logits st.q_logits [R, K, V]. Advances the draft's suffix_len by K + 1."""
+    -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, K, V]. Advances the
+    draft's suffix_len by K + 1."""
     R, N = st.finished.shape
-    x = ids(m, torch.stack(pending(st), -1))  # [R, N, 2]
+    x = ids(e, torch.stack(pending(st), -1))  # [R, N, 2]
     for k in range(s.draft_len):
-        out = m.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
+        out = e.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
         st.dcache.suffix_len += x.shape[-1]
         t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
         x = t.view(R, N, 1)
@@ -507,26 +413,25 @@ def draft_block(m, st, s):
             st.q_logits[:, k] = out[:, 0]
 
 
-def verify(m, st, t, s):
-    """One target forward over [x0, t_1..t_K] -> restricted logits [R, N, K+1, V]: row k - 1 scores t_k, row K is
-    the bonus token's distribution."""
-    return restricted(m.target.step(ids(m, torch.cat([pending(st)[1][..., None], t], -1)), st.tcache), st, s)
+def verify(e, st, t, s):
+    """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
+    return restricted(e.target.step(ids(e, torch.cat([pending(st)[1][..., None], t], -1)), st.tcache), st, s)
 
 
-def sd_cycle(m, st, s):
-    """Speculative sampling, each request accepting its own number of tokens: accept t_k with probability
-    min(1, p/q); the first rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a bonus
-    token from p. Exact at any temperature. easd: also rejects where `easd_trigger` fires, replacing the token by
-    a draw from p (not exact: it trades the draft's low-confidence agreement for the target)."""
+def sd_cycle(e, st, s):
+    """Speculative sampling, each request accepting its own count: t_k with probability min(1, p/q); the first
+    rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a bonus token from p. Exact at
+    any temperature. easd also rejects where `kernels.easd_trigger` fires, drawing the token from p instead (not
+    exact: it trades the draft's low-confidence agreement for the target)."""
     K, R, device = s.draft_len, st.gen_len.shape[0], st.gen_len.device
-    p = probs(verify(m, st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
-    q = probs(st.q_logits, st.temp_d)  # [R, K, V]
+    p = kernels.probs(verify(e, st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
+    q = kernels.probs(st.q_logits, st.temp_d)  # [R, K, V]
     t = st.drafted[:, 0]  # [R, K]
     pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
-    accept = bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
+    accept = kernels.bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
     residual = (p[:, :K] - q).clamp(min=0)
     if s.easd:
-        triggered = easd_trigger(p[:, :K], q, t, s.easd)
+        triggered = kernels.easd_trigger(p[:, :K], q, t, s.easd)
         accept &= ~triggered
         residual = torch.where(triggered[..., None], p[:, :K], residual)
     n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
@@ -540,19 +445,18 @@ def sd_cycle(m, st, s):
                          c[:, None])  # t_1..t_n, c, filler
     st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
     st.accepted += n
-    append(m, st, tokens[:, None], n + 1)
+    append(e, st, tokens[:, None], n + 1)
 
 
-def racer_cycle(m, st, s):
-    """sd on racer's draft tree (racer.py), verified exactly in one target forward: a node sees the prefix, its
-    ancestors and itself (st.mask), at position length + depth. Walking down from the root, y ~ p is drawn at
-    each node; the child whose token is y is followed, else y is emitted: the text follows p exactly (greedy: y is
-    the argmax, ar's token), a chain being the tree of one child per node. The path's K/V then moves down to
-    consecutive positions. Each node's top tokens become the host's cues."""
+def racer_cycle(e, st, s):
+    """sd on racer's draft tree, verified exactly in one target forward: a node sees the prefix, its ancestors
+    and itself (st.mask), at position length + depth. From the root, y ~ p is drawn at each node and the child
+    whose token is y followed, else y emitted: the text follows p exactly (greedy: ar's tokens), a chain being the
+    tree of one child per node. The path's K/V then moves down; each node's top tokens become the host's cues."""
     (R, T), K, device = st.nodes.shape, s.draft_len, st.gen_len.device
     nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
     base = st.tcache.suffix_len.clone()
-    logits = m.target.step(ids(m, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
+    logits = e.target.step(ids(e, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
     logits = restricted(logits, st, s)  # [R, T, V]
     y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
     follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
@@ -562,58 +466,35 @@ def racer_cycle(m, st, s):
     n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
     c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
     tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
-    compact(st.tcache, base, path)
+    kernels.compact(st.tcache, base, path)
     top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
     st.cues.copy_(top.indices)
     st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
     st.accepted += n
-    append(m, st, tokens[:, None], n.int() + 1)
+    append(e, st, tokens[:, None], n.int() + 1)
 
 
-def compact(cache, base, path):
-    """Move the suffix K/V of an accepted tree path down to consecutive positions: node path[r, d] of the tree
-    written from base[r] (int [R]) to base[r] + d; path [R, D]. Parents come before children, so path[r, d] >= d
-    and one gather then one scatter do it."""
-    for kv in (cache.suffix_k, cache.suffix_v):  # [L, R, N, H, S, D]
-        L, R, N, H, S, D = kv.shape
-        at = lambda i: (base.long()[:, None] + i)[None, :, None, None, :, None].expand(L, R, N, H, i.shape[-1], D)
-        kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
-
-
-def smc_cycle(m, st, s):
-    """Score the K drafted tokens per particle with the target in one forward, weight, append K + 1 tokens (the
-    last a bonus token from the target), resample where the ESS falls below the threshold. A power target
-    p ** alpha (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
+def smc_cycle(e, st, s):
+    """Weight each particle's K drafted tokens by one target forward, append K + 1 tokens (the last a bonus
+    token from the target), resample where the ESS falls below the threshold. A power target p ** alpha
+    (s.power) weighs a draft token alpha log p - log q (`kernels.power_bonus`)."""
     K, (R, N), t = s.draft_len, st.finished.shape, st.drafted
-    logits = verify(m, st, t, s)  # [R, N, K+1, V]
+    logits = verify(e, st, t, s)  # [R, N, K+1, V]
     logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
-    bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
+    bonus, log_bonus = kernels.power_bonus(logits[:, :, K], st.temp_t, s.power)
     b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-    increments, tokens = settle(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, m, log_bonus)
+    increments, tokens = kernels.settle(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, e.is_eos, e.pad,
+                                        log_bonus)
     st.logw += increments
-    append(m, st, tokens, torch.full_like(st.gen_len, K + 1))
+    append(e, st, tokens, torch.full_like(st.gen_len, K + 1))
     resample(st, s)
-
-
-def settle(x0, t, b, logp, logq, finished, m, log_bonus=0.0):
-    """EOS is absorbing. The draft token t_k [R, N, K] weighs log p(t_k) - log q(t_k) unless an EOS came before
-    it (in x0 [R, N] or t_<k, or the particle had already finished), the bonus token b log_bonus [R, N]
-    likewise; after a particle's first EOS its new tokens become the pad. -> weight increments [R, N], the K + 1
-    new tokens [R, N, K+1] (t, then b). is_eos is a table: a lookup costs the same for any number of EOS ids
-    (torch.isin sorts, and syncs with the host, once there are about ten)."""
-    K = t.shape[-1]
-    block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
-    ended = (m.is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
-    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1) + torch.where(ended[..., K], 0.0, log_bonus)
-    return increments, torch.where(ended[..., :K + 1], m.pad, block[..., 1:])
 
 
 def resample(st, s):
     """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
-    draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight, and the
-    weights restart at 0. A population with no positive weight (the target forbids every particle's draft
-    tokens) or a NaN weight (non-finite logits) is degenerate: resampling it would be a uniform draw that hides
-    the failure, so the request ends (publish)."""
+    draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight and the
+    weights restart at 0. A population with no positive weight, or a NaN one, is degenerate: resampling it would
+    be a uniform draw that hides the failure, so the request ends."""
     ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
     st.degenerate |= degenerate & st.live
     for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess), (st.resampled, resampled)):
@@ -632,28 +513,9 @@ def resample(st, s):
 RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "smc": smc_cycle}
 
 
-def method_stats(st, r, s, cycles):
-    """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
-    if s.method in ("sd", "easd"):
-        accepted = int(st.accepted[r])
-        stats = {"draft_len": s.draft_len, "accepted": accepted,
-                 "acceptance": round(accepted / max(cycles * s.draft_len, 1), 4)}
-        triggers = int(st.triggers[r])
-        return stats | ({"triggers": triggers, "trigger_rate": round(triggers / max(cycles, 1), 4)}
-                        if s.method == "easd" else {})
-    if s.method == "smc":
-        final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
-        return {"particles": s.particles, "draft_len": s.draft_len, "resamples": int(st.resamples[r]),
-                "mean_ess": round(float(st.ess_sum[r]) / max(cycles, 1), 3), "log_z": round(float(st.log_z[r] + final), 4)}
-    return {}
-
-
-# ---------------------------------------------------------------- cuda graphs
-
-
 def record(fn):
     """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
-    kernels) so that the capture records warm kernels. Made over empty slots, which append nothing."""
+    kernels) so that the capture records warm kernels."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -666,23 +528,22 @@ def record(fn):
 
 
 def graphs(shape, device):
-    """Whether cycles run as CUDA-graph replays (a function of its own so a test can take that path on a CPU)."""
+    """Whether cycles replay CUDA graphs (a function of its own, so that a test can take that path on a CPU)."""
     return shape.cuda_graphs and device.type == "cuda"
 
 
 # ---------------------------------------------------------------- batches
 
 
-def prefill_slot(m, st, shape, r, req):
-    """Request req into slot r: its prompt into the prefix caches, its settings, every particle's first token x0
-    from the target, its statistics reset."""
+def prefill_slot(e, st, shape, r, req):
+    """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
     s, N = req.s, shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = m.target.prefill(prompt, st.tcache, r)  # [V]
+    logits = e.target.prefill(prompt, st.tcache, r)  # [V]
     st.rng[r] = torch.tensor([s.seed, 0])
     st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
                                                             s.top_p)
-    logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
+    logits, log_first = kernels.power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
     st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
     logits = restricted(logits, replace(st, **{k: getattr(st, k)[r:r + 1] for k in ("temp_t", "top_k", "top_p")}),
                         shape)
@@ -690,48 +551,27 @@ def prefill_slot(m, st, shape, r, req):
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
         st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
         if len(req.ids) > 1:
-            m.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
+            e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
     st.hist[r] = 0
     st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
-    st.gen_len[r], st.max_new[r], st.finished[r] = 1, s.max_new_tokens, m.is_eos[x0]
+    st.gen_len[r], st.max_new[r], st.finished[r], st.live[r] = 1, s.max_new_tokens, e.is_eos[x0], True
     for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
         x[r] = 0
-    st.live[r] = True
     publish(st)
 
 
-def plant(st, requests, shape):
-    """Racer: every busy slot's draft tree from its request's Retrieval into the cycle's tensors: node tokens
-    (-1: no node), parents (node 0, the pending token, is its own), depths, ancestor-or-self masks."""
-    R, T = st.nodes.shape
-    nodes, parent = [[-1] * T for _ in range(R)], [[0] * T for _ in range(R)]
-    for r, req in enumerate(requests):
-        if req:
-            tokens, parents = req.drafter.draft(shape.draft_len, shape.tree)
-            nodes[r][1:len(tokens) + 1], parent[r][1:len(tokens) + 1] = tokens, parents
-    parent, rows = torch.tensor(parent), torch.arange(R)
-    mask, depth = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1), torch.zeros(R, T, dtype=torch.int64)
-    for j in range(1, T):  # parents come before children
-        mask[:, j] |= mask[rows, parent[:, j]]
-        depth[:, j] = depth[rows, parent[:, j]] + 1
-    for x, value in ((st.nodes, torch.tensor(nodes)), (st.parent, parent), (st.depth, depth), (st.mask, mask)):
-        x.copy_(value)
-
-
 class Batch:
-    """`slots` requests of one shape decoded together (continuous batching): a request is prefilled into a free
-    slot between cycles and leaves its slot when it ends. The caches are allocated and the CUDA graphs recorded
-    once, here, over empty slots (nothing live: they append nothing), so no request is ever on the device while a
-    graph is recorded. On a graph every slot costs its rows of the matmuls, which memory-bound decoding does not
-    notice; an eager cycle (the CPU) runs only the slots up to the last busy one, since there every row costs
-    compute. phases: the functions graphed (the whole cycle, or MineDraft's draft and verify apart)."""
+    """`slots` requests of one shape decoded together: a request is prefilled into a free slot between cycles
+    and leaves its slot when it ends. The caches are allocated and the CUDA graphs of `phases` (the cycle, or
+    MineDraft's draft and verify) recorded once, here, over empty slots, which append nothing: no request is on
+    the device while a graph is recorded. A graph runs every slot (memory-bound decoding does not notice the
+    rows); an eager cycle, on a CPU where every row costs compute, runs the slots up to the last busy one."""
 
-    def __init__(self, engine, shape, slots, prefix_cap, suffix_cap, phases=(cycle,)):
-        self.m, self.shape, self.ends, self.tokenizer = engine.models, shape, engine.ends, engine.tokenizer
-        self.requests, self.idle_since = [None] * slots, time.monotonic()
-        self.st = new_state(self.m, shape, slots, prefix_cap, suffix_cap, engine.dtype)
-        self.graphs = {fn.__name__: record(lambda fn=fn: fn(self.m, self.st, shape)) for fn in phases} \
-            if graphs(shape, engine.device) else {}
+    def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=(cycle,)):
+        self.e, self.shape, self.requests, self.idle_since = e, shape, [None] * slots, time.monotonic()
+        self.st = new_state(e, shape, slots, prefix_cap, suffix_cap)
+        self.graphs = {fn.__name__: record(lambda fn=fn: fn(e, self.st, shape)) for fn in phases} \
+            if graphs(shape, e.device) else {}
 
     def busy(self):
         return any(self.requests)
@@ -740,40 +580,37 @@ class Batch:
         """Prefill req into a free slot (False if none); a failure leaves the slot empty."""
         if None not in self.requests:
             return False
-        r = self.requests.index(None)
-        req.start = time.perf_counter()
+        r, req.start = self.requests.index(None), time.perf_counter()
         try:
-            prefill_slot(self.m, self.st, self.shape, r, req)
+            prefill_slot(self.e, self.st, self.shape, r, req)
         except BaseException:
             self.leave(r)
             raise
-        self.requests[r] = req
-        req.prefill_seconds = time.perf_counter() - req.start
+        self.requests[r], req.prefill_seconds = req, time.perf_counter() - req.start
         return True
 
     def leave(self, r):
-        """Empty slot r: lengths 0, every particle finished, not live."""
-        st = self.st
-        self.requests[r], self.idle_since = None, time.monotonic()
+        st, self.requests[r], self.idle_since = self.st, None, time.monotonic()
         for c in (st.tcache, st.dcache):
             if c is not None:
                 c.prefix_len[r], c.suffix_len[r] = 0, 0
         st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
 
     def cycle(self):
-        """One cycle of every busy slot."""
-        if self.shape.tree:
-            plant(self.st, self.requests, self.shape)
+        if self.shape.tree:  # racer: each slot's draft tree from its request's Retrieval
+            trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
+            for x, value in zip((self.st.nodes, self.st.parent, self.st.depth, self.st.mask),
+                                racer.plant(trees, self.shape.tree + 1)):
+                x.copy_(value)
         self.run(cycle)
         self.cycled()
 
     def run(self, fn):
-        """fn (`cycle` or one of its phases) as a graph replay over every slot, or eagerly over the slots up to
-        the last busy one."""
+        """fn (`cycle` or a phase of it) as its graph's replay, or eagerly up to the last busy slot."""
         if fn.__name__ in self.graphs:
             self.graphs[fn.__name__]()
         else:
-            fn(self.m, self.st.narrow(1 + max(i for i, r in enumerate(self.requests) if r)), self.shape)
+            fn(self.e, self.st.narrow(1 + max(i for i, r in enumerate(self.requests) if r)), self.shape)
 
     def cycled(self):
         for r, req in enumerate(self.requests):
@@ -783,7 +620,7 @@ class Batch:
                     req.on_cycle(self, r)
 
     def collect(self, stop=None):
-        """Read every slot's flags (the host's one read of a cycle) and the new part of the history, pass settled
+        """Read every slot's flags and the history's new part (the host's one read of a round), pass settled
         tokens on, end the requests that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
         busy = [(r, req) for r, req in enumerate(self.requests) if req]
         if not busy:
@@ -795,29 +632,25 @@ class Batch:
         for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:
-                fresh = req.cycles > req.drafter.cycles
-                req.drafter.observe(rows[r][req.drafter.seen - lo:length - lo],
-                                    zip(cues[0][r], cues[1][r]) if fresh else None)
-                req.drafter.cycles = req.cycles
+                req.drafter.update(rows[r][req.drafter.seen - lo:length - lo], zip(cues[0][r], cues[1][r]), req.cycles)
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
             if why is None and count > len(req.settled):
-                why = req.settle(rows[r][len(req.settled) - lo:count - lo], self.ends)
+                why = req.settle(rows[r][len(req.settled) - lo:count - lo], self.e.ends)
             if why is None and not done and req.stop and self.shape.particles > 1:
                 done = self.stop_particles(r, req, length)
             if why or done:
                 tokens = req.settled if why else self.pick(r, req)
-                req.finish(tokens, req.stats(tokens, why, self.ends) | method_stats(self.st, r, req), self.ends)
+                req.finish(tokens, req.stats(tokens, why, self.e.ends) | method_stats(self.st, r, req), self.e.ends)
                 self.leave(r)
             else:
                 req.streamed = len(req.settled)
 
     def stop_particles(self, r, req, length):
-        """A particle whose text holds a stop string ends there as at an EOS: it stops drafting and its later
-        tokens carry no weight (those it drafted past the string in that cycle weigh p/q, which is 1 in
-        expectation, so the prefix keeps its distribution). -> whether every particle has ended. Without this
-        a request would end only once its particles agree on the text up to the string."""
-        texts = [self.tokenizer.decode(until_eos(tokens, self.ends)) for tokens in
+        """A particle whose text holds a stop string ends there, as at an EOS (its tokens drafted past it that
+        cycle weigh p/q, 1 in expectation, so the prefix keeps its distribution) -> whether all have ended.
+        Otherwise a request would end only once its particles agree on the text up to the string."""
+        texts = [self.e.tokenizer.decode(until_eos(tokens, self.e.ends)) for tokens in
                  self.st.hist[r, :, 1:1 + length].tolist()]
         ended = [i for i, text in enumerate(texts) if req.cut(text)[1]]
         if ended:
@@ -825,12 +658,10 @@ class Batch:
         return bool(self.st.finished[r].all())
 
     def pick(self, r, req):
-        """Slot r's returned particle: drawn in proportion to its weight, or the heaviest."""
+        """Slot r's returned particle's tokens: one drawn in proportion to its weight, or the heaviest."""
         st, s = self.st, req.s
-        if s.select == "argmax":
-            req.particle = int(st.logw[r].argmax())
-        else:
-            req.particle = int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
+        req.particle = int(st.logw[r].argmax() if s.select == "argmax" else
+                           kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
         return st.hist[r, req.particle, 1:1 + min(int(st.gen_len[r]), s.max_new_tokens)].tolist()
 
     def close(self):
@@ -839,27 +670,25 @@ class Batch:
 
 def method_stats(st, r, req):
     """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
-    s, cycles = req.s, req.cycles
+    s, cycles = req.s, max(req.cycles, 1)
     if s.method in ("sd", "easd"):
         accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
-        stats = {"draft_len": s.draft_len, "accepted": accepted,
-                 "acceptance": round(accepted / max(cycles * s.draft_len, 1), 4)}
-        return stats | ({"triggers": triggers, "trigger_rate": round(triggers / max(cycles, 1), 4)}
-                        if s.method == "easd" else {})
+        return {"draft_len": s.draft_len, "accepted": accepted, "acceptance": round(accepted / (cycles * s.draft_len), 4)
+                } | ({"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {})
     if s.method == "smc":
         final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
         return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
-                "resamples": int(st.resamples[r]), "mean_ess": round(float(st.ess_sum[r]) / max(cycles, 1), 3),
+                "resamples": int(st.resamples[r]), "mean_ess": round(float(st.ess_sum[r]) / cycles, 3),
                 "log_z": round(float(st.log_z[r] + final), 4)}
     return {}
 
 
 class Pair:
-    """MineDraft (arXiv 2603.18016): a batch's slots as two halves that take turns, drafting one while the
-    target verifies the other, on two threads: on a CPU each with half of the cores, on CUDA each on a stream of
-    its own, replaying the half's draft or verify graph. A request's tokens are those it gets without the
-    overlap (its randomness is its own). A half is read, ended and refilled only between its verify and its next
-    draft; it drafts alone when neither half holds drafts (the start), after which the halves alternate."""
+    """MineDraft (arXiv 2603.18016): a batch's slots as two halves that take turns, one drafting while the target
+    verifies the other, on two threads: on a CPU each with half of the cores, on CUDA each on its own stream,
+    replaying the half's draft or verify graph. A request's tokens are those it gets without the overlap. A half
+    is read, ended and refilled only between its verify and its next draft; the first busy one drafts alone at
+    the start, then the halves alternate."""
 
     def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
         if slots < 2:
@@ -871,7 +700,6 @@ class Pair:
         self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
 
     def start_thread(self, where):
-        """A worker's own CUDA stream on the engine's device, or on a CPU its share of the cores."""
         if self.cuda:
             torch.cuda.set_device(where)
             torch.cuda.set_stream(torch.cuda.Stream())
@@ -904,8 +732,7 @@ class Pair:
                 torch.cuda.current_stream().synchronize()
 
     def cycle(self):
-        """The drafted half verifies while the other drafts, or (none drafted) the first busy half drafts. Both
-        jobs end before an error in either is raised."""
+        """The drafted half verifies while the other drafts; both jobs end before an error in either is raised."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
         phases = [verify_cycle if d else draft_block if h.busy() else None for h, d in zip(self.halves, self.drafted)]
@@ -928,10 +755,10 @@ class Pair:
 
 
 class Scheduler:
-    """The requests of one serving loop, waiting and running. Requests of one shape share a batch of `slots`
-    slots of caps (prompt, rest) tokens, made at the shape's first request and dropped once idle for idle_s;
-    batches of different shapes take turns cycle by cycle. raise_errors (generate): a failure raises; else
-    (serve) it ends the requests of its batch "error" and serving goes on, unless the device itself failed."""
+    """One serving loop's requests, waiting and running. Requests of one shape share a batch of `slots` slots of
+    caps (prompt, rest) tokens, made at the shape's first request and dropped once idle for idle_s; batches of
+    different shapes take turns. raise_errors (generate): a failure raises; else (serve) it ends its batch's
+    requests "error" and serving goes on, unless the device failed (DeviceFailed)."""
 
     def __init__(self, engine, slots, caps, raise_errors, idle_s=IDLE_S):
         self.engine, self.slots, self.caps, self.raise_errors, self.idle_s = engine, slots, caps, raise_errors, idle_s
@@ -941,8 +768,8 @@ class Scheduler:
         return bool(self.waiting) or any(b.busy() for b in self.batches.values())
 
     def serving(self, inbox, until_idle):
-        """Take Requests from inbox until None arrives (requests still running end "cancelled") or, with
-        until_idle, until none is left; yields after every round."""
+        """Take Requests from inbox until None arrives (what still runs ends "cancelled") or, with until_idle,
+        until none is left; yields after every round."""
         while not until_idle or self.busy() or not inbox.empty():
             try:  # idle: wait for work, waking to drop idle batches
                 items = [] if self.busy() else [inbox.get(timeout=self.idle_s if self.batches else None)]
@@ -953,13 +780,12 @@ class Scheduler:
             self.waiting += [item for item in items if item is not None]
             if None in items:
                 return self.stop("cancelled")
-            self.step()
+            self.round()
             yield
 
-    def step(self):
-        """One round: collect every batch (ending what the last cycle finished), admit waiting requests into
-        free slots (collecting those batches again: a request can be done as it is admitted), cycle every busy
-        batch, drop idle batches."""
+    def round(self):
+        """Collect every batch (ending what the last cycle finished), admit waiting requests (and collect their
+        batches: a request can be done as it is admitted), cycle the busy batches, drop idle ones."""
         for key, b in list(self.batches.items()):
             self.guarded(key, b.collect)
         for key in self.admit():
@@ -977,10 +803,10 @@ class Scheduler:
                 raise
             b = self.batches.pop(key)
             b.close()
-            self.end([req for req in b.requests if req], "error", e)
-            self.check_device(e)
+            self.failed([req for req in b.requests if req], e)
 
-    def check_device(self, error):
+    def failed(self, requests, error):
+        self.end(requests, "error", error)
         if not self.engine.device_ok():
             raise DeviceFailed(f"the device failed and can run nothing more: {' '.join(str(error).split())}")
 
@@ -997,22 +823,20 @@ class Scheduler:
                 if self.raise_errors:
                     raise
                 self.waiting.remove(req)
-                self.end([req], "error", e)
-                self.check_device(e)
+                self.failed([req], e)
                 continue
             if admitted:
                 self.waiting.remove(req)
+                took |= set() if req.cancelled else {req.shape}
                 if req.cancelled:
                     self.end([req], "cancelled")
-                else:
-                    took.add(req.shape)
         return took
 
     def batch(self, shape):
-        """The batch of this shape, made if there is none (after dropping idle batches if memory is short)."""
+        """shape's batch, made if there is none (after dropping idle batches if memory is short)."""
         if shape not in self.batches:
             need = batch_bytes(self.engine, shape, self.slots, self.caps)
-            if not fits(need, self.engine.device):
+            if need > free_bytes(self.engine.device):
                 self.evict(0.0)
             check_fits(need, self.engine.device, f"{self.slots} slots' KV caches and logits",
                        "lower the slots, particles, draft length or context")
@@ -1020,15 +844,13 @@ class Scheduler:
         return self.batches[shape]
 
     def evict(self, idle_s):
-        """Drop the batches idle for idle_s seconds or more: a long-running server keeps no cache per shape ever
-        seen."""
+        """Drop the batches idle for idle_s or more: a long-running server keeps no cache per shape it has seen."""
         for key, b in list(self.batches.items()):
             if not b.busy() and time.monotonic() - b.idle_since >= idle_s:
                 self.batches.pop(key).close()
 
     def end(self, requests, why, error=None):
-        """End requests with what they made so far and stats["stop"] = why (an error's message in
-        stats["error"])."""
+        """End requests with what they made so far, stats["stop"] = why (an error's message in stats["error"])."""
         for req in requests:
             stats = req.stats(req.settled, why, self.engine.ends)
             req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
@@ -1042,17 +864,12 @@ class Scheduler:
                 b.collect(stop=why)
             running += [req for req in b.requests if req]
             b.close()
-        self.batches = {}
         self.end(running + self.waiting, why, error)
-        self.waiting = []
-
-
-# ---------------------------------------------------------------- memory
+        self.batches, self.waiting = {}, []
 
 
 def free_bytes(device):
-    """Memory free for new tensors on `device` (on CUDA including what torch has cached but does not use), or
-    None when unknown."""
+    """Memory free for new tensors on device: on CUDA with what torch has cached but does not use; unknown: inf."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
             torch.cuda.memory_allocated(device)
@@ -1060,29 +877,40 @@ def free_bytes(device):
         with open("/proc/meminfo") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
-        return None
-
-
-def fits(need, device):
-    free = free_bytes(device)
-    return free is None or need <= free
+        return math.inf
 
 
 def check_fits(need, device, what, advice):
-    if not fits(need, device):
+    if need > free_bytes(device):
         raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {free_bytes(device) / 2**30:.2f} GiB is "
                          f"free on {device}; {advice}")
 
 
+def unread_bytes(e):
+    """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
+    configs = [c for c, o in zip((e.config, e.draft_config), e.opened) if o]
+    n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
+    return (n + sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings and e.device.type == "cpu")) \
+        * e.dtype.itemsize
+
+
+def check_memory(e, requests, slots):
+    """The unread weights and the batches these requests need fit in free memory, or a UsageError."""
+    caps, shapes = sizes(requests), {req.shape for req in requests}
+    check_fits(unread_bytes(e) + sum(batch_bytes(e, shape, slots, caps) for shape in shapes), e.device,
+               ("the weights, " if e.opened[0] else "") + f"{slots} slots' KV caches and logits",
+               "lower --slots, --particles, --draft-len or --max-new-tokens")
+
+
 def batch_bytes(e, shape, slots, caps):
-    """Memory a batch of this shape takes: its KV caches, and float32 logits of a cycle with a few copies."""
+    """Memory a batch takes: its KV caches, and a cycle's float32 logits with a few copies."""
     configs = [e.config] + ([e.draft_config] if e.draft_config and shape.method != "ar" else [])
     need = sum(model.KVCache.nbytes(c, shape.particles, *caps, e.dtype, slots) for c in configs)
     return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
 
 
 def capacity(e, prompt_len, s, shape, context=None):
-    """Context checks -> the suffix capacity a request needs: its budget plus a draft block of lookahead."""
+    """The context's checks -> the suffix a request needs: its budget and a draft block of lookahead."""
     extra = 0 if s.method == "ar" else max(shape.tree, s.draft_len)  # what a cycle writes ahead
     configs = [c for c in (e.config, e.draft_config if s.method != "ar" else None) if c is not None]
     context = min([c.max_seq_len for c in configs] + [context or math.inf])
@@ -1090,31 +918,36 @@ def capacity(e, prompt_len, s, shape, context=None):
         raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
     if prompt_len + extra + 1 > context:
         raise UsageError(f"{'tree' if shape.tree > s.draft_len else 'draft-len'} {extra} does not fit the context "
-                         f"of {context} after a {prompt_len}-token prompt; use at most {context - prompt_len - 1}")
+                         f"of {context} after a {prompt_len}-token prompt; use at most {context - prompt_len - 1}",
+                         "draft_len")
     if prompt_len + s.max_new_tokens + extra > context:
         raise UsageError(f"max-new-tokens {s.max_new_tokens} does not fit the context of {context} after a "
-                         f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}")
+                         f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}", "max_new_tokens")
     return s.max_new_tokens + extra
+
+
+def sizes(requests):
+    """The (prompt, suffix) tokens a slot needs to hold any of requests."""
+    return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
 
 
 # ---------------------------------------------------------------- engine
 
 
 class Engine:
-    """A target model and an optional draft, each a path (Hugging Face directory or .gguf file) or a loaded
-    model.Transformer (then prompts are token ids and results carry no text); draft "racer" drafts without a
-    draft model. Paths are opened at once (config, tokenizer, the weight files' headers), so that a bad request is
-    refused before any weight is read; `load()`, which the first `generate` calls, reads the weights. Under
-    torchrun every rank builds this engine with its shard of the target (tensor parallel, `model.shard_config`)
-    and a whole draft, and decodes the same requests: identical logits and rng give every rank the same
-    decisions. `failure` says why the engine can serve nothing more (its device failed), else None."""
+    """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer
+    (then prompts are ids and results have no text); draft "racer" drafts without a model. Paths are opened at
+    once (configs, tokenizer, headers) so that a bad request is refused before `load()` reads any weight. Under
+    torchrun each rank holds its shard of the target and decodes the same requests with the same logits and rng.
+    The cycles read target, draft, is_eos [V + 1] and pad (V, past the vocabulary: a particle's tokens after its
+    end; the models see it clamped). failure: why the engine serves nothing more (its device failed)."""
 
     def __init__(self, target, draft=None, device=None, dtype=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.bfloat16
-        self.racer, draft = (True, None) if draft == "racer" else (False, draft)  # drafts without a draft model
+        self.racer, draft = (True, None) if draft == "racer" else (False, draft)
         self.target, self.draft = (m if isinstance(m, model.Transformer) else None for m in (target, draft))
         self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
                        for m in (target, draft)]
@@ -1125,20 +958,11 @@ class Engine:
             raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
                              f"{self.config.vocab_size}")
         self.device, self.dtype = (self.target.device, self.target.embed.dtype) if self.target else (device, dtype)
-        check_fits(self.unread_bytes(), self.device, "the weights", "try a smaller model or another --device")
-        self.tokenizer, self.failure = self.opened[0] and self.opened[0][2], None
-        V = self.config.vocab_size
-        self.is_eos = torch.zeros(V + 1, dtype=torch.bool, device=self.device)  # [V + 1]: the pad V ends too
-        self.is_eos[self.config.eos_ids + [V]] = True
-        self.ends, self.models = set(self.config.eos_ids) | {V}, None
-
-    def unread_bytes(self):
-        """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
-        configs = [c for c, o in zip((self.config, self.draft_config), self.opened) if o]
-        n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
-        if self.device.type == "cpu":
-            n += sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings)
-        return n * self.dtype.itemsize
+        check_fits(unread_bytes(self), self.device, "the weights", "try a smaller model or another --device")
+        self.tokenizer, self.failure, self.pad = self.opened[0] and self.opened[0][2], None, self.config.vocab_size
+        self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
+        self.is_eos[self.config.eos_ids + [self.pad]] = True
+        self.ends = set(self.config.eos_ids) | {self.pad}
 
     def load(self):
         """Read the weights (once) -> self."""
@@ -1147,38 +971,33 @@ class Engine:
         if self.draft is None and self.opened[1]:
             self.draft = model.build(*self.opened[1][:2], self.device, self.dtype)
         self.opened = [None, None]
-        self.models = Models(self.target, self.draft, self.is_eos, self.config.vocab_size)
         return self
 
     def encode(self, prompt):
-        if not isinstance(prompt, str):
-            ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
-            if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise UsageError("a prompt is text or a list of token ids")
-        elif self.tokenizer is None:
+        if isinstance(prompt, str) and self.tokenizer is None:
             raise UsageError("this engine has no tokenizer: give the prompt as token ids")
-        elif not prompt.strip():
+        if isinstance(prompt, str) and not prompt.strip():
             raise UsageError("the prompt is empty or only whitespace")
-        else:
-            ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise UsageError("a prompt is text or a list of token ids")
         if not ids:
             raise UsageError("the prompt is empty")
         if not all(0 <= i < self.config.vocab_size for i in ids):
             raise UsageError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
-        return ids
+        return list(ids)
 
     def request(self, prompt, stop=(), on_tokens=None, on_text=None, on_done=None, on_cycle=None, context=None,
                 **options):
-        """A prompt (text or ids) with its options (`Settings`' fields) -> a checked Request, before any weight
-        is read; raises UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones
-        and a draft block) a slot of the serving batch holds, when that is below the models' context."""
-        draft = "racer" if self.racer else "model" if self.draft_config else None
-        s = settings(options).check(self.config.vocab_size, draft).resolve(self.device)
-        stop = [stop] if isinstance(stop, str) else stop
+        """A prompt (text or ids) and options (Settings' fields) -> a checked Request, before any weight is read;
+        or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
+        block) a slot of the serving batch holds, where that is below the models' context."""
+        s = settings(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
+        s, stop = s.resolve(self.device), [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
-            raise UsageError("stop must be a string or a list of non-empty strings")
+            raise UsageError("stop must be a string or a list of non-empty strings", "stop")
         if stop and self.tokenizer is None:
-            raise UsageError("stop strings need a tokenizer: this engine's models have none")
+            raise UsageError("stop strings need a tokenizer: this engine's models have none", "stop")
         ids, shape = self.encode(prompt), s.shape(self.racer)
         return Request(ids, s, shape, capacity(self, len(ids), s, shape, context), stop, self.tokenizer,
                        racer.Retrieval(ids, chain=not s.tree) if shape.tree else None, on_tokens, on_text, on_done,
@@ -1189,36 +1008,26 @@ class Engine:
         out = []
         for i, p in enumerate(prompts):
             try:
-                out.append(self.request(**{**options, **p}) if isinstance(p, dict) else self.request(p, **options))
+                out.append(self.request(**(options | p)) if isinstance(p, dict) else self.request(p, **options))
             except (UsageError, TypeError) as e:
-                raise UsageError(f"prompt {i + 1}: {e}") from None
+                raise UsageError(f"prompt {i + 1}: {e}", getattr(e, "param", None)) from None
         return out
 
     def generate(self, prompt, on_tokens=None, slots=None, **options):
-        """prompt: text, token ids or {"prompt": ..., **options} -> Result(text, tokens, stats); or a list of
-        prompts -> [Result], decoded together, `slots` at a time (default: up to 8), each request with its own
-        randomness: its output does not depend on its neighbours. Options: `Settings`' fields, and stop.
-        on_tokens, if given, is called with the settled tokens (up to the first EOS) whenever more have settled;
-        returning True stops generation there (the settled tokens are the result). stats["stop"] says why it
-        ended: "eos", "length", "stop" (a stop string), "stopped", "interrupted", or "degenerate" (smc: no
-        particle kept a positive weight, or one is NaN; the result is what had settled before)."""
+        """prompt: text, ids or {"prompt": ..., **its options} -> Result(text, tokens, stats); a list of prompts ->
+        [Result], decoded together, `slots` at a time (default: up to 8), each with its own randomness (its output
+        does not depend on its neighbours). options: Settings' fields, and stop. on_tokens(settled tokens), called
+        as more settle, stops the request by returning True. stats["stop"]: "eos", "length", "stop" (a stop
+        string), "stopped", "interrupted", or "degenerate" (smc: no particle kept a weight; what had settled)."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
-        one = {**options, **prompt} if isinstance(prompt, dict) else {**options, "prompt": prompt}
+        one = options | prompt if isinstance(prompt, dict) else options | {"prompt": prompt}
         return self.run([self.request(on_tokens=on_tokens, **one)], 1)[0]
-
-    def check_memory(self, requests, slots):
-        """The unread weights and the batches these requests need fit in free memory, or a UsageError."""
-        caps = sizes(requests)
-        need = self.unread_bytes() + sum(batch_bytes(self, shape, slots, caps) for shape in
-                                         {req.shape for req in requests})
-        check_fits(need, self.device, ("the weights, " if self.opened[0] else "") + f"{slots} slots' KV caches and "
-                   "logits", "lower --slots, --particles, --draft-len or --max-new-tokens")
 
     def run(self, requests, slots=None):
         """Decode checked Requests to the end -> their Results."""
         slots = slots or min(len(requests), 8)
-        self.check_memory(requests, slots)
+        check_memory(self, requests, slots)
         for _ in self.serving(requests, slots, sizes(requests), True):
             pass
         return [req.result for req in requests]
@@ -1236,10 +1045,10 @@ class Engine:
         yield from events
 
     def serve(self, inbox, slots=4, context=2048, idle_s=IDLE_S):
-        """Decode the Requests put in inbox (a queue.Queue) until None arrives (requests still running end
-        "cancelled"). context: the tokens a slot holds (prompt, new tokens and a draft block; a pair (prompt,
-        the rest) for each apart); check requests against it (`request(context=)`). A failure in one batch ends
-        its requests "error" and serving goes on; a failed device ends them all and raises DeviceFailed."""
+        """Decode the Requests put in inbox (a queue.Queue) until None arrives (what still runs ends "cancelled").
+        context: the tokens a slot holds (a pair (prompt, the rest) for each apart); check requests against it
+        (`request(context=)`). A failing batch ends its requests "error" and serving goes on; a failed device
+        ends them all and raises DeviceFailed."""
         for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, False, idle_s):
             pass
 
@@ -1249,8 +1058,7 @@ class Engine:
             requests, inbox = inbox, queue.Queue()
             for req in requests:
                 inbox.put(req)
-        self.load()
-        sched = Scheduler(self, slots, caps, until_idle, idle_s)
+        sched = Scheduler(self.load(), slots, caps, until_idle, idle_s)
         with torch.inference_mode():
             try:
                 yield from sched.serving(inbox, until_idle)
@@ -1269,11 +1077,6 @@ class Engine:
             return True
         except RuntimeError:
             return False
-
-
-def sizes(requests):
-    """The (prompt, suffix) tokens a slot needs to hold any of requests."""
-    return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
 
 
 # ---------------------------------------------------------------- command line
@@ -1309,15 +1112,7 @@ SUMMARY = {"sd": ", {cycles} cycles, acceptance {acceptance:.2f}",
 
 def summary(stats):
     line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s" + SUMMARY.get(stats["method"], "")
-    return line.format(**stats) + ("" if stats["stop"] != "interrupted" else ", interrupted") + "]"
-
-
-def easd_rule(text):
-    try:
-        entropy, top, share = text.split(",")
-        return float(entropy), int(top), float(share)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ENTROPY,TOP,SHARE like 1.0,5,0.6, got {text!r}") from None
+    return line.format(**stats) + (", interrupted" if stats["stop"] == "interrupted" else "") + "]"
 
 
 def read_prompt(path):
@@ -1333,20 +1128,27 @@ def read_prompt(path):
 
 
 def read_jsonl(path):
-    """The prompts of a JSONL file: one object per line, {"prompt": text, ...its own options}."""
+    """The prompts of a JSONL file: one {"prompt": text, ...its own options} per line."""
     items = []
     for n, line in enumerate(read_prompt(path).splitlines(), 1):
-        if line.strip():
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-                raise UsageError(f'{path}:{n}: expected an object with a "prompt" string')
-            items.append(item)
+        try:
+            item = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if item is not None and not (isinstance(item, dict) and isinstance(item.get("prompt"), str)):
+            raise UsageError(f'{path}:{n}: expected an object with a "prompt" string')
+        items += [item] if item else []
     if not items:
         raise UsageError(f"{path}: no prompts")
     return items
+
+
+def easd_rule(text):
+    try:
+        entropy, top, share = text.split(",")
+        return float(entropy), int(top), float(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ENTROPY,TOP,SHARE like 1.0,5,0.6, got {text!r}") from None
 
 
 def parser():
@@ -1389,39 +1191,31 @@ def parser():
     return p
 
 
-def options_of(args):
-    """The command line's request options (Settings' fields), checked before any model is opened."""
-    options = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name not in ("select", "cuda_graphs")}
-    settings(options | {"cuda_graphs": not args.no_cuda_graphs}).check(None, "racer" if args.draft == "racer" else
-                                                                      "model")
-    if args.draft not in (None, "racer") and not args.target:
-        raise UsageError("--draft needs --target")
-    if args.slots < 1:
-        raise UsageError(f"--slots must be at least 1, got {args.slots}")
-    return options | {"cuda_graphs": not args.no_cuda_graphs}
-
-
-def prepare(args, batch, rank, world):
+def prepare(args, batch, world):
     """-> (engine, requests, prompt), every check done before a weight is read or the prompt echoed."""
-    if world > 1 and not args.target:
-        raise UsageError("under torchrun give --target (and --draft): fetch the default pair first with python "
-                         "weights/fetch.py, so that the ranks do not fetch it at once")
-    options = options_of(args)
-    if args.trace and batch:
-        raise UsageError("--trace follows one prompt; give --prompt or a text --prompt-file")
+    options = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name not in ("select", "cuda_graphs")}
+    options["cuda_graphs"] = not args.no_cuda_graphs
+    settings(options).check(None, "racer" if args.draft == "racer" else "model")  # before the pair is fetched
+    for bad, message in ((world > 1 and not args.target, "under torchrun give --target (and --draft): fetch the "
+                          "default pair first with python weights/fetch.py, so that the ranks do not fetch it at once"),
+                         (args.draft not in (None, "racer") and not args.target, "--draft needs --target"),
+                         (args.slots < 1, f"--slots must be at least 1, got {args.slots}"),
+                         (args.trace and batch, "--trace follows one prompt; give --prompt or a text --prompt-file")):
+        if bad:
+            raise UsageError(message)
     prompt = read_jsonl(args.prompt_file) if batch else read_prompt(args.prompt_file) if args.prompt_file \
         else args.prompt
     if not batch and not prompt.strip():
         raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
     draft, target = (args.draft, args.target) if args.target else default_pair()
-    engine = Engine(target, "racer" if args.draft == "racer" else draft, args.device, args.dtype)
-    if args.chat and not (engine.tokenizer and engine.tokenizer.chat_template):
+    e = Engine(target, "racer" if args.draft == "racer" else draft, args.device, args.dtype)
+    if args.chat and not (e.tokenizer and e.tokenizer.chat_template):
         raise UsageError(f"--chat: {target} has no chat template; give the prompt as the model should read it")
-    chat = (lambda text: apply_chat(engine.tokenizer, text)) if args.chat else (lambda text: text)
-    items = [item | {"prompt": chat(item["prompt"])} for item in (prompt if batch else [{"prompt": prompt}])]
-    requests = engine.requests(items, **options) if batch else [engine.request(items[0]["prompt"], **options)]
-    engine.check_memory(requests, min(args.slots, len(requests)))
-    return engine, requests, prompt
+    chat = (lambda text: apply_chat(e.tokenizer, text)) if args.chat else (lambda text: text)
+    requests = e.requests([item | {"prompt": chat(item["prompt"])} for item in prompt], **options) if batch \
+        else [e.request(chat(prompt), **options)]
+    check_memory(e, requests, min(args.slots, len(requests)))
+    return e, requests, prompt
 
 
 def main(argv=None):
@@ -1435,25 +1229,24 @@ def main(argv=None):
     if rank:
         sys.stdout = open(os.devnull, "w")
     try:
-        engine, requests, prompt = prepare(args, batch, rank, world)
+        e, requests, prompt = prepare(args, batch, world)
         if not (batch or args.json):
             requests[0].on_text = lambda piece: print(piece, end="", flush=True)
             print("" if args.chat else prompt, end="", flush=True)
         if args.trace and rank == 0:
             import plot
-            tracer = plot.Tracer(args.trace, engine, requests[0])
+            tracer = plot.Tracer(args.trace, e, requests[0])
             requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
-        results = engine.run(requests, min(args.slots, len(requests)))
-    except (model.LoadError, UsageError) as e:
-        sys.exit(1 if rank else f"error: {e}")
+        results = e.run(requests, min(args.slots, len(requests)))
+    except (model.LoadError, UsageError) as error:
+        sys.exit(1 if rank else f"error: {error}")
     except KeyboardInterrupt:
         sys.exit(130)
     if world > 1:
         torch.distributed.destroy_process_group()
-    if batch or args.json:
-        for r in results:
-            print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}), flush=True)
-    else:
+    for r in results if batch or args.json else []:
+        print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}), flush=True)
+    if not (batch or args.json):
         print()
         print(summary(results[0].stats), file=sys.stdout if rank else sys.stderr)
     stop = results[0].stats["stop"]

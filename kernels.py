@@ -1,4 +1,6 @@
-"""Kernels: each Triton kernel beside the few-line PyTorch reference that documents it.
+"""Kernels: each Triton kernel beside the few-line PyTorch reference that documents it; then the tensor rules
+the decoding methods share (restricted, tempered and power distributions, easd's trigger, smc's EOS-absorbing
+weights), plain PyTorch that runs on every device.
 
 Dispatch (`use_triton`): the Triton kernel on CUDA tensors, the reference on CPU tensors (attention:
 `particle_attention_cpu`, the same math arranged for speed), and the Triton kernel on CPU when
@@ -86,13 +88,14 @@ def prefill_attention(q, k, v, scale):
     On the CPU in blocks of query tokens, a KV group's rows of a block forming one matrix against the keys up to
     the block's end: 5-8x faster at T = 1500 than torch's fused CPU attention. Scores in float32 (bf16 scores
     triple the logits' KL divergence), probabilities in q's dtype."""
-    if q.device.type != "cpu":
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
+    if q.device.type != "cpu":  # 4-D, KV heads repeated: only such inputs reach the flash / efficient / cuDNN kernels
+        k, v = (x[:, :, None].expand(T, Hkv, G, D).reshape(T, Hq, D) for x in (k, v))
+        out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                                             scale=scale)
+        return out[0].transpose(0, 1)
     block = max(1, min(128, 2**23 // (Hq * T)))  # query tokens: more spill the float32 scores out of cache
     qg, kf, vt = q.view(T, Hkv, G, D).transpose(0, 1), k.transpose(0, 1).float(), v.transpose(0, 1)  # [Hkv, T, ...]
     out = torch.empty_like(q)
@@ -613,3 +616,84 @@ def gather_suffix(cache, ancestors, length):
         view, ancestors.contiguous(), length, N, R, H, D, *view.stride()[:5],
         BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
     return cache
+
+
+def compact(cache, base, path):
+    """Move the suffix K/V of an accepted tree path down to consecutive positions: node path[r, d] of the tree
+    written from base[r] (int [R]) to base[r] + d; path [R, D]. Parents come before children, so path[r, d] >= d
+    and one gather then one scatter do it."""
+    for kv in (cache.suffix_k, cache.suffix_v):  # [L, R, N, H, S, D]
+        L, R, N, H, S, D = kv.shape
+        at = lambda i: (base.long()[:, None] + i)[None, :, None, None, :, None].expand(L, R, N, H, i.shape[-1], D)
+        kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
+
+
+# ---------------------------------------------------------------- the methods' rules (settings per request: [R])
+
+
+def per_request(x, like):
+    """x [R] viewed to broadcast against like [R, ..., V]."""
+    return x.view(-1, *[1] * (like.dim() - 1))
+
+
+def restrict(logits, temperature, top_k, top_p):
+    """logits [R, ..., V] with the tokens outside request r's top-k (top_k [R], 0 = all) and outside its top-p
+    nucleus of softmax(logits / T) (top_p [R]) set to -inf: the target distribution every method samples from."""
+    ordered, order = logits.sort(-1, descending=True)
+    k = per_request(torch.where(top_k > 0, top_k, logits.shape[-1]), logits) - 1
+    ordered = ordered.masked_fill(ordered < ordered.gather(-1, k.expand(*logits.shape[:-1], 1)), float("-inf"))
+    p = (ordered / per_request(torch.where(temperature > 0, temperature, 1.0), logits)).softmax(-1)
+    top_p = per_request(top_p, logits)
+    outside = ((top_p < 1) & (p.cumsum(-1) - p >= top_p)) | (ordered == float("-inf"))  # mass before reaches p
+    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+
+
+def probs(logits, temperature):
+    """The distribution sampled at request r's temperature (temperature [R], logits [R, ..., V]):
+    softmax(logits / T), one-hot on the argmax where T = 0."""
+    t = per_request(temperature, logits)
+    soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
+    return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
+
+
+def power_bonus(logits, temperature, power):
+    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the
+    SMC-SD paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is
+    Z, log Z = logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. At alpha = 1
+    the target's own logits, weight 0."""
+    if power == 1:
+        return logits, logits.new_zeros(logits.shape[:-1])
+    scaled = logits / per_request(temperature, logits)
+    return logits * power, (power * scaled).logsumexp(-1) - power * scaled.logsumexp(-1)
+
+
+def easd_trigger(p, q, t, rule):
+    """EASD's rule (arXiv 2512.23765; its code was not available, so defined here): draft token t_k is rejected,
+    and replaced by a draw from the target's p_k itself, where both models are uncertain (the entropies of p_k and
+    q_k reach `entropy` nats) while their top-`top` tokens mostly agree (at least share x top in common) and t_k is
+    one of those shared tokens: agreement in low confidence, which would otherwise pass through. p, q [R, K, V],
+    t [R, K] -> bool [R, K]."""
+    entropy, top, share = rule
+    uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
+    top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
+    shared = (top_p[..., :, None] == top_q[..., None, :]).any(-1)  # [R, K, top]: p's top tokens also q's
+    aligned = (shared & (top_p == t[..., None])).any(-1)
+    return uncertain(p) & uncertain(q) & (shared.sum(-1) >= share * top) & aligned
+
+
+def bernoulli(p, rng):
+    """True with probability p [R, M], drawn on the device from each request's rng: a two-way categorical."""
+    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [R, M, 2]
+    return (sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
+
+
+def settle(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
+    """smc's weights with EOS absorbing: draft token t_k [R, N, K] weighs log p - log q unless an EOS came before
+    it (in x0 [R, N], t_<k, or the particle had finished), the bonus b log_bonus [R, N] likewise; after a
+    particle's first EOS its tokens become `pad`. -> weight increments [R, N], the K + 1 new tokens [R, N, K+1].
+    is_eos [V + 1] is a table: a lookup costs the same for any number of EOS ids (torch.isin sorts, and syncs)."""
+    K = t.shape[-1]
+    block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
+    ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
+    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1) + torch.where(ended[..., K], 0.0, log_bonus)
+    return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])

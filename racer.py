@@ -11,6 +11,8 @@ engine.py never touches: engine.py asks it for a tree before each racer cycle an
 cues after."""
 import heapq
 
+import torch
+
 LONGEST = 10  # the longest n-gram indexed
 CUES = 4  # the target's top next tokens kept per token
 
@@ -33,6 +35,11 @@ class Retrieval:
                 counts[t] = counts.get(t, 0) + 1
             self.ctx.append(t)
         self.seen += len(tokens)
+
+    def update(self, tokens, cues, cycles):
+        """After a round: the new tokens, and the cues if a cycle ran since the last update (cycles: its count)."""
+        self.observe(tokens, cues if cycles > self.cycles else None)
+        self.cycles = cycles
 
     def candidates(self, ctx):
         """-> [(token, prior)] to follow ctx, likeliest first: retrieval's continuations of the longest suffix
@@ -64,3 +71,21 @@ class Retrieval:
                     heapq.heappush(frontier, (score * p, order, len(tokens), d + 1, ctx + [t]))
         self.last = [self.ctx[-1]] + tokens
         return tokens, parents
+
+
+def plant(trees, T):
+    """Each slot's tree (tokens, parents) from `Retrieval.draft`, None for an empty slot, as the cycle's tensors
+    [R, T]: node tokens (-1: no node), parents (node 0, the pending token, is its own), depths, and [R, T, T]
+    ancestor-or-self masks."""
+    R = len(trees)
+    nodes, parent = [[-1] * T for _ in range(R)], [[0] * T for _ in range(R)]
+    for r, tree in enumerate(trees):
+        if tree:
+            tokens, parents = tree
+            nodes[r][1:len(tokens) + 1], parent[r][1:len(tokens) + 1] = tokens, parents
+    parent, rows = torch.tensor(parent), torch.arange(R)
+    mask, depth = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1), torch.zeros(R, T, dtype=torch.int64)
+    for j in range(1, T):  # parents come before children
+        mask[:, j] |= mask[rows, parent[:, j]]
+        depth[:, j] = depth[rows, parent[:, j]] + 1
+    return torch.tensor(nodes), parent, depth, mask

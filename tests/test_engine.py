@@ -310,7 +310,7 @@ def started(e, **options):
     req = e.request(PROMPT, **options)
     b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
     b.admit(req)
-    return b.m, b.st, b.shape
+    return b.e, b.st, b.shape
 
 
 def test_draft_and_target_caches_hold_every_particle_context():
@@ -339,13 +339,13 @@ def test_draft_and_target_caches_hold_every_particle_context():
 def test_tokens_after_eos_carry_no_weight():
     """EOS (0) at t_2 of a K = 4 block: t_1 and t_2 weigh, t_3 and t_4 not; later tokens become the pad (V). A
     finished particle weighs nothing."""
-    m = engine.Models(None, None, torch.arange(V + 1) % V == 0, V)  # the EOS table: 0, and the pad
+    eos = torch.arange(V + 1) % V == 0  # the EOS table: 0, and the pad V
     x0, t, b = torch.tensor([[5, 5]]), torch.tensor([[[4, 0, 6, 7], [4, 4, 6, 7]]]), torch.tensor([[3, 3]])
     logp, logq = torch.full((1, 2, 4), -1.0), torch.full((1, 2, 4), -2.0)
-    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), m)
+    increments, tokens = kernels.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), eos, V)
     assert increments.tolist() == [[2.0, 4.0]]
     assert tokens.tolist() == [[[4, 0, V, V, V], [4, 4, 6, 7, 3]]]
-    increments, tokens = engine.settle(x0, t, b, logp, logq, torch.tensor([[True, False]]), m)
+    increments, tokens = kernels.settle(x0, t, b, logp, logq, torch.tensor([[True, False]]), eos, V)
     assert increments.tolist() == [[0.0, 4.0]] and tokens[0, 0].tolist() == [V] * 5
 
 
@@ -408,7 +408,7 @@ def test_top_p_and_top_k_per_request():
     """One call, three requests: top-p 0.8 keeps the nucleus, no restriction keeps every possible token, top-k 1
     keeps the argmax."""
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log().expand(3, 4)  # probabilities 0.5, 0.33, 0.17, 0
-    kept = engine.restrict(logits, torch.ones(3), torch.tensor([0, 0, 1]), torch.tensor([0.8, 1.0, 1.0]))
+    kept = kernels.restrict(logits, torch.ones(3), torch.tensor([0, 0, 1]), torch.tensor([0.8, 1.0, 1.0]))
     assert kept.isfinite().tolist() == [[True, True, False, False], [True, True, True, False],
                                         [True, False, False, False]]
 
