@@ -49,7 +49,8 @@ class Config:
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
-def config_from_hf(hf, path):
+def config_from_hf(hf, path, more_eos=()):
+    """The Config of a config.json (more_eos: generation_config.json's end ids, which generation also stops at)."""
     arch = hf.get("model_type")
     if arch not in ARCHS:
         raise LoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
@@ -57,6 +58,8 @@ def config_from_hf(hf, path):
         raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
     if arch == "mistral" and hf.get("sliding_window") not in (None, 0):
         raise LoadError(f"{path}: sliding-window attention is not supported")
+    if type(hf.get("tie_word_embeddings", False)) is not bool:
+        raise LoadError(f"{path}: tie_word_embeddings is {hf['tie_word_embeddings']!r}, expected true or false")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers >= 5 | < 5
     if not isinstance(rope, dict):
         raise LoadError(f"{path}: rope_parameters/rope_scaling is {rope!r}, expected an object")
@@ -73,7 +76,7 @@ def config_from_hf(hf, path):
                rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
                tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=arch == "qwen2",
                max_seq_len=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
-               eos_ids=token_ids(hf.get("eos_token_id"), path))
+               eos_ids=list(dict.fromkeys(token_ids(hf.get("eos_token_id"), path) + list(more_eos))))
     return checked_config(c, HF_FIELDS, path)
 
 
@@ -120,8 +123,17 @@ def checked_config(c, names, where):
         raise LoadError(f"{where}: {names['head_dim']} is {c.head_dim}; rotary embeddings need an even head size")
     s = c.rope_scaling or {}
     for key in ROPE_KEYS.get(s.get("rope_type"), ()):
-        if not positive(s.get(key), integer=False):
-            raise LoadError(f"{where}: rope scaling {key} is {s.get(key)!r}, expected a positive number")
+        if not positive(s.get(key), integer=key == "original_max_position_embeddings"):
+            raise LoadError(f"{where}: rope scaling {key} is {s.get(key)!r}, expected a positive "
+                            f"{'integer' if key == 'original_max_position_embeddings' else 'number'}")
+    if s and s["factor"] < 1:  # a factor below 1 would speed positions up, which no scaling means
+        raise LoadError(f"{where}: rope scaling factor is {s['factor']!r}, expected at least 1")
+    if s.get("rope_type") == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:  # the ramp divides by it
+        raise LoadError(f"{where}: rope scaling high_freq_factor ({s['high_freq_factor']}) must exceed "
+                        f"low_freq_factor ({s['low_freq_factor']})")
+    for what, i in [("bos", c.bos_id)] * (c.bos_id is not None) + [("eos", i) for i in c.eos_ids]:
+        if not (type(i) is int and 0 <= i < c.vocab_size):  # the engine indexes a [vocab] table with them
+            raise LoadError(f"{where}: {what} token id {i!r} lies outside the vocabulary of {c.vocab_size}")
     c.rope_theta = float(c.rope_theta)
     return c
 
@@ -467,10 +479,9 @@ def open_hf_dir(path):
     from safetensors import safe_open
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory or a .gguf file)")
-    c = config_from_hf(read_json(os.path.join(path, "config.json")), path)
     gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        c.eos_ids += [e for e in token_ids(read_json(gen).get("eos_token_id"), gen) if e not in c.eos_ids]
+    more_eos = token_ids(read_json(gen).get("eos_token_id"), gen) if os.path.isfile(gen) else []
+    c = config_from_hf(read_json(os.path.join(path, "config.json")), path, more_eos)
     files = shard_files(path)
     if not files:
         raise LoadError(f"{path}: no *.safetensors weights (pickled .bin/.pt checkpoints are not loaded)")

@@ -437,6 +437,10 @@ def test_gguf_damaged_count_is_named(tmp_path, find, skip, value, fmt, problem):
     assert problem in load_error(path)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
 def write_config(path, **edits):
     """config.json of the tiny qwen2 (sizes only: the config is checked before anything else is read)."""
     hf = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
@@ -457,9 +461,24 @@ def write_config(path, **edits):
     ({"head_dim": 7}, "head_dim is 7; rotary embeddings need an even head size"),
     ({"rms_norm_eps": "tiny"}, "rms_norm_eps is 'tiny', expected a positive number"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope scaling factor is None, expected a positive number"),
+    ({"rope_theta": -1}, "rope_theta is -1, expected a positive number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_theta is -1, expected a positive number"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "rope scaling factor is 0.5, expected at least 1"),
+    ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}},
+     "high_freq_factor (4.0) must exceed low_freq_factor (4.0)"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 32.5}},
+     "original_max_position_embeddings is 32.5, expected a positive integer"),
+    ({"eos_token_id": 96}, "eos token id 96 lies outside the vocabulary of 96"),
+    ({"bos_token_id": -1}, "bos token id -1 lies outside the vocabulary of 96"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
 ])
 def test_bad_config_sizes(tmp_path, edits, problem):
     assert problem in load_error(write_config(tmp_path, **edits))
+
+
+def test_generation_config_eos_outside_vocabulary(tmp_path):
+    (write_config(tmp_path) / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 500]}))
+    assert "eos token id 500 lies outside the vocabulary of 96" in load_error(tmp_path)
 
 
 def test_config_not_an_object(tmp_path):
