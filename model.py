@@ -49,7 +49,8 @@ class Config:
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
-def config_from_hf(hf, path):
+def config_from_hf(hf, path, more_eos=()):
+    """The Config of a config.json (more_eos: generation_config.json's end ids, which generation also stops at)."""
     arch = hf.get("model_type")
     if arch not in ARCHS:
         raise LoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
@@ -57,6 +58,8 @@ def config_from_hf(hf, path):
         raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
     if arch == "mistral" and hf.get("sliding_window") not in (None, 0):
         raise LoadError(f"{path}: sliding-window attention is not supported")
+    if type(hf.get("tie_word_embeddings", False)) is not bool:
+        raise LoadError(f"{path}: tie_word_embeddings is {hf['tie_word_embeddings']!r}, expected true or false")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers >= 5 | < 5
     if not isinstance(rope, dict):
         raise LoadError(f"{path}: rope_parameters/rope_scaling is {rope!r}, expected an object")
@@ -73,7 +76,7 @@ def config_from_hf(hf, path):
                rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
                tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=arch == "qwen2",
                max_seq_len=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
-               eos_ids=token_ids(hf.get("eos_token_id"), path))
+               eos_ids=list(dict.fromkeys(token_ids(hf.get("eos_token_id"), path) + list(more_eos))))
     return checked_config(c, HF_FIELDS, path)
 
 
@@ -120,8 +123,17 @@ def checked_config(c, names, where):
         raise LoadError(f"{where}: {names['head_dim']} is {c.head_dim}; rotary embeddings need an even head size")
     s = c.rope_scaling or {}
     for key in ROPE_KEYS.get(s.get("rope_type"), ()):
-        if not positive(s.get(key), integer=False):
-            raise LoadError(f"{where}: rope scaling {key} is {s.get(key)!r}, expected a positive number")
+        if not positive(s.get(key), integer=key == "original_max_position_embeddings"):
+            raise LoadError(f"{where}: rope scaling {key} is {s.get(key)!r}, expected a positive "
+                            f"{'integer' if key == 'original_max_position_embeddings' else 'number'}")
+    if s and s["factor"] < 1:  # a factor below 1 would speed positions up, which no scaling means
+        raise LoadError(f"{where}: rope scaling factor is {s['factor']!r}, expected at least 1")
+    if s.get("rope_type") == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:  # the ramp divides by it
+        raise LoadError(f"{where}: rope scaling high_freq_factor ({s['high_freq_factor']}) must exceed "
+                        f"low_freq_factor ({s['low_freq_factor']})")
+    for what, i in [("bos", c.bos_id)] * (c.bos_id is not None) + [("eos", i) for i in c.eos_ids]:
+        if not (type(i) is int and 0 <= i < c.vocab_size):  # the engine indexes a [vocab] table with them
+            raise LoadError(f"{where}: {what} token id {i!r} lies outside the vocabulary of {c.vocab_size}")
     c.rope_theta = float(c.rope_theta)
     return c
 
@@ -373,44 +385,57 @@ def expected_shapes(c):
     return shapes
 
 
-def checked_getter(c, read, where):
-    """Wrap read(name) -> (shape, fetch(index) -> tensor) | None as get(name, part=(dim, k, n)) -> the k-th of n
-    equal chunks along dim of the tensor (default: all of it), fetching only that chunk (a tuple of slices); a
-    missing or misshapen tensor is a one-line LoadError."""
+def checked_getter(c, tensors, where):
+    """Wrap tensors {name: (shape, fetch(index, dtype) -> tensor)} as get(name, part=(dim, k, n), dtype=None) -> the
+    k-th of n equal chunks along dim of the tensor (default: all of it) in dtype (None: the file's), fetching only
+    that chunk (a tuple of slices). Every tensor's presence and shape is checked here, from the headers: a missing
+    or misshapen one is a one-line LoadError before any weight is read."""
     shapes = expected_shapes(c)
-
-    def get(name, part=(0, 0, 1)):
-        found = read(name)
-        if found is None:
+    for name, shape in shapes.items():
+        if name not in tensors:
             raise LoadError(f"{where}: missing tensor {name}")
-        if tuple(found[0]) != shapes[name]:
-            raise LoadError(f"{where}: tensor {name} has shape {tuple(found[0])}, expected {shapes[name]}")
+        if tuple(tensors[name][0]) != shape:
+            raise LoadError(f"{where}: tensor {name} has shape {tuple(tensors[name][0])}, expected {shape}")
+
+    def get(name, part=(0, 0, 1), dtype=None):
         dim, k, n = part
         size = shapes[name][dim] // n
-        return found[1]((slice(None),) * dim + (slice(k * size, (k + 1) * size),))
+        return tensors[name][1]((slice(None),) * dim + (slice(k * size, (k + 1) * size),), dtype)
     return get
 
 
 @torch.no_grad()
 def fill_weights(model, get, rank=0):
-    """Copy every tensor into the model (materialised in RAM, never left memory-mapped), fusing q/k/v and
-    gate/up as the model holds them. A tensor-parallel rank's model reads only its chunks: rows of q/k/v (and
-    their biases) and gate/up, columns of o and down; each fused tensor holds its own q, k, v / gate, up rows."""
-    rows, cols = (0, rank, model.config.tp), (1, rank, model.config.tp)
-    model.embed.copy_(get("model.embed_tokens.weight"))
-    model.norm.copy_(get("model.norm.weight"))
-    if not model.config.tie_embeddings:
-        model.lm_head.copy_(get("lm_head.weight"))
-    for i, b in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        b.wqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.weight", rows) for x in "qkv"]))
-        if b.bqkv is not None:
-            b.bqkv.copy_(torch.cat([get(p + f"self_attn.{x}_proj.bias", rows) for x in "qkv"]))
-        b.wo.copy_(get(p + "self_attn.o_proj.weight", cols))
-        b.w13.copy_(torch.cat([get(p + "mlp.gate_proj.weight", rows), get(p + "mlp.up_proj.weight", rows)]))
-        b.w2.copy_(get(p + "mlp.down_proj.weight", cols))
-        b.attn_norm.copy_(get(p + "input_layernorm.weight"))
-        b.ffn_norm.copy_(get(p + "post_attention_layernorm.weight"))
+    """Copy every tensor into the model (materialised in RAM, never left memory-mapped), in the model's dtype and
+    straight into its rows of the fused q/k/v and gate/up weights, so that no tensor is ever held twice in full
+    (a GGUF file's float32 dequantization of the embedding alone is 0.9 GB for Qwen2.5-1.5B). A tensor-parallel
+    rank's model reads only its chunks: rows of q/k/v (and their biases) and gate/up, columns of o and down; each
+    fused tensor holds its own q, k, v / gate, up rows. A progress bar on a terminal: a big model takes a minute."""
+    from tqdm import tqdm
+    rows, cols, whole = (0, rank, model.config.tp), (1, rank, model.config.tp), (0, 0, 1)
+    total = sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
+    with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
+        def put(dst, names, part=whole):  # dst <- the named tensors, one after another along its rows
+            at = 0
+            for name in names:
+                t = get(name, part, dst.dtype)
+                dst[at:at + len(t)] = t
+                at += len(t)
+                bar.update(t.numel())
+        put(model.embed, ["model.embed_tokens.weight"])
+        put(model.norm, ["model.norm.weight"])
+        if not model.config.tie_embeddings:
+            put(model.lm_head, ["lm_head.weight"])
+        for i, b in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            put(b.wqkv, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], rows)
+            if b.bqkv is not None:
+                put(b.bqkv, [p + f"self_attn.{x}_proj.bias" for x in "qkv"], rows)
+            put(b.wo, [p + "self_attn.o_proj.weight"], cols)
+            put(b.w13, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows)
+            put(b.w2, [p + "mlp.down_proj.weight"], cols)
+            put(b.attn_norm, [p + "input_layernorm.weight"])
+            put(b.ffn_norm, [p + "post_attention_layernorm.weight"])
 
 
 def pack_for_cpu(model):
@@ -462,30 +487,31 @@ def shard_files(path):
 
 
 def open_hf_dir(path):
-    """-> (Config, get(name, part) -> tensor, Tokenizer) for a directory with config.json, *.safetensors
+    """-> (Config, get(name, part, dtype) -> tensor, Tokenizer) for a directory with config.json, *.safetensors
     (single or sharded with model.safetensors.index.json) and tokenizer.json."""
     from safetensors import safe_open
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory or a .gguf file)")
-    c = config_from_hf(read_json(os.path.join(path, "config.json")), path)
     gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        c.eos_ids += [e for e in token_ids(read_json(gen).get("eos_token_id"), gen) if e not in c.eos_ids]
+    more_eos = token_ids(read_json(gen).get("eos_token_id"), gen) if os.path.isfile(gen) else []
+    c = config_from_hf(read_json(os.path.join(path, "config.json")), path, more_eos)
     files = shard_files(path)
     if not files:
         raise LoadError(f"{path}: no *.safetensors weights (pickled .bin/.pt checkpoints are not loaded)")
-    handles, location = {}, {}
-    for f in files:
-        try:
-            handles[f] = safe_open(os.path.join(path, f), "pt")
-        except Exception as e:
-            raise LoadError(f"{os.path.join(path, f)}: cannot read safetensors ({e})") from None
-        location |= {name: handles[f] for name in handles[f].keys()}
 
-    def read(name):  # get_slice reads only the bytes of the chunk asked for
-        t = location[name].get_slice(name) if name in location else None
-        return t and (t.get_shape(), t.__getitem__)
-    return c, checked_getter(c, read, path), Tokenizer.from_hf_dir(path)
+    def fetch(file, name, index, dtype=None):
+        # A handle per read, dropped at once: one kept open keeps its file mapped, and every page once read stays
+        # in the process's resident set beside the model's own copy (twice the weights' memory). get_slice reads
+        # only the chunk asked for, as a view of the mapping that lives as long as the tensor does.
+        return safe_open(file, "pt").get_slice(name)[index].to(dtype)
+    tensors = {}
+    for file in (os.path.join(path, f) for f in files):
+        try:
+            f = safe_open(file, "pt")
+        except Exception as e:
+            raise LoadError(f"{file}: cannot read safetensors ({e})") from None
+        tensors |= {name: (f.get_slice(name).get_shape(), partial(fetch, file, name)) for name in f.keys()}
+    return c, checked_getter(c, tensors, path), Tokenizer.from_hf_dir(path)
 
 
 # ---------------------------------------------------------------- weights: GGUF files
@@ -497,11 +523,11 @@ GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 
 def hf_name(gguf_name):
-    """'blk.3.attn_q.bias' -> 'model.layers.3.self_attn.q_proj.bias'."""
+    """'blk.3.attn_q.bias' -> 'model.layers.3.self_attn.q_proj.bias'; a name of neither form stays as it is."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk":
+    if parts[0] == "blk" and len(parts) == 4:
         return f"model.layers.{parts[1]}.{GGUF_NAMES.get(parts[2], parts[2])}.{parts[3]}"
-    return f"{GGUF_NAMES.get(parts[0], parts[0])}.{parts[1]}"
+    return f"{GGUF_NAMES.get(parts[0], parts[0])}.{parts[1]}" if len(parts) == 2 else gguf_name
 
 
 def unpermute_rope(w, heads):
@@ -513,74 +539,106 @@ def unpermute_rope(w, heads):
 class GGUFMetadata(dict):
     """GGUF key-value metadata; a missing required key is a one-line LoadError naming the file."""
 
-    def __init__(self, fields, path):
-        super().__init__((k, f.contents()) for k, f in fields.items())
+    def __init__(self, values, path):
+        super().__init__(values)
         self.path = path
 
     def __missing__(self, key):
         raise LoadError(f"{self.path}: GGUF metadata has no {key}")
 
 
-GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by GGUF value type
+# GGUF value type -> its struct format, but for the two others: strings and arrays
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
-def check_gguf_layout(path):
-    """Raise ValueError naming the first count or length of a GGUF header (tensor and key-value counts, string and
-    array lengths, tensor dimension counts) that is impossible for the file's size: gguf.GGUFReader trusts them
-    and then fails with 'index 0 is out of bounds', naming nothing."""
+def read_gguf_header(path):
+    """-> (metadata {key: value}, tensors {GGUF name: (shape, GGML type, file offset, bytes a row)}) from the header
+    alone. Parsed here, not by gguf.GGUFReader: that builds a numpy view of every vocabulary string (13 s for
+    Qwen2.5's 150k tokens and merges, so a draft and a target took 18 s to open) and trusts every count, failing
+    on a damaged one with 'index 0 is out of bounds'. Raises ValueError naming the first count, length or offset
+    that the file's size makes impossible."""
     import mmap
     import struct
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        pos, order = 0, "<"
 
-        def read(fmt, field):
+    import gguf
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        pos = 0
+
+        def unpack(fmt, field):
             nonlocal pos
-            n = struct.calcsize(fmt)
-            if pos + n > len(data):
+            n = struct.calcsize("<" + fmt)
+            if pos + n > size:
                 raise ValueError(f"the file ends inside {field}")
             pos += n
-            return struct.unpack_from(order + fmt, data, pos - n)[0]
+            return struct.unpack_from("<" + fmt, data, pos - n)
+
+        def read(fmt, field):
+            return unpack(fmt, field)[0]
 
         def count(field, item_bytes):
             n = read("Q", field)
-            if n * item_bytes > len(data) - pos:
+            if n * item_bytes > size - pos:
                 raise ValueError(f"{field} is {n}, more than the rest of the file holds")
             return n
 
         def string(field):
-            return read(f"{count(f'{field} length', 1)}s", field).decode("utf-8", "replace")
+            return read(f"{count(f'{field} length', 1)}s", field).decode()
 
-        def skip(vtype, field):
+        def value(vtype, field):
             if vtype == GGUF_STRING:
-                string(field)
-            elif vtype == GGUF_ARRAY:
+                return string(field)
+            if vtype == GGUF_ARRAY:
                 itype = read("I", f"{field} element type")
-                n = count(f"{field} array length", GGUF_SCALAR_BYTES.get(itype, 8))
-                if itype in GGUF_SCALAR_BYTES:
-                    read(f"{n * GGUF_SCALAR_BYTES[itype]}s", field)
-                for _ in range(0 if itype in GGUF_SCALAR_BYTES else n):
-                    skip(itype, f"{field} element")
-            elif vtype in GGUF_SCALAR_BYTES:
-                read(f"{GGUF_SCALAR_BYTES[vtype]}s", field)
-            else:
-                raise ValueError(f"{field} has unknown value type {vtype}")
+                n = count(f"{field} array length", struct.calcsize("<" + GGUF_SCALARS.get(itype, "Q")))
+                if itype in GGUF_SCALARS:
+                    return list(unpack(f"{n}{GGUF_SCALARS[itype]}", field))
+                return [value(itype, f"{field} element") for _ in range(n)]
+            if vtype in GGUF_SCALARS:
+                return read(GGUF_SCALARS[vtype], field)
+            raise ValueError(f"{field} has unknown value type {vtype}")
 
         if read("4s", "the magic number") != b"GGUF":
             raise ValueError("no GGUF magic number")
-        if read("I", "the version") & 0xFFFF == 0:  # as gguf.GGUFReader decides: written big-endian
-            order = ">"
+        version = read("I", "the version")
+        if version & 0xFFFF == 0:  # as gguf.GGUFReader decides; its tensors' blocks would need byte-swapping too
+            raise LoadError(f"{path}: a big-endian GGUF file; convert it to a little-endian one")
+        if version not in (2, 3):
+            raise LoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_kv = count("the tensor count", 24), count("the key-value count", 13)  # smallest entries
+        meta = {}
         for i in range(n_kv):
             key = string(f"metadata key {i}")
-            skip(read("I", f"the type of metadata {key!r}"), f"metadata {key!r}")
+            meta[key] = value(read("I", f"the type of metadata {key!r}"), f"metadata {key!r}")
+        infos = {}
         for i in range(n_tensors):
             name = string(f"tensor name {i}")
             n_dims = read("I", f"tensor {name!r} n_dims")
             if n_dims > 4:
                 raise ValueError(f"tensor {name!r} n_dims is {n_dims}, more than GGUF's 4")
-            read(f"{8 * n_dims + 12}s", f"tensor {name!r} dimensions, type and offset")
+            *dims, kind, offset = unpack(f"{n_dims}QIQ", f"tensor {name!r} dimensions, type and offset")
+            if name in infos:
+                raise ValueError(f"tensor {name!r} appears twice")
+            infos[name] = dims, kind, offset
+    align = meta.get("general.alignment", 32)
+    if not (type(align) is int and align > 0 and align & (align - 1) == 0):
+        raise ValueError(f"general.alignment is {align!r}, not a power of two")
+    start, tensors = -(-pos // align) * align, {}
+    for name, (dims, kind, offset) in infos.items():
+        if kind not in gguf.GGML_QUANT_SIZES:
+            raise ValueError(f"tensor {name!r} has unknown GGML type {kind}")
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        if not dims or 0 in dims or dims[0] % block:
+            raise ValueError(f"tensor {name!r} has dimensions {dims}: rows must be whole blocks of {block}")
+        row_bytes = dims[0] // block * block_bytes
+        if start + offset + row_bytes * math.prod(dims[1:]) > size:
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        tensors[name] = tuple(reversed(dims)), gguf.GGMLQuantizationType(kind), start + offset, row_bytes
+    return meta, tensors
 
+
+GGUF_BLOCK = 2**22  # values dequantized at a time (16 MB of float32): the temporaries of a big tensor stay small
 
 # Config field -> its GGUF metadata key, "{}" the architecture
 GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
@@ -590,52 +648,77 @@ GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_head
 
 
 def open_gguf(path):
-    """-> (Config, get(name, part) -> float32 tensor by Hugging Face name, Tokenizer), dequantizing on read."""
+    """-> (Config, get(name, part, dtype) -> tensor by Hugging Face name (float32 unless dtype says otherwise),
+    Tokenizer), reading the header only: tensors are read and dequantized when got."""
     import gguf
+    import numpy as np
     try:
-        check_gguf_layout(path)
-        reader = gguf.GGUFReader(path)
-        meta = GGUFMetadata(reader.fields, path)
-        tensors = {hf_name(t.name): t for t in reader.tensors}
-        if meta.get("GGUF.tensor_count") != len(tensors):
-            raise ValueError(f"header promises {meta.get('GGUF.tensor_count')} tensors, found {len(tensors)}")
-        for t in tensors.values():
-            if t.data.size == 0 or t.data_offset + t.n_bytes > os.path.getsize(path):
-                raise ValueError(f"tensor {t.name} runs past the end of the file")
-    except Exception as e:  # the gguf package raises many kinds on a damaged file
+        values, infos = read_gguf_header(path)
+    except ValueError as e:
         raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt? ({e})") from None
+    meta, found = GGUFMetadata(values, path), {hf_name(n): t for n, t in infos.items()}
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in found:
         raise LoadError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; load the "
                         "Hugging Face directory instead")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise LoadError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear)")
     keys = {f: key.format(arch) for f, key in GGUF_KEYS.items()}
     defaults = {"n_kv_heads": meta[keys["n_heads"]], "head_dim": None, "rope_theta": 10000.0}
     sizes = {f: meta.get(key, defaults[f]) if f in defaults else meta[key] for f, key in keys.items()}
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     if "<|endoftext|>" in meta["tokenizer.ggml.tokens"]:  # instruct models still end plain completions with it
         eos.append(meta["tokenizer.ggml.tokens"].index("<|endoftext|>"))
-    if "model.embed_tokens.weight" not in tensors:
+    if "model.embed_tokens.weight" not in found:
         raise LoadError(f"{path}: missing tensor token_embd.weight")
-    embed = tensors["model.embed_tokens.weight"].shape
-    c = Config(arch=arch, vocab_size=int(embed[1]) if len(embed) == 2 else None, **sizes,
-               tie_embeddings="lm_head.weight" not in tensors, qkv_bias=arch == "qwen2",
-               bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=list(dict.fromkeys(token_ids(eos, path))))
+    embed = found["model.embed_tokens.weight"][0]
+    c = Config(arch=arch, vocab_size=embed[0] if len(embed) == 2 else None, **sizes,
+               rope_scaling={"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+               if scaling == "linear" else None, tie_embeddings="lm_head.weight" not in found,
+               qkv_bias=arch == "qwen2", bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+               eos_ids=list(dict.fromkeys(token_ids(eos, path))))
     c = checked_config(c, {"vocab_size": "token_embd.weight's row count", **keys}, path)
+    rotary = meta.get(f"{arch}.rope.dimension_count", c.head_dim)
+    if rotary != c.head_dim:
+        raise LoadError(f"{path}: {arch}.rope.dimension_count is {rotary!r}, not the head size {c.head_dim}: "
+                        "partial rotary embeddings are not supported")
+    for kind in {t[1] for t in found.values()}:  # one zero block of each type, so that none fails mid-load
+        try:
+            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except NotImplementedError:
+            raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; try a newer one") \
+                from None
 
-    def read(name):
+    def dequantized(name, first, n):  # float32 [n, columns]: rows first .. first + n - 1
+        _, kind, offset, row_bytes = found[name]
+        with open(path, "rb") as f:
+            f.seek(offset + first * row_bytes)
+            raw = np.fromfile(f, np.uint8, n * row_bytes)
+        return torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, row_bytes), kind))
+
+    def fetch(name, index, dtype=None):
         """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
-        only those rows, a chunk of columns (o, down) every row, then keeps its columns."""
-        t = tensors.get(name)
-
-        def fetch(index):  # heads keep their rows together, so un-permuting a chunk of heads is the same
-            w = torch.tensor(gguf.quants.dequantize(t.data[index[0]], t.tensor_type), dtype=torch.float32)
+        only those rows, a chunk of columns (o, down) every row, then keeps its columns. GGUF_BLOCK values at a
+        time go into the result, so a big tensor is never held whole in float32, or twice."""
+        from tqdm import tqdm
+        shape = found[name][0]
+        if len(shape) == 1:  # a norm or a bias: one short row
+            return dequantized(name, 0, 1)[0][index].to(dtype)
+        out = torch.empty(torch.empty(shape, device="meta")[index].shape, dtype=dtype or torch.float32)
+        rows = range(shape[0])[index[0]]
+        step = c.head_dim * max(1, GGUF_BLOCK // (c.head_dim * shape[1]))  # whole heads: each block un-permutes alone
+        blocks = range(rows.start, rows.stop, step)
+        for s in tqdm(blocks, desc=name, leave=False, disable=True if len(blocks) < 8 else None):
+            w = dequantized(name, s, min(step, rows.stop - s))
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 w = unpermute_rope(w, len(w) // c.head_dim)
-            return w[(slice(None), *index[1:])]
-        return t and (tuple(reversed(t.shape.tolist())), fetch)
-    return c, checked_getter(c, read, path), Tokenizer.from_gguf(meta, path)
+            out[s - rows.start:s - rows.start + len(w)] = w[(slice(None), *index[1:])]
+        return out
+    tok = Tokenizer.from_gguf(meta, path)
+    return c, checked_getter(c, {name: (t[0], partial(fetch, name)) for name, t in found.items()}, path), tok
 
 
 # ---------------------------------------------------------------- tokenizer

