@@ -394,8 +394,6 @@ def random_qwen2(device="cpu"):
     return m
 
 
-@pytest.mark.xfail(strict=True, reason="kernels.prefill_attention (kernels.py) still passes [H, T, D]: fix it there, "
-                   "then drop this mark")
 def test_device_prefill_gives_attention_4d_inputs(monkeypatch):
     """Only 4-D inputs reach scaled_dot_product_attention's flash, memory-efficient and cuDNN kernels: 3-D ones fall
     to the math backend, float32 [Hq, T, T] scores (512 MiB a layer at T = 2048, 32 heads). Every device but the CPU
