@@ -597,13 +597,17 @@ class Batch:
         st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
 
     def cycle(self):
-        if self.shape.tree:  # racer: each slot's draft tree from its request's Retrieval
+        self.plant()
+        self.run(cycle)
+        self.cycled()
+
+    def plant(self):
+        """Racer: each busy slot's draft tree from its request's Retrieval into the cycle's tensors (host work)."""
+        if self.shape.tree:
             trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
             for x, value in zip((self.st.nodes, self.st.parent, self.st.depth, self.st.mask),
                                 racer.plant(trees, self.shape.tree + 1)):
                 x.copy_(value)
-        self.run(cycle)
-        self.cycled()
 
     def run(self, fn):
         """fn (`cycle` or a phase of it) as its graph's replay, or eagerly up to the last busy slot."""
