@@ -1072,6 +1072,9 @@ class Engine:
                 self.failure = str(e)
                 sched.stop("error", e)
                 raise
+            finally:  # what an error left (until_idle raises): the overlap's threads
+                for b in sched.batches.values():
+                    b.close()
 
     def device_ok(self):
         """Whether the device still runs work (a CUDA error is sticky: every later call fails)."""
@@ -1218,7 +1221,8 @@ def prepare(args, batch, world):
     chat = (lambda text: apply_chat(e.tokenizer, text)) if args.chat else (lambda text: text)
     requests = e.requests([item | {"prompt": chat(item["prompt"])} for item in prompt], **options) if batch \
         else [e.request(chat(prompt), **options)]
-    check_memory(e, requests, min(args.slots, len(requests)))
+    args.slots = args.slots if args.overlap else min(args.slots, len(requests))  # no caches for absent prompts
+    check_memory(e, requests, args.slots)
     return e, requests, prompt
 
 
@@ -1241,7 +1245,7 @@ def main(argv=None):
             import plot
             tracer = plot.Tracer(args.trace, e, requests[0])
             requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
-        results = e.run(requests, min(args.slots, len(requests)))
+        results = e.run(requests, args.slots)
     except (model.LoadError, UsageError) as error:
         sys.exit(1 if rank else f"error: {error}")
     except KeyboardInterrupt:
