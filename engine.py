@@ -677,8 +677,9 @@ def method_stats(st, r, req):
     s, cycles = req.s, max(req.cycles, 1)
     if s.method in ("sd", "easd"):
         accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
-        return {"draft_len": s.draft_len, "accepted": accepted, "acceptance": round(accepted / (cycles * s.draft_len), 4)
-                } | ({"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {})
+        easd = {"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {}
+        return {"draft_len": s.draft_len, "accepted": accepted,
+                "acceptance": round(accepted / (cycles * s.draft_len), 4), **easd}
     if s.method == "smc":
         final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
         return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,

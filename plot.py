@@ -26,8 +26,9 @@ class Tracer:
     weight before and after resampling, the ESS, whether the request resampled and each particle's ancestor,
     the settled and generated lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how
     many were accepted; and, for cycles run eagerly, the phase times (draft, verify, the rest: sampling, weights
-    and resampling), from timers synchronised with the device, which is the only host sync tracing adds. A first line holds the settings,
-    a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no half-written trace is left."""
+    and resampling), from timers synchronised with the device, which is the only host sync tracing adds. A first
+    line holds the settings, a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no
+    half-written trace is left."""
 
     def __init__(self, path, engine, request):
         import engine as module
