@@ -816,11 +816,11 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
     """Free CUDA memory includes what torch has cached but does not use; a request that joins a batch that
     exists needs no new memory, however little is free."""
     import queue
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
-    assert engine.free_bytes(torch.device("cuda")) == 4 << 30
-    monkeypatch.undo()
+    with monkeypatch.context() as m:  # not monkeypatch.undo(): that would undo the reference kernels' fixture too
+        m.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
+        m.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
+        m.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
+        assert engine.free_bytes(torch.device("cuda")) == 4 << 30
     e = engine.Engine(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
