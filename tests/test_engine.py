@@ -1062,16 +1062,19 @@ def pair(tmp_path_factory):
     return save(eos_prone(0), str(root / "target")), save(eos_prone(1), str(root / "draft"))
 
 
-def cli(*args):
-    """engine.py in a subprocess, on the reference kernels as in this file (conftest.py set TRITON_INTERPRET)."""
+def cli(*runs):
+    """engine.py in a subprocess per list of arguments, all at once (each is mostly a second or two of imports, on
+    one core) -> [CompletedProcess], on the reference kernels as in this file (conftest.py set TRITON_INTERPRET)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "engine.py"), *args], capture_output=True, text=True,
-                          env=env)
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "engine.py"), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for args in runs]
+    outputs = [p.communicate() for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
 
 
 def test_cli_json(pair):
     target, draft = pair
-    run = cli("--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "12")
+    run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "12"])
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert set(out) == {"text", "tokens", "stats"} and out["stats"]["method"] == "smc"
@@ -1085,42 +1088,45 @@ def test_cli_jsonl_gives_one_result_per_line(pair, tmp_path):
     target, draft = pair
     lines = [{"prompt": "w1 w2 w3"}, {"prompt": "w4", "max_new_tokens": 5, "seed": 7}, {"prompt": "w5 w6"}]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"), "--slots", "2",
-              "--max-new-tokens", "9")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n{"prompt": \n')
+    (tmp_path / "colour.jsonl").write_text('{"prompt": "w1", "colour": 3}\n')
+    run, bad, colour = cli(["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"),
+                            "--slots", "2", "--max-new-tokens", "9"],
+                           *(["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / name)]
+                             for name in ("bad.jsonl", "colour.jsonl")))
     assert run.returncode == 0, run.stderr
     out = [json.loads(line) for line in run.stdout.splitlines()]
     e = engine.Engine(target, draft)
     assert [o["tokens"] for o in out] == [e.generate(**({"max_new_tokens": 9} | line)).tokens for line in lines]
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n{"prompt": \n')
-    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "bad.jsonl"))
-    assert run.returncode == 1 and run.stderr.strip().startswith("error: ") and "bad.jsonl:2: not JSON" in run.stderr
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "w1", "colour": 3}\n')
-    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "bad.jsonl"))
-    assert run.returncode == 1 and "prompt 1: got an unexpected keyword argument 'colour'" in run.stderr
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: ") and "bad.jsonl:2: not JSON" in bad.stderr
+    assert colour.returncode == 1 and "prompt 1: got an unexpected keyword argument 'colour'" in colour.stderr
 
 
 def test_cli_trace(pair, tmp_path):
     target, draft = pair
     path = str(tmp_path / "run.jsonl")
-    run = cli("--target", target, "--draft", draft, "--prompt", "w1 w2", "--json", "--trace", path, "--seed", "3",
-              "--max-new-tokens", "12")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "w1"}\n')
+    run, batch = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2", "--json", "--trace", path, "--seed",
+                      "3", "--max-new-tokens", "12"],
+                     ["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"), "--trace",
+                      str(tmp_path / "batch.jsonl")])
     assert run.returncode == 0, run.stderr
     lines = [json.loads(line) for line in open(path)]
     assert lines[0]["kind"] == "start" and lines[-1]["kind"] == "end" and len(lines) == lines[-1]["stats"]["cycles"] + 2
     assert lines[-1]["tokens"] == json.loads(run.stdout)["tokens"]
-    (tmp_path / "p.jsonl").write_text('{"prompt": "w1"}\n')
-    run = cli("--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"), "--trace", path)
-    assert run.returncode == 1 and "--trace follows one prompt" in run.stderr
+    assert batch.returncode == 1 and "--trace follows one prompt" in batch.stderr
+    assert not os.path.exists(tmp_path / "batch.jsonl")
 
 
 def test_cli_streams_text_then_a_summary(pair):
     target, draft = pair
-    run = cli("--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens", "9")
+    run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens",
+                "9"])
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("w1 w2 w3") and run.stderr.startswith("[sd: ")
 
 
-@pytest.mark.parametrize("args, message", [
+CLI_ERRORS = [
     (["--temperature", "0"], "error: smc needs temperatures > 0"),
     (["--target", "/no/such/model"], "error: /no/such/model: no such file or directory"),
     (["--prompt-file", os.devnull], "error: .*: the prompt is empty or only whitespace"),
@@ -1130,9 +1136,19 @@ def test_cli_streams_text_then_a_summary(pair):
     (["--method", "sd", "--top-k", "1000"], r"error: top-k must lie in \[0, 8\]"),
     (["--chat"], "error: --chat: .* has no chat template"),
     (["--device", "gpu0"], "error: unknown device 'gpu0'; use cpu or cuda"),
-])
-def test_cli_errors_are_one_line(pair, args, message):
-    run = cli("--target", pair[0], "--draft", pair[1], *args)
+]
+
+
+@pytest.fixture(scope="module")
+def cli_errors(pair):
+    """The runs of CLI_ERRORS, all at once -> {their arguments: CompletedProcess}."""
+    runs = cli(*(["--target", pair[0], "--draft", pair[1], *args] for args, _ in CLI_ERRORS))
+    return {tuple(args): run for (args, _), run in zip(CLI_ERRORS, runs)}
+
+
+@pytest.mark.parametrize("args, message", CLI_ERRORS)
+def test_cli_errors_are_one_line(cli_errors, args, message):
+    run = cli_errors[tuple(args)]
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and re.match(message, lines[0])
 
