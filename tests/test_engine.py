@@ -3,6 +3,7 @@ by enumerating every continuation; the SMC-SD pitfalls of DESIGN.md; bad input; 
 import copy
 import json
 import math
+import multiprocessing
 import os
 import re
 import subprocess
@@ -74,13 +75,33 @@ def outcome(tokens):
     return sum(t * V ** i for i, t in enumerate(reversed(tokens)))
 
 
+def forked(fn):
+    """Start fn() in a forked copy of this process (its models, patches and all) on the second core, which these
+    one-thread tests leave idle -> a function that waits for fn's result."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=lambda: send.send(fn()), daemon=True)
+    child.start()
+    send.close()
+
+    def result():
+        assert receive.poll(600), "the fork ran for 10 minutes"
+        out = receive.recv()  # EOFError where fn raised in the fork: its traceback is in the captured stderr
+        child.join()
+        return out
+    return result
+
+
 def empirical(e, samples, length, **options):
-    counts = torch.zeros(V ** length)
-    for seed in range(samples):
-        tokens = e.generate(PROMPT, max_new_tokens=length, seed=seed, **options).tokens
-        assert len(tokens) == length
-        counts[outcome(tokens)] += 1
-    return counts / samples
+    """The frequency of every continuation over seeds 0, 1, ..., decoded 64 requests at a time, half of them in a
+    fork (each request's draws are its own: alone, in a batch or in another process, the same tokens)."""
+    def tokens(seeds):
+        requests = [dict(prompt=PROMPT, seed=seed) for seed in seeds]
+        return [r.tokens for r in e.generate(requests, slots=64, max_new_tokens=length, **options)]
+    rest = forked(lambda: tokens(range(samples // 2, samples)))
+    found = tokens(range(samples // 2)) + rest()
+    assert len(found) == samples and all(len(t) == length for t in found)
+    return torch.bincount(torch.tensor([outcome(t) for t in found]), minlength=V ** length) / samples
 
 
 def tv(p, q):
@@ -575,8 +596,8 @@ def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
     requests = [dict(prompt=[1, 2, 3], seed=1, max_new_tokens=6), dict(prompt=[4], seed=2, max_new_tokens=3),
                 dict(prompt=[5, 6], seed=1, max_new_tokens=5)]
     options = dict(method=method, particles=2, draft_len=2, ess_threshold=1.0, temperature=1.0)
-    alone = [e.generate(**(options | r)).tokens for r in requests]
-    assert [r.tokens for r in e.generate(requests, slots=2, **options)] == alone
+    together = forked(lambda: [r.tokens for r in e.generate(requests, slots=2, **options)])
+    assert [e.generate(**(options | r)).tokens for r in requests] == together()
 
 
 def test_racer_trees_through_the_interpreted_triton_kernels(monkeypatch):
@@ -589,8 +610,8 @@ def test_racer_trees_through_the_interpreted_triton_kernels(monkeypatch):
     requests = [dict(prompt=[1, 2, 3, 1, 2], seed=0, max_new_tokens=8), dict(prompt=[4, 5], seed=1, max_new_tokens=6),
                 dict(prompt=[6, 1], seed=2, max_new_tokens=7)]
     options = dict(method="sd", tree=5, draft_len=2, temperature=1.0)
-    alone = [e.generate(**(options | r)).tokens for r in requests]
-    assert [r.tokens for r in e.generate(requests, slots=2, **options)] == alone
+    together = forked(lambda: [r.tokens for r in e.generate(requests, slots=2, **options)])
+    assert [e.generate(**(options | r)).tokens for r in requests] == together()
     triton = [e.generate(**(options | r | {"temperature": 0})).tokens for r in requests]
     monkeypatch.setattr(kernels, "INTERPRET", False)
     assert [e.generate(**(options | r | {"temperature": 0})).tokens for r in requests] == triton
