@@ -39,17 +39,19 @@ def pair(tmp_path_factory):
     return save(target, str(root / "target")), save(perturbed(target, 1, 0.3), str(root / "draft"))
 
 
-def trace(pair, path, *options):
+def trace(pair, *runs):
+    """engine.py --trace PATH for each (PATH, options), all at once -> their JSON results."""
     target, draft = pair
-    run = cli("--target", target, "--draft", draft, "--trace", str(path), "--prompt", "w1 w2 w3", "--max-new-tokens",
-              "30", "--temperature", "1.0", "--dtype", "float32", "--json", *options)
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout)
+    done = cli(*(["--target", target, "--draft", draft, "--trace", str(path), "--prompt", "w1 w2 w3",
+                  "--max-new-tokens", "30", "--temperature", "1.0", "--dtype", "float32", "--json", *options]
+                 for path, options in runs))
+    assert all(run.returncode == 0 for run in done), [run.stderr for run in done]
+    return [json.loads(run.stdout) for run in done]
 
 
 def test_smc_trace_pictures(pair, tmp_path):
     path = tmp_path / "run.jsonl"
-    result = trace(pair, path, "--particles", "4", "--draft-len", "2", "--ess-threshold", "0.9")
+    result, = trace(pair, (path, ["--particles", "4", "--draft-len", "2", "--ess-threshold", "0.9"]))
     start, cycles, end = plot.read_trace(str(path))
     assert end["tokens"] == result["tokens"] and any(c["resampled"] for c in cycles)
     # the lineage picked out in red appended exactly the tokens the engine returned (the first is the prefill's)
@@ -64,10 +66,10 @@ def test_smc_trace_pictures(pair, tmp_path):
 
 
 def test_sd_trace_draws_acceptance_and_ar_is_refused(pair, tmp_path, capsys):
-    trace(pair, tmp_path / "sd.jsonl", "--method", "sd", "--draft-len", "3")
+    trace(pair, (tmp_path / "sd.jsonl", ["--method", "sd", "--draft-len", "3"]),
+          (tmp_path / "ar.jsonl", ["--method", "ar"]))
     assert plot.main([str(tmp_path / "sd.jsonl")]) == 0  # default: beside the trace
     check_png(tmp_path / "acceptance.png")
-    trace(pair, tmp_path / "ar.jsonl", "--method", "ar")
     capsys.readouterr()
     assert plot.main([str(tmp_path / "ar.jsonl")]) == 1
     err = capsys.readouterr().err
@@ -108,8 +110,9 @@ def test_bad_input_is_one_line(tmp_path, capsys, content):
 
 
 def test_import_needs_no_matplotlib_and_errors_need_no_traceback(tmp_path):
-    probe = subprocess.run([sys.executable, "-c", "import sys, plot; assert 'matplotlib' not in sys.modules"],
-                           cwd=ROOT, capture_output=True, text=True)
-    assert probe.returncode == 0, probe.stderr
+    probe = subprocess.Popen([sys.executable, "-c", "import sys, plot; assert 'matplotlib' not in sys.modules"],
+                             cwd=ROOT, stderr=subprocess.PIPE, text=True)  # beside the run below
     run = run_plot(str(tmp_path / "missing.jsonl"))
+    err = probe.communicate()[1]
+    assert probe.returncode == 0, err
     assert run.returncode == 1 and run.stderr.count("\n") == 1 and "No such file" in run.stderr
