@@ -217,7 +217,8 @@ def test_racer_tree_drafts_keep_sd_exact(random_trees):
     greedy = dict(method="sd", temperature=0, max_new_tokens=30, draft_len=3)
     tree = e.generate(PROMPT, tree=12, **greedy)
     assert tree.tokens == e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=30).tokens
-    assert tree.stats["accepted"] > 0 and tree.stats["cycles"] < 30
+    accepted, cycles = tree.stats["accepted"], tree.stats["cycles"]  # a path of at most 3 and a token a cycle
+    assert 30 <= 1 + accepted + cycles < 30 + 3 + 1 and accepted > 0
 
 
 def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
