@@ -1202,3 +1202,33 @@ def test_cli_help_describes_the_program_in_full(capsys):
     with pytest.raises(SystemExit):
         engine.main(["--help"])
     assert "from the command line or from Python." in " ".join(capsys.readouterr().out.split())
+
+
+def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
+    """If one half's phase raises, the other half's phase, running beside it, ends before the error is raised:
+    nothing is left running on the batch's tensors."""
+    import time
+    e = engine.Engine(TARGET, DRAFT)
+    draft_block, verify_cycle, finished = engine.draft_block, engine.verify_cycle, []
+
+    def slow_draft(*args):
+        time.sleep(0.3)
+        draft_block(*args)
+        finished.append("draft")
+
+    def failing_verify(*args):
+        raise RuntimeError("verify failed")
+    def cycle(pair):
+        try:
+            pair_cycle(pair)
+        except RuntimeError:
+            raised.append(finished.count("draft"))  # the drafts done when the error left the pair
+            raise
+    requests = [dict(prompt=PROMPT, seed=s, max_new_tokens=12) for s in range(4)]
+    pair_cycle, raised = engine.Pair.cycle, []
+    monkeypatch.setattr(engine, "verify_cycle", failing_verify)
+    monkeypatch.setattr(engine, "draft_block", slow_draft)
+    monkeypatch.setattr(engine.Pair, "cycle", cycle)
+    with pytest.raises(RuntimeError, match="verify failed"):
+        e.generate(requests, method="sd", slots=4, overlap=True)
+    assert raised == [2]  # the first half drafted alone, then beside the failing verify, and that draft had ended
