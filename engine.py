@@ -545,8 +545,8 @@ def prefill_slot(e, st, shape, r, req):
                                                             s.top_p)
     logits, log_first = kernels.power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
     st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
-    logits = restricted(logits, replace(st, **{k: getattr(st, k)[r:r + 1] for k in ("temp_t", "top_k", "top_p")}),
-                        shape)
+    if shape.restrict:
+        logits = kernels.restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
     x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
         st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
