@@ -29,6 +29,7 @@ import time
 
 import torch
 
+import decode
 import engine
 import model
 import quality
@@ -235,7 +236,7 @@ def profile_phases(e, ids, N, K, new_tokens, device):
     spent = {"draft_block": 0.0, "verify": 0.0, "cycle": 0.0}
 
     def timed(name):
-        fn = getattr(engine, name)
+        fn = getattr(decode, name)
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
@@ -246,15 +247,15 @@ def profile_phases(e, ids, N, K, new_tokens, device):
             spent[name] += time.perf_counter() - start
             return out
         return wrapper
-    phases = {name: getattr(engine, name) for name in spent}
+    phases = {name: getattr(decode, name) for name in spent}
     for name in spent:  # the cycle functions look each other up by name: timed for this run only
-        setattr(engine, name, timed(name))
+        setattr(decode, name, timed(name))
     try:
         stats = e.generate(ids, method="smc", max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
                            draft_len=K, cuda_graphs=False).stats
     finally:
         for name, fn in phases.items():
-            setattr(engine, name, fn)
+            setattr(decode, name, fn)
     ms = {name: 1e3 * t / max(stats["cycles"], 1) for name, t in spent.items()}
     return {"N": N, "K": K, "draft_ms": ms["draft_block"], "verify_ms": ms["verify"],
             "weights_resample_ms": ms["cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["cycle"]}
@@ -482,18 +483,18 @@ def graph_recording():
     """Yields a list that collects the seconds spent recording CUDA graphs inside the block: every generate call
     makes a batch of its own, which records its cycle at its first cycle. That is set-up, not decoding, and the
     engine's per-request seconds leave it out too. Nothing is recorded on a CPU."""
-    spent, record = [], engine.record
+    spent, record = [], decode.record
 
     def timed(cycle):
         start = time.perf_counter()
         out = record(cycle)
         spent.append(time.perf_counter() - start)
         return out
-    engine.record = timed
+    decode.record = timed
     try:
         yield spent
     finally:
-        engine.record = record
+        decode.record = record
 
 
 def run_batch(e, prompts, method, N, K, new_tokens, seed, **options):
@@ -600,7 +601,7 @@ def batch_report(e, hf_target, args):
 def phase_timing(e):
     """Yields {"draft": [seconds], "verify": [seconds]}: every cycle phase the engine runs in the block, timed on
     the calling thread (and its CUDA stream); a whole cycle runs as its draft phase, then its verify phase."""
-    spent, phases = {"draft": [], "verify": []}, {"draft": engine.draft_block, "verify": engine.verify_cycle}
+    spent, phases = {"draft": [], "verify": []}, {"draft": decode.draft_block, "verify": decode.verify_cycle}
 
     def timer(p, fn):
         @functools.wraps(fn)  # its name: a batch replays graphs by name, and times only eager phases
@@ -613,11 +614,11 @@ def phase_timing(e):
                 torch.cuda.current_stream().synchronize()
             spent[p].append(time.perf_counter() - start)
         return timed
-    engine.draft_block, engine.verify_cycle = timer("draft", engine.draft_block), timer("verify", engine.verify_cycle)
-    try:  # a whole cycle calls both (`engine.cycle`); MineDraft's halves each in turn
+    decode.draft_block, decode.verify_cycle = timer("draft", decode.draft_block), timer("verify", decode.verify_cycle)
+    try:  # a whole cycle calls both (`decode.cycle`); MineDraft's halves each in turn
         yield spent
     finally:
-        engine.draft_block, engine.verify_cycle = phases["draft"], phases["verify"]
+        decode.draft_block, decode.verify_cycle = phases["draft"], phases["verify"]
 
 
 def overlap_phases(e, args):

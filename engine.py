@@ -5,14 +5,12 @@ Carlo speculative decoding (smc), for one prompt or many, from the command line 
     python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
     Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
 
-Top to bottom: Settings (a request's options, checked once) and Shape (a batch's key); Request; State (the
-device tensors a cycle updates in place) and one cycle function per method, free of host syncs; Batch (slots of
-one shape, its CUDA graphs recorded once when it is made) and Pair (MineDraft's halves); the Scheduler (collect,
-admit, cycle, evict); Engine (the models and the API); the command line. Each round of the loop cycles every
-busy batch, then the host reads each slot's [done, settled, degenerate, length] once, passes settled text on,
-ends finished requests and refills their slots (continuous batching)."""
+Top to bottom: Settings (a request's options, checked once) and Shape (a batch's key); Request; Batch (slots of
+one shape, its State and CUDA graphs made with it) and Pair (MineDraft's halves); the Scheduler; Engine (the
+models and the API); the command line. decode.py is the device side: the State, one cycle function per method.
+Each round cycles every busy batch, then reads each slot's flags once, passes settled text on, and refills the
+slots of finished requests (continuous batching)."""
 import argparse
-import copy
 import json
 import math
 import os
@@ -24,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-import kernels
+import decode
 import model
 import racer
 
@@ -176,10 +174,10 @@ class Request:
     on_text(piece) with new settled text (whole characters; what may begin a stop string is held back),
     on_done(Result) at the end, on_cycle(batch, slot) after each cycle (traces). A stop string ends the text."""
 
-    def __init__(self, ids, s, shape, capacity, stop=(), tokenizer=None, drafter=None, on_tokens=None,
+    def __init__(self, ids, s, shape, capacity, stop=(), tokenizer=None, ends=(), drafter=None, on_tokens=None,
                  on_text=None, on_done=None, on_cycle=None):
         self.ids, self.s, self.shape, self.capacity, self.stop = ids, s, shape, capacity, list(stop)
-        self.tokenizer, self.drafter = tokenizer, drafter  # drafter: racer's Retrieval
+        self.tokenizer, self.ends, self.drafter = tokenizer, ends, drafter  # ends: EOS ids, pad; drafter: racer's
         self.on_tokens, self.on_text, self.on_done, self.on_cycle = on_tokens, on_text, on_done, on_cycle
         self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0
         self.start, self.prefill_seconds, self.particle, self.cancelled, self.result = 0.0, 0.0, 0, False, None
@@ -188,18 +186,18 @@ class Request:
         """Thread-safe: the request ends at its batch's next round, with stats["stop"] = "cancelled"."""
         self.cancelled = True
 
-    def stats(self, tokens, stop, ends):
-        """The statistics every request has (its method's own: `method_stats`)."""
-        new, seconds = len(until_eos(tokens, ends)), time.perf_counter() - self.start if self.start else 0.0
+    def stats(self, tokens, stop):
+        """The statistics every request has (its method's own: `decode.method_stats`)."""
+        new, seconds = len(until_eos(tokens, self.ends)), time.perf_counter() - self.start if self.start else 0.0
         return {"method": self.s.method, "prompt_tokens": len(self.ids), "new_tokens": new,
                 "seconds": round(seconds, 4), "prefill_seconds": round(self.prefill_seconds, 4),
                 "streamed": min(self.streamed, new), "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0,
                 "cycles": self.cycles, "stop": stop or ("eos" if new < len(tokens) else "length")}
 
-    def settle(self, tokens, ends):
+    def settle(self, tokens):
         """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request."""
         self.settled += tokens
-        tokens = until_eos(self.settled, ends)
+        tokens = until_eos(self.settled, self.ends)
         if self.on_tokens and self.on_tokens(tokens):
             self.streamed = len(self.settled)
             return "stopped"
@@ -224,9 +222,9 @@ class Request:
             self.on_text(text[self.shown:end])
         self.shown = max(self.shown, end)
 
-    def finish(self, tokens, stats, ends):
+    def finish(self, tokens, stats):
         """The Result from the returned particle's tokens; on_done."""
-        tokens = until_eos(tokens, ends)
+        tokens = until_eos(tokens, self.ends)
         text = self.tokenizer.decode(tokens) if self.tokenizer else None
         if text is not None:
             text, cut = self.cut(text)
@@ -249,329 +247,20 @@ def until_eos(tokens, ends):
     return next((tokens[:i] for i, t in enumerate(tokens) if t in ends), tokens)
 
 
-# ---------------------------------------------------------------- decoding state
-
-
-@dataclass
-class State:
-    """Everything a cycle reads and writes: device tensors updated in place, the static buffers a CUDA graph
-    replays on. R slots of N particles; each slot has its own settings and rng row, so a request's draws do not
-    depend on its neighbours. hist's column 0 is the prompt's last token, column j the j-th generated token; the
-    last (x0, column gen_len) is pending: in no cache yet."""
-    tcache: model.KVCache  # target: prefix [L, R, Hkv, P, D], suffix [L, R, N, Hkv, S, D]
-    dcache: model.KVCache | None  # draft
-    rng: torch.Tensor  # [R, 2] seed, counter
-    temp_d: torch.Tensor  # [R] the draft's temperature
-    temp_t: torch.Tensor  # [R] the target's
-    top_k: torch.Tensor  # [R]
-    top_p: torch.Tensor  # [R]
-    max_new: torch.Tensor  # [R]
-    live: torch.Tensor  # [R] a request not done yet: an empty or done slot appends nothing
-    degenerate: torch.Tensor  # [R] smc: no particle has weight left
-    finished: torch.Tensor  # [R, N] the particle has ended (EOS or stop string)
-    hist: torch.Tensor  # [R, N, 1 + H]
-    gen_len: torch.Tensor  # [R] tokens generated
-    logw: torch.Tensor  # [R, N] smc's log weights since the last resampling
-    log_z: torch.Tensor  # [R] smc's log-normaliser estimate
-    ess_sum: torch.Tensor  # [R] statistics
-    accepted: torch.Tensor  # [R]
-    resamples: torch.Tensor  # [R]
-    triggers: torch.Tensor  # [R]
-    flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: what the host reads each round
-    block: torch.Tensor  # [R, N, K+1] the last cycle, for traces: the tokens appended
-    kept: torch.Tensor  # [R] how many of them were kept
-    logw_before: torch.Tensor  # [R, N] the weights before resampling
-    ess: torch.Tensor  # [R]
-    resampled: torch.Tensor  # [R]
-    ancestors: torch.Tensor  # [R, N]
-    drafted: torch.Tensor  # [R, N, K] the draft phase's tokens, which the verify phase reads
-    logq: torch.Tensor  # [R, N, K] their log q under the draft temperature
-    q_logits: torch.Tensor | None  # [R, K, V] sd: the draft's logits
-    nodes: torch.Tensor | None = None  # [R, T] racer's tree from the host: tokens (-1: none; node 0 is x0)
-    parent: torch.Tensor | None = None  # [R, T]
-    depth: torch.Tensor | None = None  # [R, T]
-    mask: torch.Tensor | None = None  # [R, T, T] node j is node i or one of its ancestors
-    cues: torch.Tensor | None = None  # [R, T, CUES] the target's top tokens after each node, for the host
-    cue_p: torch.Tensor | None = None  # [R, T, CUES] their probabilities
-
-    def narrow(self, n):
-        """The first n slots, as views, so that a cycle over them updates self in place."""
-        part = copy.copy(self)
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, model.KVCache):
-                v = copy.copy(v)
-                for name in ("prefix_k", "prefix_v", "suffix_k", "suffix_v"):  # [L, R, ...]
-                    setattr(v, name, getattr(v, name)[:, :n])
-                v.prefix_len, v.suffix_len = v.prefix_len[:n], v.suffix_len[:n]
-            setattr(part, f.name, v[:n] if torch.is_tensor(v) else v)
-        return part
-
-
-def new_state(e, shape, R, prefix_cap, suffix_cap):
-    """A State of R empty slots."""
-    N, K, V, device, dtype = shape.particles, shape.draft_len, e.config.vocab_size, e.device, e.dtype
-    new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=device)  # noqa
-    i64, i32, b, T = torch.int64, torch.int32, torch.bool, shape.tree + 1
-    tcache, dcache = (model.KVCache(c.config, N, prefix_cap, suffix_cap, device, dtype, R) if c else None
-                      for c in (e.target, e.draft if shape.method != "ar" and not shape.tree else None))
-    tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
-                mask=new(R, T, T, dtype=b), cues=new(R, T, racer.CUES, dtype=i64),
-                cue_p=new(R, T, racer.CUES)) if shape.tree else {}
-    return State(
-        tcache=tcache, dcache=dcache, rng=new(R, 2, dtype=i64), temp_d=new(R), temp_t=new(R), top_k=new(R, dtype=i64),
-        top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=b), degenerate=new(R, dtype=b),
-        finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
-        logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), resamples=new(R, dtype=i64),
-        triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32), block=new(R, N, K + 1, dtype=i64),
-        kept=new(R, dtype=i32), logw_before=new(R, N), ess=new(R), resampled=new(R, dtype=b),
-        ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
-        q_logits=new(R, K, V) if shape.method in ("sd", "easd") and not shape.tree else None, **tree)
-
-
-# ---------------------------------------------------------------- cycles: fixed shapes, no host sync
-
-
-def cycle(e, st, s):
-    """One cycle of s.method over the slots of st, then their flags for the host."""
-    if s.method != "ar" and not s.tree:
-        draft_block(e, st, s)
-    verify_cycle(e, st, s)
-
-
-def verify_cycle(e, st, s):
-    """The cycle after drafting: the target's verify and the method's rule, then the flags."""
-    (racer_cycle if s.tree else RULES[s.method])(e, st, s)
-    if st.dcache is not None:
-        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
-    publish(st)
-
-
-def pending(st):
-    """-> (prev, x0) [R, N]: the history's last two entries."""
-    R, N, _ = st.hist.shape
-    at = st.gen_len.long()[:, None, None].expand(R, N, 1)
-    x = st.hist.gather(2, torch.cat([(at - 1).clamp(min=0), at], -1))
-    return x[..., 0], x[..., 1]
-
-
-def ids(e, tokens):
-    """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
-    return tokens.clamp(max=e.pad - 1)
-
-
-def restricted(logits, st, s):
-    return kernels.restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
-
-
-def publish(st):
-    """flags [R, 4] = [done, settled, degenerate, length]: done when every particle has ended, the budget is
-    spent or (smc) no weight is left; settled = how many leading tokens all particles share (they can never change
-    again, so they may be shown). A done slot is no longer live: it appends nothing until it is refilled."""
-    H = st.hist.shape[-1] - 1
-    done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
-    shared = (st.hist[..., 1:] == st.hist[:, :1, 1:]).all(1) & (torch.arange(H, device=st.hist.device) <
-                                                                 st.gen_len[:, None])
-    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int(),
-                                st.gen_len], -1))
-    st.live &= ~done
-
-
-def append(e, st, tokens, kept):
-    """Commit the first `kept` [R] of tokens [R, N, T] (none where a slot is not live): history, lengths,
-    finished. The target holds K/V for the old pending token and the kept tokens but the last."""
-    R, N, T = tokens.shape
-    kept = kept * st.live
-    st.block[..., :T].copy_(tokens)
-    st.kept.copy_(kept)
-    at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
-    st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
-    st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
-    st.gen_len += kept
-    st.tcache.suffix_len += kept
-
-
-def ar_cycle(e, st, s):
-    """One target step on the pending token."""
-    logits = restricted(e.target.step(ids(e, pending(st)[1][..., None]), st.tcache)[:, 0, 0], st, s)  # [R, V]
-    append(e, st, kernels.sample(logits, st.temp_t, st.rng)[0].view(-1, 1, 1), torch.ones_like(st.gen_len))
-
-
-def draft_block(e, st, s):
-    """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
-    -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, K, V]. Advances the
-    draft's suffix_len by K + 1."""
-    R, N = st.finished.shape
-    x = ids(e, torch.stack(pending(st), -1))  # [R, N, 2]
-    for k in range(s.draft_len):
-        out = e.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
-        st.dcache.suffix_len += x.shape[-1]
-        t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
-        x = t.view(R, N, 1)
-        st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
-        if st.q_logits is not None:
-            st.q_logits[:, k] = out[:, 0]
-
-
-def verify(e, st, t, s):
-    """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
-    return restricted(e.target.step(ids(e, torch.cat([pending(st)[1][..., None], t], -1)), st.tcache), st, s)
-
-
-def sd_cycle(e, st, s):
-    """Speculative sampling, each request accepting its own count: t_k with probability min(1, p/q); the first
-    rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a bonus token from p. Exact at
-    any temperature. easd also rejects where `kernels.easd_trigger` fires, drawing the token from p instead (not
-    exact: it trades the draft's low-confidence agreement for the target)."""
-    K, R, device = s.draft_len, st.gen_len.shape[0], st.gen_len.device
-    p = kernels.probs(verify(e, st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
-    q = kernels.probs(st.q_logits, st.temp_d)  # [R, K, V]
-    t = st.drafted[:, 0]  # [R, K]
-    pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
-    accept = kernels.bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
-    residual = (p[:, :K] - q).clamp(min=0)
-    if s.easd:
-        triggered = kernels.easd_trigger(p[:, :K], q, t, s.easd)
-        accept &= ~triggered
-        residual = torch.where(triggered[..., None], p[:, :K], residual)
-    n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
-    if s.easd:
-        st.triggers += triggered.gather(1, n.long().clamp(max=K - 1)[:, None])[:, 0] & (n < K)
-    at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
-    fix = torch.cat([residual, p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
-    fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
-    c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
-    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
-                         c[:, None])  # t_1..t_n, c, filler
-    st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
-    st.accepted += n
-    append(e, st, tokens[:, None], n + 1)
-
-
-def racer_cycle(e, st, s):
-    """sd on racer's draft tree, verified exactly in one target forward: a node sees the prefix, its ancestors
-    and itself (st.mask), at position length + depth. From the root, y ~ p is drawn at each node and the child
-    whose token is y followed, else y emitted: the text follows p exactly (greedy: ar's tokens), a chain being the
-    tree of one child per node. The path's K/V then moves down; each node's top tokens become the host's cues."""
-    (R, T), K, device = st.nodes.shape, s.draft_len, st.gen_len.device
-    nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
-    base = st.tcache.suffix_len.clone()
-    logits = e.target.step(ids(e, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
-    logits = restricted(logits, st, s)  # [R, T, V]
-    y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
-    follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
-    on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
-    d = torch.arange(K + 1, device=device)
-    path = (on_path[:, None] & (st.depth[:, None] == d[:, None])).int().argmax(-1)  # [R, K+1]: 0 past the end
-    n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
-    c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
-    tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
-    kernels.compact(st.tcache, base, path)
-    top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
-    st.cues.copy_(top.indices)
-    st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
-    st.accepted += n
-    append(e, st, tokens[:, None], n.int() + 1)
-
-
-def smc_cycle(e, st, s):
-    """Weight each particle's K drafted tokens by one target forward, append K + 1 tokens (the last a bonus
-    token from the target), resample where the ESS falls below the threshold. A power target p ** alpha
-    (s.power) weighs a draft token alpha log p - log q (`kernels.power_bonus`)."""
-    K, (R, N), t = s.draft_len, st.finished.shape, st.drafted
-    logits = verify(e, st, t, s)  # [R, N, K+1, V]
-    logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
-    bonus, log_bonus = kernels.power_bonus(logits[:, :, K], st.temp_t, s.power)
-    b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-    increments, tokens = kernels.settle(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, e.is_eos, e.pad,
-                                        log_bonus)
-    st.logw += increments
-    append(e, st, tokens, torch.full_like(st.gen_len, K + 1))
-    resample(st, s)
-
-
-def resample(st, s):
-    """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
-    draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight and the
-    weights restart at 0. A population with no positive weight, or a NaN one, is degenerate: resampling it would
-    be a uniform draw that hides the failure, so the request ends."""
-    ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
-    st.degenerate |= degenerate & st.live
-    for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess), (st.resampled, resampled)):
-        saved.copy_(x)
-    st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
-    st.logw.masked_fill_(resampled[:, None], 0.0)
-    for cache in (st.tcache, st.dcache):
-        for kv in (cache.suffix_k, cache.suffix_v):
-            kernels.gather_suffix(kv, ancestors, cache.suffix_len)
-    kernels.gather_suffix(st.hist, ancestors, st.gen_len + 1)
-    st.finished.copy_(st.finished.gather(1, ancestors))
-    st.resamples += resampled
-    st.ess_sum += ess
-
-
-RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "smc": smc_cycle}
-
-
-def record(fn):
-    """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
-    kernels) so that the capture records warm kernels."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def graphs(shape, device):
-    """Whether cycles replay CUDA graphs (a function of its own, so that a test can take that path on a CPU)."""
-    return shape.cuda_graphs and device.type == "cuda"
-
-
 # ---------------------------------------------------------------- batches
 
 
-def prefill_slot(e, st, shape, r, req):
-    """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
-    s, N = req.s, shape.particles
-    prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = e.target.prefill(prompt, st.tcache, r)  # [V]
-    st.rng[r] = torch.tensor([s.seed, 0])
-    st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
-                                                            s.top_p)
-    logits, log_first = kernels.power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
-    st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
-    if shape.restrict:
-        logits = kernels.restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
-    x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
-    if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
-        st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
-        if len(req.ids) > 1:
-            e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
-    st.hist[r] = 0
-    st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
-    st.gen_len[r], st.max_new[r], st.finished[r], st.live[r] = 1, s.max_new_tokens, e.is_eos[x0], True
-    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
-        x[r] = 0
-    publish(st)
-
-
 class Batch:
-    """`slots` requests of one shape decoded together: a request is prefilled into a free slot between cycles
-    and leaves its slot when it ends. The caches are allocated and the CUDA graphs of `phases` (the cycle, or
-    MineDraft's draft and verify) recorded once, here, over empty slots, which append nothing: no request is on
-    the device while a graph is recorded. A graph runs every slot (memory-bound decoding does not notice the
+    """`slots` requests of one shape decoded together, each prefilled into a free slot between cycles. Its caches
+    are allocated and the CUDA graphs of `phases` (the cycle, or MineDraft's draft and verify) recorded once, here,
+    over empty slots, which append nothing. A graph runs every slot (memory-bound decoding does not notice the
     rows); an eager cycle, on a CPU where every row costs compute, runs the slots up to the last busy one."""
 
-    def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=(cycle,)):
+    def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=("cycle",)):
         self.e, self.shape, self.requests, self.idle_since = e, shape, [None] * slots, time.monotonic()
-        self.st = new_state(e, shape, slots, prefix_cap, suffix_cap)
-        self.graphs = {fn.__name__: record(lambda fn=fn: fn(e, self.st, shape)) for fn in phases} \
-            if graphs(shape, e.device) else {}
+        self.st = decode.new_state(e, shape, slots, prefix_cap, suffix_cap)
+        self.graphs = {fn: decode.record(lambda fn=fn: getattr(decode, fn)(e, self.st, shape)) for fn in phases} \
+            if decode.graphs(shape, e.device) else {}
 
     def busy(self):
         return any(self.requests)
@@ -582,7 +271,7 @@ class Batch:
             return False
         r, req.start = self.requests.index(None), time.perf_counter()
         try:
-            prefill_slot(self.e, self.st, self.shape, r, req)
+            decode.prefill_slot(self.e, self.st, self.shape, r, req)
         except BaseException:
             self.leave(r)
             raise
@@ -590,31 +279,23 @@ class Batch:
         return True
 
     def leave(self, r):
-        st, self.requests[r], self.idle_since = self.st, None, time.monotonic()
-        for c in (st.tcache, st.dcache):
-            if c is not None:
-                c.prefix_len[r], c.suffix_len[r] = 0, 0
-        st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
+        self.requests[r], self.idle_since = None, time.monotonic()
+        decode.empty_slot(self.st, r)
 
     def cycle(self):
-        self.plant()
-        self.run(cycle)
+        if self.shape.tree:  # racer: each busy slot's draft tree from its request's Retrieval (host work)
+            decode.plant(self.st, [req and req.drafter.draft(self.shape.draft_len, self.shape.tree)
+                                   for req in self.requests])
+        self.run("cycle")
         self.cycled()
 
-    def plant(self):
-        """Racer: each busy slot's draft tree from its request's Retrieval into the cycle's tensors (host work)."""
-        if self.shape.tree:
-            trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
-            for x, value in zip((self.st.nodes, self.st.parent, self.st.depth, self.st.mask),
-                                racer.plant(trees, self.shape.tree + 1)):
-                x.copy_(value)
-
     def run(self, fn):
-        """fn (`cycle` or a phase of it) as its graph's replay, or eagerly up to the last busy slot."""
-        if fn.__name__ in self.graphs:
-            self.graphs[fn.__name__]()
+        """decode's fn ("cycle" or a phase of it) as its graph's replay, or eagerly up to the last busy slot."""
+        if fn in self.graphs:
+            self.graphs[fn]()
         else:
-            fn(self.e, self.st.narrow(1 + max(i for i, r in enumerate(self.requests) if r)), self.shape)
+            busy = 1 + max(i for i, r in enumerate(self.requests) if r)
+            getattr(decode, fn)(self.e, self.st.narrow(busy), self.shape)
 
     def cycled(self):
         for r, req in enumerate(self.requests):
@@ -640,12 +321,12 @@ class Batch:
             why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
             count = min(count, req.s.max_new_tokens)
             if why is None and count > len(req.settled):
-                why = req.settle(rows[r][len(req.settled) - lo:count - lo], self.e.ends)
+                why = req.settle(rows[r][len(req.settled) - lo:count - lo])
             if why is None and not done and req.stop and self.shape.particles > 1:
                 done = self.stop_particles(r, req, length)
             if why or done:
-                tokens = req.settled if why else self.pick(r, req)
-                req.finish(tokens, req.stats(tokens, why, self.e.ends) | method_stats(self.st, r, req), self.e.ends)
+                tokens = req.settled if why else self.returned(r, req)
+                req.finish(tokens, req.stats(tokens, why) | decode.method_stats(self.st, r, req))
                 self.leave(r)
             else:
                 req.streamed = len(req.settled)
@@ -654,52 +335,31 @@ class Batch:
         """A particle whose text holds a stop string ends there, as at an EOS (its tokens drafted past it that
         cycle weigh p/q, 1 in expectation, so the prefix keeps its distribution) -> whether all have ended.
         Otherwise a request would end only once its particles agree on the text up to the string."""
-        texts = [self.e.tokenizer.decode(until_eos(tokens, self.e.ends)) for tokens in
-                 self.st.hist[r, :, 1:1 + length].tolist()]
-        ended = [i for i, text in enumerate(texts) if req.cut(text)[1]]
-        if ended:
-            self.st.finished[r, ended] = True
+        ended = [i for i, tokens in enumerate(self.st.hist[r, :, 1:1 + length].tolist())
+                 if req.cut(self.e.tokenizer.decode(until_eos(tokens, req.ends)))[1]]
+        self.st.finished[r, ended] = True
         return bool(self.st.finished[r].all())
 
-    def pick(self, r, req):
-        """Slot r's returned particle's tokens: one drawn in proportion to its weight, or the heaviest."""
-        st, s = self.st, req.s
-        req.particle = int(st.logw[r].argmax() if s.select == "argmax" else
-                           kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
-        return st.hist[r, req.particle, 1:1 + min(int(st.gen_len[r]), s.max_new_tokens)].tolist()
+    def returned(self, r, req):
+        """Slot r's returned particle's tokens."""
+        req.particle = decode.pick(self.st, r, req.s.select)
+        return self.st.hist[r, req.particle, 1:1 + min(int(self.st.gen_len[r]), req.s.max_new_tokens)].tolist()
 
     def close(self):
         pass
 
 
-def method_stats(st, r, req):
-    """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
-    s, cycles = req.s, max(req.cycles, 1)
-    if s.method in ("sd", "easd"):
-        accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
-        easd = {"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {}
-        return {"draft_len": s.draft_len, "accepted": accepted,
-                "acceptance": round(accepted / (cycles * s.draft_len), 4), **easd}
-    if s.method == "smc":
-        final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
-        return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
-                "resamples": int(st.resamples[r]), "mean_ess": round(float(st.ess_sum[r]) / cycles, 3),
-                "log_z": round(float(st.log_z[r] + final), 4)}
-    return {}
-
-
 class Pair:
-    """MineDraft (arXiv 2603.18016): a batch's slots as two halves that take turns, one drafting while the target
-    verifies the other, on two threads: on a CPU each with half of the cores, on CUDA each on its own stream,
-    replaying the half's draft or verify graph. A request's tokens are those it gets without the overlap. A half
-    is read, ended and refilled only between its verify and its next draft; the first busy one drafts alone at
-    the start, then the halves alternate."""
+    """MineDraft (arXiv 2603.18016): a batch's slots as two halves, one drafting while the target verifies the
+    other, on two threads (a CPU: half of the cores each; CUDA: a stream each, replaying the half's graphs). A
+    request's tokens are those it gets without the overlap. A half is read and refilled only between its verify
+    and its next draft; the first busy one drafts alone at the start, then the halves alternate."""
 
     def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
         if slots < 2:
             raise UsageError("overlap needs at least 2 slots, one for each half")
-        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap, (draft_block, verify_cycle))
-                       for i in (1, 0)]
+        phases = ("draft_block", "verify_cycle")
+        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap, phases) for i in (1, 0)]
         self.drafted, self.cuda = [False, False], engine.device.type == "cuda"
         where = torch.cuda.current_device() if self.cuda else max(1, torch.get_num_threads() // 2)
         self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
@@ -740,16 +400,17 @@ class Pair:
         """The drafted half verifies while the other drafts; both jobs end before an error in either is raised."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
-        phases = [verify_cycle if d else draft_block if h.busy() else None for h, d in zip(self.halves, self.drafted)]
-        if verify_cycle not in phases and phases[0] is draft_block:
+        phases = ["verify_cycle" if d else "draft_block" if h.busy() else None
+                  for h, d in zip(self.halves, self.drafted)]
+        if "verify_cycle" not in phases and phases[0] == "draft_block":
             phases[1] = None  # the halves start apart
         jobs = [self.pool.submit(self.run, h, p) for h, p in zip(self.halves, phases) if p]
         wait(jobs)
         for job in jobs:
             job.result()
-        self.drafted = [p is draft_block for p in phases]
+        self.drafted = [p == "draft_block" for p in phases]
         for h, p in zip(self.halves, phases):
-            if p is verify_cycle:
+            if p == "verify_cycle":
                 h.cycled()
 
     def close(self):
@@ -819,29 +480,29 @@ class Scheduler:
         """Move waiting requests into free slots of their shape's batch -> the keys of the batches that took one."""
         took = set()
         for req in list(self.waiting):
+            if req.cancelled:
+                self.waiting.remove(req)
+                self.end([req], "cancelled")
+                continue
             try:
-                if not req.cancelled and (len(req.ids) > self.caps[0] or req.capacity > self.caps[1]):
+                if len(req.ids) > self.caps[0] or req.capacity > self.caps[1]:
                     raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
                                      f"{self.caps[0]} + {self.caps[1]}: check requests with request(context=...)")
-                admitted = req.cancelled or self.batch(req.shape).admit(req)
+                if self.batch(req.shape).admit(req):
+                    self.waiting.remove(req)
+                    took.add(req.shape)
             except Exception as e:
                 if self.raise_errors:
                     raise
                 self.waiting.remove(req)
                 self.failed([req], e)
-                continue
-            if admitted:
-                self.waiting.remove(req)
-                took |= set() if req.cancelled else {req.shape}
-                if req.cancelled:
-                    self.end([req], "cancelled")
         return took
 
     def batch(self, shape):
         """shape's batch, made if there is none (after dropping idle batches if memory is short)."""
         if shape not in self.batches:
-            need = batch_bytes(self.engine, shape, self.slots, self.caps)
-            if need > free_bytes(self.engine.device):
+            need = decode.batch_bytes(self.engine, shape, self.slots, self.caps)
+            if need > decode.free_bytes(self.engine.device):
                 self.evict(0.0)
             check_fits(need, self.engine.device, f"{self.slots} slots' KV caches and logits",
                        "lower the slots, particles, draft length or context")
@@ -857,9 +518,8 @@ class Scheduler:
     def end(self, requests, why, error=None):
         """End requests with what they made so far, stats["stop"] = why (an error's message in stats["error"])."""
         for req in requests:
-            stats = req.stats(req.settled, why, self.engine.ends)
-            req.finish(req.settled, stats | ({"error": " ".join(str(error).split())} if error else {}),
-                       self.engine.ends)
+            error = {"error": " ".join(str(error).split())} if error else {}
+            req.finish(req.settled, req.stats(req.settled, why) | error)
 
     def stop(self, why, error=None):
         """End every request, running and waiting; after an error the device is not read again."""
@@ -873,45 +533,20 @@ class Scheduler:
         self.batches, self.waiting = {}, []
 
 
-def free_bytes(device):
-    """Memory free for new tensors on device: on CUDA with what torch has cached but does not use; unknown: inf."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
-            torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return math.inf
-
-
 def check_fits(need, device, what, advice):
-    if need > free_bytes(device):
-        raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {free_bytes(device) / 2**30:.2f} GiB is "
+    if need > decode.free_bytes(device):
+        raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {decode.free_bytes(device) / 2**30:.2f} GiB is "
                          f"free on {device}; {advice}")
 
 
-def unread_bytes(e):
-    """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
-    configs = [c for c, o in zip((e.config, e.draft_config), e.opened) if o]
-    n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
-    return (n + sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings and e.device.type == "cpu")) \
-        * e.dtype.itemsize
-
-
 def check_memory(e, requests, slots):
-    """The unread weights and the batches these requests need fit in free memory, or a UsageError."""
-    caps, shapes = sizes(requests), {req.shape for req in requests}
-    check_fits(unread_bytes(e) + sum(batch_bytes(e, shape, slots, caps) for shape in shapes), e.device,
-               ("the weights, " if e.opened[0] else "") + f"{slots} slots' KV caches and logits",
+    """The unread weights and the batches these requests need fit in free memory (or a UsageError) -> the caps
+    (prompt, suffix) of a slot that holds any of them."""
+    caps, shapes = (max(len(r.ids) for r in requests), max(r.capacity for r in requests)), {r.shape for r in requests}
+    need = decode.unread_bytes(e) + sum(decode.batch_bytes(e, shape, slots, caps) for shape in shapes)
+    check_fits(need, e.device, ("the weights, " if e.opened[0] else "") + f"{slots} slots' KV caches and logits",
                "lower --slots, --particles, --draft-len or --max-new-tokens")
-
-
-def batch_bytes(e, shape, slots, caps):
-    """Memory a batch takes: its KV caches, and a cycle's float32 logits with a few copies."""
-    configs = [e.config] + ([e.draft_config] if e.draft_config and shape.method != "ar" else [])
-    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, e.dtype, slots) for c in configs)
-    return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
+    return caps
 
 
 def capacity(e, prompt_len, s, shape, context=None):
@@ -931,21 +566,15 @@ def capacity(e, prompt_len, s, shape, context=None):
     return s.max_new_tokens + extra
 
 
-def sizes(requests):
-    """The (prompt, suffix) tokens a slot needs to hold any of requests."""
-    return max(len(req.ids) for req in requests), max(req.capacity for req in requests)
-
-
 # ---------------------------------------------------------------- engine
 
 
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer
     (then prompts are ids and results have no text); draft "racer" drafts without a model. Paths are opened at
-    once (configs, tokenizer, headers) so that a bad request is refused before `load()` reads any weight. Under
-    torchrun each rank holds its shard of the target and decodes the same requests with the same logits and rng.
-    The cycles read target, draft, is_eos [V + 1] and pad (V, past the vocabulary: a particle's tokens after its
-    end; the models see it clamped). failure: why the engine serves nothing more (its device failed)."""
+    once (configs, tokenizer, headers), so a bad request is refused before `load()` reads a weight. Under torchrun
+    each rank holds its shard of the target and decodes the same requests with the same logits and rng. pad = V
+    ends a particle's tokens; failure: why the engine serves nothing more (its device failed)."""
 
     def __init__(self, target, draft=None, device=None, dtype=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -963,7 +592,7 @@ class Engine:
             raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
                              f"{self.config.vocab_size}")
         self.device, self.dtype = (self.target.device, self.target.embed.dtype) if self.target else (device, dtype)
-        check_fits(unread_bytes(self), self.device, "the weights", "try a smaller model or another --device")
+        check_fits(decode.unread_bytes(self), self.device, "the weights", "try a smaller model or another --device")
         self.tokenizer, self.failure, self.pad = self.opened[0] and self.opened[0][2], None, self.config.vocab_size
         self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
         self.is_eos[self.config.eos_ids + [self.pad]] = True
@@ -1004,7 +633,7 @@ class Engine:
         if stop and self.tokenizer is None:
             raise UsageError("stop strings need a tokenizer: this engine's models have none", "stop")
         ids, shape = self.encode(prompt), s.shape(self.racer)
-        return Request(ids, s, shape, capacity(self, len(ids), s, shape, context), stop, self.tokenizer,
+        return Request(ids, s, shape, capacity(self, len(ids), s, shape, context), stop, self.tokenizer, self.ends,
                        racer.Retrieval(ids, chain=not s.tree) if shape.tree else None, on_tokens, on_text, on_done,
                        on_cycle)
 
@@ -1031,9 +660,7 @@ class Engine:
 
     def run(self, requests, slots=None):
         """Decode checked Requests to the end -> their Results."""
-        slots = slots or min(len(requests), 8)
-        check_memory(self, requests, slots)
-        for _ in self.serving(requests, slots, sizes(requests), True):
+        for _ in self.serving(requests, slots):
             pass
         return [req.result for req in requests]
 
@@ -1044,7 +671,7 @@ class Engine:
         for i, req in enumerate(requests):
             req.on_text = lambda piece, i=i: events.append((i, piece, None))
             req.on_done = lambda result, i=i: events.append((i, "", result))
-        for _ in self.serving(requests, slots or min(len(requests), 8), sizes(requests), True):
+        for _ in self.serving(requests, slots):
             yield from events
             events.clear()
         yield from events
@@ -1054,13 +681,16 @@ class Engine:
         context: the tokens a slot holds (a pair (prompt, the rest) for each apart); check requests against it
         (`request(context=)`). A failing batch ends its requests "error" and serving goes on; a failed device
         ends them all and raises DeviceFailed."""
-        for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, False, idle_s):
+        for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, idle_s):
             pass
 
-    def serving(self, inbox, slots, caps, until_idle, idle_s=IDLE_S):
-        """The Scheduler's loop over inbox (a queue.Queue, or a list of Requests), yielding after every round."""
-        if isinstance(inbox, list):
-            requests, inbox = inbox, queue.Queue()
+    def serving(self, inbox, slots=None, caps=None, idle_s=IDLE_S):
+        """The Scheduler's loop, yielding after every round, over a list of Requests (checked to fit, `slots` at a
+        time, default up to 8, until all end) or a queue.Queue (slots of caps tokens, until None arrives)."""
+        until_idle = isinstance(inbox, list)
+        if until_idle:
+            requests, slots, inbox = inbox, slots or min(len(inbox), 8), queue.Queue()
+            caps = check_memory(self, requests, slots)
             for req in requests:
                 inbox.put(req)
         sched = Scheduler(self.load(), slots, caps, until_idle, idle_s)

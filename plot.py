@@ -31,7 +31,7 @@ class Tracer:
     half-written trace is left."""
 
     def __init__(self, path, engine, request):
-        import engine as module
+        import decode as module
         self.path, self.engine, self.ms, self.cycles, self.module = path, engine, {}, 0, module
         self.file = open(path + ".tmp", "w")
         atexit.register(self.discard)

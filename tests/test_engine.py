@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+import decode
 import engine
 import kernels
 import model
@@ -254,8 +255,8 @@ def test_racer_on_the_graph_path_and_at_the_end_of_its_budget(monkeypatch, tree)
         options = dict(method="sd", max_new_tokens=budget, seed=2, draft_len=4, tree=tree, temperature=1.0)
         eager = e.generate(PROMPT, **options)
         with monkeypatch.context() as m:
-            m.setattr(engine, "record", lambda fn: fn() or fn)
-            m.setattr(engine, "graphs", lambda shape, device: True)
+            m.setattr(decode, "record", lambda fn: fn() or fn)
+            m.setattr(decode, "graphs", lambda shape, device: True)
             assert e.generate(PROMPT, **options).tokens == eager.tokens and len(eager.tokens) == budget
 
 
@@ -345,11 +346,11 @@ def test_draft_and_target_caches_hold_every_particle_context():
     with torch.inference_mode():
         m, st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=3, ess_threshold=1.0)
         for _ in range(3):
-            engine.cycle(m, st, s)
+            decode.cycle(m, st, s)
         n = int(st.gen_len[0])
         assert int(st.tcache.suffix_len[0]) == n - 1 and int(st.dcache.suffix_len[0]) == n - 1
         assert st.resamples[0] == 3
-        prev, x0 = engine.pending(st)
+        prev, x0 = decode.pending(st)
         for i in range(4):
             assert x0[0, i] == st.hist[0, i, n] and prev[0, i] == st.hist[0, i, n - 1]
             for net, cache, known in ((TARGET, st.tcache, n - 1), (DRAFT, st.dcache, n - 2)):
@@ -395,12 +396,12 @@ def test_finished_particles_stay_and_can_be_ancestors():
     e = engine.Engine(eos_prone(0), eos_prone(1))
     with torch.inference_mode():
         m, st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=2)
-        engine.cycle(m, st, s)
+        decode.cycle(m, st, s)
         before = int(st.resamples[0])
         st.finished[0] = torch.tensor([False, True, False, False])
         st.hist[0, 1, 1:4] = torch.tensor([7, 0, V])
         st.logw[0] = torch.tensor([-50.0, 0.0, -50.0, -50.0])
-        engine.resample(st, s)
+        decode.resample(st, s)
     assert st.finished.all() and (st.hist[0, :, 1:4] == torch.tensor([7, 0, V])).all()
     assert st.logw.eq(0).all() and st.resamples[0] == before + 1
 
@@ -498,7 +499,7 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
     e = engine.Engine(TARGET, DRAFT)
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=1.0, seed=1)
     full = e.generate(PROMPT, **options).tokens
-    verify = engine.verify
+    verify = decode.verify
 
     def broken(m, st, t, s):
         logits = verify(m, st, t, s)  # [R, N, K+1, V]
@@ -511,7 +512,7 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
         return logits
     for how in ("forbidden", "nan"):
         calls = []
-        monkeypatch.setattr(engine, "verify", broken)
+        monkeypatch.setattr(decode, "verify", broken)
         r = e.generate(PROMPT, **options)
         assert r.stats["stop"] == "degenerate" and r.stats["cycles"] == 2
         assert r.tokens == full[:len(r.tokens)] and len(r.tokens) < 30
@@ -527,14 +528,14 @@ def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, bud
     recorded = []
 
     def record(fn):
-        recorded.append(fn.__defaults__[0].__name__)  # the phase the lambda records
+        recorded.append(fn.__defaults__[0])  # the phase the lambda records
         fn()
         return fn
     e = engine.Engine(TARGET, DRAFT)
     options = dict(method=method, max_new_tokens=budget, seed=2, particles=3, draft_len=3)
     eager = e.generate(PROMPT, **options)
-    monkeypatch.setattr(engine, "record", record)
-    monkeypatch.setattr(engine, "graphs", lambda shape, device: True)
+    monkeypatch.setattr(decode, "record", record)
+    monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
     admit = engine.Batch.admit
     monkeypatch.setattr(engine.Batch, "admit", lambda b, req: recorded.append("admit") or admit(b, req))
     graph = e.generate(PROMPT, **options)
@@ -673,8 +674,8 @@ def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, 
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0, slots=3)
     eager = e.generate(mixed_requests(method), **options)
     recordings = []
-    monkeypatch.setattr(engine, "record", lambda fn: recordings.append(1) or fn() or fn)
-    monkeypatch.setattr(engine, "graphs", lambda shape, device: True)
+    monkeypatch.setattr(decode, "record", lambda fn: recordings.append(1) or fn() or fn)
+    monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
     graph = e.generate(mixed_requests(method), **options)
     assert [r.tokens for r in graph] == [r.tokens for r in eager]
     assert len(recordings) == (1 if method == "smc" else 2)  # one batch with top-p requests, one without
@@ -692,7 +693,7 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
     def traced(batch, fn):
-        rounds.append((threading.get_ident(), id(batch), phases[fn.__name__]))
+        rounds.append((threading.get_ident(), id(batch), phases[fn]))
         return run(batch, fn)
     monkeypatch.setattr(engine.Batch, "run", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
@@ -758,19 +759,19 @@ def test_serve_takes_requests_from_a_queue_until_none():
 def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     import queue
     e = engine.Engine(TARGET, DRAFT)
-    verify, calls = engine.verify, []
+    verify, calls = decode.verify, []
 
     def failing(m, st, t, s):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("out of\nmemory")
         return verify(m, st, t, s)
-    monkeypatch.setattr(engine, "verify", failing)
+    monkeypatch.setattr(decode, "verify", failing)
     inbox, done = queue.Queue(), []
     first = e.request(PROMPT, method="smc", max_new_tokens=20, on_done=done.append)
     second = e.request(PROMPT, method="smc", max_new_tokens=20, seed=1, on_done=done.append)
     inbox.put(first)
-    for item in e.serving(inbox, 1, (32, 32), False):
+    for item in e.serving(inbox, 1, (32, 32)):
         if len(done) == 1:
             inbox.put(second)
         if len(done) == 2:
@@ -787,7 +788,7 @@ def test_a_failed_device_ends_everything_and_says_why(monkeypatch):
     waiting, with its reason, and serving stops with DeviceFailed; engine.failure says why (the server's 503)."""
     import queue
     e = engine.Engine(TARGET, DRAFT)
-    monkeypatch.setattr(engine, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
+    monkeypatch.setattr(decode, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
     monkeypatch.setattr(e, "device_ok", lambda: False)
     inbox, done = queue.Queue(), []
     for seed in range(3):
@@ -842,14 +843,14 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
         m.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
         m.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
         m.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
-        assert engine.free_bytes(torch.device("cuda")) == 4 << 30
+        assert decode.free_bytes(torch.device("cuda")) == 4 << 30
     e = engine.Engine(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
-    loop = e.serving(inbox, 2, (8, 16), False)
+    loop = e.serving(inbox, 2, (8, 16))
     while not done:
         next(loop)
-    monkeypatch.setattr(engine, "free_bytes", lambda device: 0)
+    monkeypatch.setattr(decode, "free_bytes", lambda device: 0)
     late, other = (e.request(PROMPT, method=m, max_new_tokens=6, seed=1, on_done=done.append) for m in ("sd", "smc"))
     inbox.put(late)
     inbox.put(other)
@@ -1136,6 +1137,7 @@ def test_cli_trace(pair, tmp_path):
     lines = [json.loads(line) for line in open(path)]
     assert lines[0]["kind"] == "start" and lines[-1]["kind"] == "end" and len(lines) == lines[-1]["stats"]["cycles"] + 2
     assert lines[-1]["tokens"] == json.loads(run.stdout)["tokens"]
+    assert all(line["ms"]["cycle"] > 0 for line in lines[1:-1])  # timed: the CLI's cycles are decode.py's
     assert batch.returncode == 1 and "--trace follows one prompt" in batch.stderr
     assert not os.path.exists(tmp_path / "batch.jsonl")
 
@@ -1209,7 +1211,7 @@ def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
     nothing is left running on the batch's tensors."""
     import time
     e = engine.Engine(TARGET, DRAFT)
-    draft_block, verify_cycle, finished = engine.draft_block, engine.verify_cycle, []
+    draft_block, finished = decode.draft_block, []
 
     def slow_draft(*args):
         time.sleep(0.3)
@@ -1226,8 +1228,8 @@ def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
             raise
     requests = [dict(prompt=PROMPT, seed=s, max_new_tokens=12) for s in range(4)]
     pair_cycle, raised = engine.Pair.cycle, []
-    monkeypatch.setattr(engine, "verify_cycle", failing_verify)
-    monkeypatch.setattr(engine, "draft_block", slow_draft)
+    monkeypatch.setattr(decode, "verify_cycle", failing_verify)
+    monkeypatch.setattr(decode, "draft_block", slow_draft)
     monkeypatch.setattr(engine.Pair, "cycle", cycle)
     with pytest.raises(RuntimeError, match="verify failed"):
         e.generate(requests, method="sd", slots=4, overlap=True)

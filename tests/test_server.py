@@ -314,11 +314,12 @@ def test_health_and_new_requests_say_why_once_the_device_failed(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
+    import decode
     import engine
     import server
     from test_engine import DRAFT, PROMPT, TARGET
     e = engine.Engine(TARGET, DRAFT)
-    monkeypatch.setattr(engine, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
+    monkeypatch.setattr(decode, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
     monkeypatch.setattr(e, "device_ok", lambda: False)
 
     async def scenario():

@@ -1,0 +1,393 @@
+"""The device side of decoding: the State a batch's cycles update in place, and one cycle function per method
+(ar, sd and easd, racer's tree, smc with its resampling), each over (engine, state, shape) with fixed shapes and
+no host sync, so that a CUDA graph can record it; a slot's prefill; recording graphs; what a batch's memory takes.
+
+    cycle(e, st, shape)  =  draft_block (K draft steps for every particle)  +  verify_cycle (one target forward,
+                             the method's rule, the flags the host reads)
+
+e is the Engine (its target, draft, is_eos [V + 1], pad, config, dtype); shape its batch's Shape."""
+import copy
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+import kernels
+import model
+import racer
+
+# ---------------------------------------------------------------- decoding state
+
+
+@dataclass
+class State:
+    """Everything a cycle reads and writes: device tensors updated in place, the static buffers a CUDA graph
+    replays on. R slots of N particles; each slot has its own settings and rng row, so a request's draws do not
+    depend on its neighbours. hist's column 0 is the prompt's last token, column j the j-th generated token; the
+    last (x0, column gen_len) is pending: in no cache yet."""
+    tcache: model.KVCache  # target: prefix [L, R, Hkv, P, D], suffix [L, R, N, Hkv, S, D]
+    dcache: model.KVCache | None  # draft
+    rng: torch.Tensor  # [R, 2] seed, counter
+    temp_d: torch.Tensor  # [R] the draft's temperature
+    temp_t: torch.Tensor  # [R] the target's
+    top_k: torch.Tensor  # [R]
+    top_p: torch.Tensor  # [R]
+    max_new: torch.Tensor  # [R]
+    live: torch.Tensor  # [R] a request not done yet: an empty or done slot appends nothing
+    degenerate: torch.Tensor  # [R] smc: no particle has weight left
+    finished: torch.Tensor  # [R, N] the particle has ended (EOS or stop string)
+    hist: torch.Tensor  # [R, N, 1 + H]
+    gen_len: torch.Tensor  # [R] tokens generated
+    logw: torch.Tensor  # [R, N] smc's log weights since the last resampling
+    log_z: torch.Tensor  # [R] smc's log-normaliser estimate
+    ess_sum: torch.Tensor  # [R] statistics
+    accepted: torch.Tensor  # [R]
+    resamples: torch.Tensor  # [R]
+    triggers: torch.Tensor  # [R]
+    flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: what the host reads each round
+    block: torch.Tensor  # [R, N, K+1] the last cycle, for traces: the tokens appended
+    kept: torch.Tensor  # [R] how many of them were kept
+    logw_before: torch.Tensor  # [R, N] the weights before resampling
+    ess: torch.Tensor  # [R]
+    resampled: torch.Tensor  # [R]
+    ancestors: torch.Tensor  # [R, N]
+    drafted: torch.Tensor  # [R, N, K] the draft phase's tokens, which the verify phase reads
+    logq: torch.Tensor  # [R, N, K] their log q under the draft temperature
+    q_logits: torch.Tensor | None  # [R, K, V] sd: the draft's logits
+    nodes: torch.Tensor | None = None  # [R, T] racer's tree from the host: tokens (-1: none; node 0 is x0)
+    parent: torch.Tensor | None = None  # [R, T]
+    depth: torch.Tensor | None = None  # [R, T]
+    mask: torch.Tensor | None = None  # [R, T, T] node j is node i or one of its ancestors
+    cues: torch.Tensor | None = None  # [R, T, CUES] the target's top tokens after each node, for the host
+    cue_p: torch.Tensor | None = None  # [R, T, CUES] their probabilities
+
+    def narrow(self, n):
+        """The first n slots, as views, so that a cycle over them updates self in place."""
+        part = copy.copy(self)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, model.KVCache):
+                v = copy.copy(v)
+                for name in ("prefix_k", "prefix_v", "suffix_k", "suffix_v"):  # [L, R, ...]
+                    setattr(v, name, getattr(v, name)[:, :n])
+                v.prefix_len, v.suffix_len = v.prefix_len[:n], v.suffix_len[:n]
+            setattr(part, f.name, v[:n] if torch.is_tensor(v) else v)
+        return part
+
+
+def new_state(e, shape, R, prefix_cap, suffix_cap):
+    """A State of R empty slots."""
+    N, K, V, device, dtype = shape.particles, shape.draft_len, e.config.vocab_size, e.device, e.dtype
+    new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=device)  # noqa
+    i64, i32, b, T = torch.int64, torch.int32, torch.bool, shape.tree + 1
+    tcache, dcache = (model.KVCache(c.config, N, prefix_cap, suffix_cap, device, dtype, R) if c else None
+                      for c in (e.target, e.draft if shape.method != "ar" and not shape.tree else None))
+    tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
+                mask=new(R, T, T, dtype=b), cues=new(R, T, racer.CUES, dtype=i64),
+                cue_p=new(R, T, racer.CUES)) if shape.tree else {}
+    return State(
+        tcache=tcache, dcache=dcache, rng=new(R, 2, dtype=i64), temp_d=new(R), temp_t=new(R), top_k=new(R, dtype=i64),
+        top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=b), degenerate=new(R, dtype=b),
+        finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
+        logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), resamples=new(R, dtype=i64),
+        triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32), block=new(R, N, K + 1, dtype=i64),
+        kept=new(R, dtype=i32), logw_before=new(R, N), ess=new(R), resampled=new(R, dtype=b),
+        ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
+        q_logits=new(R, K, V) if shape.method in ("sd", "easd") and not shape.tree else None, **tree)
+
+
+# ---------------------------------------------------------------- cycles: fixed shapes, no host sync
+
+
+def cycle(e, st, s):
+    """One cycle of s.method over the slots of st, then their flags for the host."""
+    if s.method != "ar" and not s.tree:
+        draft_block(e, st, s)
+    verify_cycle(e, st, s)
+
+
+def verify_cycle(e, st, s):
+    """The cycle after drafting: the target's verify and the method's rule, then the flags."""
+    (racer_cycle if s.tree else RULES[s.method])(e, st, s)
+    if st.dcache is not None:
+        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
+    publish(st)
+
+
+def pending(st):
+    """-> (prev, x0) [R, N]: the history's last two entries."""
+    R, N, _ = st.hist.shape
+    at = st.gen_len.long()[:, None, None].expand(R, N, 1)
+    x = st.hist.gather(2, torch.cat([(at - 1).clamp(min=0), at], -1))
+    return x[..., 0], x[..., 1]
+
+
+def ids(e, tokens):
+    """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
+    return tokens.clamp(max=e.pad - 1)
+
+
+def restricted(logits, st, s):
+    return kernels.restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
+
+
+def publish(st):
+    """flags [R, 4] = [done, settled, degenerate, length]: done when every particle has ended, the budget is
+    spent or (smc) no weight is left; settled = how many leading tokens all particles share (they can never change
+    again, so they may be shown). A done slot is no longer live: it appends nothing until it is refilled."""
+    H = st.hist.shape[-1] - 1
+    done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
+    shared = (st.hist[..., 1:] == st.hist[:, :1, 1:]).all(1) & (torch.arange(H, device=st.hist.device) <
+                                                                 st.gen_len[:, None])
+    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int(),
+                                st.gen_len], -1))
+    st.live &= ~done
+
+
+def append(e, st, tokens, kept):
+    """Commit the first `kept` [R] of tokens [R, N, T] (none where a slot is not live): history, lengths,
+    finished. The target holds K/V for the old pending token and the kept tokens but the last."""
+    R, N, T = tokens.shape
+    kept = kept * st.live
+    st.block[..., :T].copy_(tokens)
+    st.kept.copy_(kept)
+    at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
+    st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
+    st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
+    st.gen_len += kept
+    st.tcache.suffix_len += kept
+
+
+def ar_cycle(e, st, s):
+    """One target step on the pending token."""
+    logits = restricted(e.target.step(ids(e, pending(st)[1][..., None]), st.tcache)[:, 0, 0], st, s)  # [R, V]
+    append(e, st, kernels.sample(logits, st.temp_t, st.rng)[0].view(-1, 1, 1), torch.ones_like(st.gen_len))
+
+
+def draft_block(e, st, s):
+    """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
+    -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, K, V]. Advances the
+    draft's suffix_len by K + 1."""
+    R, N = st.finished.shape
+    x = ids(e, torch.stack(pending(st), -1))  # [R, N, 2]
+    for k in range(s.draft_len):
+        out = e.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
+        st.dcache.suffix_len += x.shape[-1]
+        t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
+        x = t.view(R, N, 1)
+        st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
+        if st.q_logits is not None:
+            st.q_logits[:, k] = out[:, 0]
+
+
+def verify(e, st, t, s):
+    """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
+    return restricted(e.target.step(ids(e, torch.cat([pending(st)[1][..., None], t], -1)), st.tcache), st, s)
+
+
+def sd_cycle(e, st, s):
+    """Speculative sampling, each request accepting its own count: t_k with probability min(1, p/q); the first
+    rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a bonus token from p. Exact at
+    any temperature. easd also rejects where `kernels.easd_trigger` fires, drawing the token from p instead (not
+    exact: it trades the draft's low-confidence agreement for the target)."""
+    K, R, device = s.draft_len, st.gen_len.shape[0], st.gen_len.device
+    p = kernels.probs(verify(e, st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
+    q = kernels.probs(st.q_logits, st.temp_d)  # [R, K, V]
+    t = st.drafted[:, 0]  # [R, K]
+    pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
+    accept = kernels.bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
+    residual = (p[:, :K] - q).clamp(min=0)
+    if s.easd:
+        triggered = kernels.easd_trigger(p[:, :K], q, t, s.easd)
+        accept &= ~triggered
+        residual = torch.where(triggered[..., None], p[:, :K], residual)
+    n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
+    if s.easd:
+        st.triggers += triggered.gather(1, n.long().clamp(max=K - 1)[:, None])[:, 0] & (n < K)
+    at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
+    fix = torch.cat([residual, p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
+    fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
+    c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
+    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
+                         c[:, None])  # t_1..t_n, c, filler
+    st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
+    st.accepted += n
+    append(e, st, tokens[:, None], n + 1)
+
+
+def racer_cycle(e, st, s):
+    """sd on racer's draft tree, verified exactly in one target forward: a node sees the prefix, its ancestors
+    and itself (st.mask), at position length + depth. From the root, y ~ p is drawn at each node and the child
+    whose token is y followed, else y emitted: the text follows p exactly (greedy: ar's tokens), a chain being the
+    tree of one child per node. The path's K/V then moves down; each node's top tokens become the host's cues."""
+    (R, T), K, device = st.nodes.shape, s.draft_len, st.gen_len.device
+    nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
+    base = st.tcache.suffix_len.clone()
+    logits = e.target.step(ids(e, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
+    logits = restricted(logits, st, s)  # [R, T, V]
+    y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
+    follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
+    on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
+    d = torch.arange(K + 1, device=device)
+    path = (on_path[:, None] & (st.depth[:, None] == d[:, None])).int().argmax(-1)  # [R, K+1]: 0 past the end
+    n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
+    c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
+    tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
+    kernels.compact(st.tcache, base, path)
+    top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
+    st.cues.copy_(top.indices)
+    st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
+    st.accepted += n
+    append(e, st, tokens[:, None], n.int() + 1)
+
+
+def smc_cycle(e, st, s):
+    """Weight each particle's K drafted tokens by one target forward, append K + 1 tokens (the last a bonus
+    token from the target), resample where the ESS falls below the threshold. A power target p ** alpha
+    (s.power) weighs a draft token alpha log p - log q (`kernels.power_bonus`)."""
+    K, (R, N), t = s.draft_len, st.finished.shape, st.drafted
+    logits = verify(e, st, t, s)  # [R, N, K+1, V]
+    logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
+    bonus, log_bonus = kernels.power_bonus(logits[:, :, K], st.temp_t, s.power)
+    b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
+    increments, tokens = kernels.settle(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, e.is_eos, e.pad,
+                                        log_bonus)
+    st.logw += increments
+    append(e, st, tokens, torch.full_like(st.gen_len, K + 1))
+    resample(st, s)
+
+
+def resample(st, s):
+    """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
+    draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight and the
+    weights restart at 0. A population with no positive weight, or a NaN one, is degenerate: resampling it would
+    be a uniform draw that hides the failure, so the request ends."""
+    ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
+    st.degenerate |= degenerate & st.live
+    for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess), (st.resampled, resampled)):
+        saved.copy_(x)
+    st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
+    st.logw.masked_fill_(resampled[:, None], 0.0)
+    for cache in (st.tcache, st.dcache):
+        for kv in (cache.suffix_k, cache.suffix_v):
+            kernels.gather_suffix(kv, ancestors, cache.suffix_len)
+    kernels.gather_suffix(st.hist, ancestors, st.gen_len + 1)
+    st.finished.copy_(st.finished.gather(1, ancestors))
+    st.resamples += resampled
+    st.ess_sum += ess
+
+
+RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "smc": smc_cycle}
+
+
+def record(fn):
+    """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
+    kernels) so that the capture records warm kernels."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graphs(shape, device):
+    """Whether cycles replay CUDA graphs (a function of its own, so that a test can take that path on a CPU)."""
+    return shape.cuda_graphs and device.type == "cuda"
+
+
+
+# ---------------------------------------------------------------- slots and memory
+
+
+def prefill_slot(e, st, shape, r, req):
+    """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
+    s, N = req.s, shape.particles
+    prompt = torch.tensor(req.ids, device=st.hist.device)
+    logits = e.target.prefill(prompt, st.tcache, r)  # [V]
+    st.rng[r] = torch.tensor([s.seed, 0])
+    st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
+                                                            s.top_p)
+    logits, log_first = kernels.power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
+    st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
+    if shape.restrict:
+        logits = kernels.restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
+    x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
+    if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
+        st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
+        if len(req.ids) > 1:
+            e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
+    st.hist[r] = 0
+    st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
+    st.gen_len[r], st.max_new[r], st.finished[r], st.live[r] = 1, s.max_new_tokens, e.is_eos[x0], True
+    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
+        x[r] = 0
+    publish(st)
+
+
+
+def plant(st, trees):
+    """Racer: each slot's draft tree (None for an empty slot) into the cycle's tensors."""
+    for x, value in zip((st.nodes, st.parent, st.depth, st.mask), racer.plant(trees, st.nodes.shape[1])):
+        x.copy_(value)
+
+
+def empty_slot(st, r):
+    """Slot r holds no request: it appends nothing and its caches are empty."""
+    for c in (st.tcache, st.dcache):
+        if c is not None:
+            c.prefix_len[r], c.suffix_len[r] = 0, 0
+    st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
+
+
+def pick(st, r, select):
+    """Slot r's returned particle: one drawn in proportion to its weight ("sample"), or the heaviest."""
+    draw = kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0] if select == "sample" else st.logw[r].argmax()
+    return int(draw)
+
+
+def method_stats(st, r, req):
+    """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
+    s, cycles = req.s, max(req.cycles, 1)
+    if s.method in ("sd", "easd"):
+        accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
+        easd = {"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {}
+        return {"draft_len": s.draft_len, "accepted": accepted,
+                "acceptance": round(accepted / (cycles * s.draft_len), 4), **easd}
+    if s.method == "smc":
+        final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
+        return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
+                "resamples": int(st.resamples[r]), "mean_ess": round(float(st.ess_sum[r]) / cycles, 3),
+                "log_z": round(float(st.log_z[r] + final), 4)}
+    return {}
+
+
+def free_bytes(device):
+    """Memory free for new tensors on device: on CUDA with what torch has cached but does not use; unknown: inf."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return math.inf
+
+
+
+def unread_bytes(e):
+    """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
+    configs = [c for c, o in zip((e.config, e.draft_config), e.opened) if o]
+    n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
+    return (n + sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings and e.device.type == "cpu")) \
+        * e.dtype.itemsize
+
+
+def batch_bytes(e, shape, slots, caps):
+    """Memory a batch takes: its KV caches, and a cycle's float32 logits with a few copies."""
+    configs = [e.config] + ([e.draft_config] if e.draft_config and shape.method != "ar" else [])
+    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, e.dtype, slots) for c in configs)
+    return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
