@@ -42,6 +42,7 @@ class State:
     log_z: torch.Tensor  # [R] smc's log-normaliser estimate
     ess_sum: torch.Tensor  # [R] statistics
     accepted: torch.Tensor  # [R]
+    accepted_at: torch.Tensor  # [R, K] draft tokens accepted at each position
     resamples: torch.Tensor  # [R]
     triggers: torch.Tensor  # [R]
     flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: what the host reads each round
@@ -53,7 +54,7 @@ class State:
     ancestors: torch.Tensor  # [R, N]
     drafted: torch.Tensor  # [R, N, K] the draft phase's tokens, which the verify phase reads
     logq: torch.Tensor  # [R, N, K] their log q under the draft temperature
-    q_logits: torch.Tensor | None  # [R, K, V] sd: the draft's logits
+    q_logits: torch.Tensor | None  # [R, N, K, V] sd, easd, mdsd: the draft's logits
     nodes: torch.Tensor | None = None  # [R, T] racer's tree from the host: tokens (-1: none; node 0 is x0)
     parent: torch.Tensor | None = None  # [R, T]
     depth: torch.Tensor | None = None  # [R, T]
@@ -89,11 +90,11 @@ def new_state(e, shape, R, prefix_cap, suffix_cap):
         tcache=tcache, dcache=dcache, rng=new(R, 2, dtype=i64), temp_d=new(R), temp_t=new(R), top_k=new(R, dtype=i64),
         top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=b), degenerate=new(R, dtype=b),
         finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
-        logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), resamples=new(R, dtype=i64),
-        triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32), block=new(R, N, K + 1, dtype=i64),
-        kept=new(R, dtype=i32), logw_before=new(R, N), ess=new(R), resampled=new(R, dtype=b),
-        ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
-        q_logits=new(R, K, V) if shape.method in ("sd", "easd") and not shape.tree else None, **tree)
+        logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), accepted_at=new(R, K, dtype=i64),
+        resamples=new(R, dtype=i64), triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32),
+        block=new(R, N, K + 1, dtype=i64), kept=new(R, dtype=i32), logw_before=new(R, N), ess=new(R),
+        resampled=new(R, dtype=b), ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
+        q_logits=new(R, N, K, V) if shape.method in ("sd", "easd", "mdsd") and not shape.tree else None, **tree)
 
 
 # ---------------------------------------------------------------- cycles: fixed shapes, no host sync
@@ -166,7 +167,7 @@ def ar_cycle(e, st, s):
 
 def draft_block(e, st, s):
     """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
-    -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, K, V]. Advances the
+    -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, N, K, V]. Advances the
     draft's suffix_len by K + 1."""
     R, N = st.finished.shape
     x = ids(e, torch.stack(pending(st), -1))  # [R, N, 2]
@@ -177,7 +178,7 @@ def draft_block(e, st, s):
         x = t.view(R, N, 1)
         st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
         if st.q_logits is not None:
-            st.q_logits[:, k] = out[:, 0]
+            st.q_logits[:, :, k] = out
 
 
 def verify(e, st, t, s):
@@ -186,33 +187,63 @@ def verify(e, st, t, s):
 
 
 def sd_cycle(e, st, s):
-    """Speculative sampling, each request accepting its own count: t_k with probability min(1, p/q); the first
-    rejection is replaced by a draw from normalise(max(p - q, 0)); if all K pass, a bonus token from p. Exact at
-    any temperature. easd also rejects where `kernels.easd_trigger` fires, drawing the token from p instead (not
-    exact: it trades the draft's low-confidence agreement for the target)."""
-    K, R, device = s.draft_len, st.gen_len.shape[0], st.gen_len.device
-    p = kernels.probs(verify(e, st, st.drafted, s)[:, 0], st.temp_t)  # [R, K+1, V]
-    q = kernels.probs(st.q_logits, st.temp_d)  # [R, K, V]
-    t = st.drafted[:, 0]  # [R, K]
-    pt, qt = p[:, :K].gather(2, t[..., None])[..., 0], q.gather(2, t[..., None])[..., 0]
-    accept = kernels.bernoulli(torch.where(pt >= qt, 1.0, pt / qt), st.rng)  # [R, K]
-    residual = (p[:, :K] - q).clamp(min=0)
-    if s.easd:
-        triggered = kernels.easd_trigger(p[:, :K], q, t, s.easd)
-        accept &= ~triggered
-        residual = torch.where(triggered[..., None], p[:, :K], residual)
-    n = accept.int().cumprod(-1).sum(-1)  # [R] draft tokens accepted
-    if s.easd:
-        st.triggers += triggered.gather(1, n.long().clamp(max=K - 1)[:, None])[:, 0] & (n < K)
-    at = n.long()[:, None, None].expand(R, 1, p.shape[-1])
-    fix = torch.cat([residual, p[:, K:]], 1).gather(1, at)[:, 0]  # [R, V]
-    fix = torch.where(fix.sum(-1, keepdim=True) > 0, fix, p.gather(1, at)[:, 0])  # p == q: nothing to fix
+    """Speculative sampling over N drafts of K tokens from one prefix (sd: N = 1; mdsd: SpecInfer's and SpecTr's
+    multi-draft rule), each request accepting its own count. Depth by depth, over the particles whose drafts so far
+    are the accepted ones (viable), their tokens c are tried in turn, accepted with probability min(1, r(c)/q(c)),
+    r starting as p and becoming normalise(max(r - q, 0)) after each rejection; an accepted token keeps the
+    particles that drafted it. No acceptance emits a draw from r; K acceptances a bonus token from p. Exact at any
+    temperature. easd (N = 1) also rejects where `kernels.easd_trigger` fires, r then being p (not exact: it trades
+    the draft's low-confidence agreement for the target). Every particle then takes the winner's K/V."""
+    K, (R, N), device = s.draft_len, st.finished.shape, st.gen_len.device
+    p = kernels.probs(verify(e, st, st.drafted, s), st.temp_t)  # [R, N, K+1, V]
+    q = kernels.probs(st.q_logits, st.temp_d)  # [R, N, K, V]
+    rows, viable = torch.arange(R, device=device), torch.ones(R, N, dtype=torch.bool, device=device)
+    going, out = st.live.clone(), st.drafted[:, 0].clone()  # [R] no rejection yet; [R, K] the accepted tokens
+    n, fix = torch.zeros(R, dtype=torch.long, device=device), p[:, 0, K]  # [R], [R, V]
+    for k in range(K):
+        lead = viable.int().argmax(-1)  # [R] a viable particle: its rows are every viable one's
+        r, qk, c = p[rows, lead, k], q[rows, lead, k], st.drafted[..., k]  # [R, V], [R, V], [R, N]
+        triggered = kernels.easd_trigger(r[:, None], qk[:, None], c[:, :1], s.easd)[:, 0] if s.easd else None
+        ratios = []
+        for i in range(N):
+            rc, qc = r.gather(1, c[:, i:i + 1])[:, 0], qk.gather(1, c[:, i:i + 1])[:, 0]
+            ok = viable[:, i] if triggered is None else viable[:, i] & ~triggered
+            ratios.append(torch.where(rc >= qc, 1.0, rc / qc) * ok)
+            residual = (r - qk).clamp(min=0) if triggered is None else torch.where(
+                triggered[:, None], p[rows, lead, k], (r - qk).clamp(min=0))
+            total = residual.sum(-1, keepdim=True)
+            r = torch.where(viable[:, i, None] & (total > 0), residual / total, r)  # r == q: nothing to fix
+        accept = kernels.bernoulli(torch.stack(ratios, -1), st.rng)  # [R, N]: the first one counts
+        won = c.gather(1, accept.int().argmax(-1, keepdim=True))[:, 0]  # [R]
+        stop = going & ~accept.any(-1)
+        fix = torch.where(stop[:, None], r, fix)
+        if triggered is not None:
+            st.triggers += stop & triggered
+        going &= ~stop
+        out[:, k], n = torch.where(going, won, out[:, k]), n + going
+        st.accepted_at[:, k] += going
+        viable &= ~going[:, None] | (c == won[:, None])
+    fix = torch.where(going[:, None], p[rows, viable.int().argmax(-1), K], fix)  # all K accepted: the bonus
     c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
-    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([t, c[:, None]], 1),
+    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([out, c[:, None]], 1),
                          c[:, None])  # t_1..t_n, c, filler
+    if N > 1:  # the rows this cycle wrote, from the winner (the rows before are every particle's already)
+        winner = viable.int().argmax(-1)
+        for cache, start in ((st.tcache, st.tcache.suffix_len), (st.dcache, st.dcache.suffix_len - K - 1)):
+            for kv in (cache.suffix_k, cache.suffix_v):
+                copy_rows(kv, winner, start, K + 1)
     st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
     st.accepted += n
-    append(e, st, tokens[:, None], n + 1)
+    append(e, st, tokens[:, None].expand(R, N, K + 1), n + 1)
+
+
+def copy_rows(kv, source, start, T):
+    """kv [L, R, N, Hkv, S, D]: rows start .. start + T - 1 [R] of every particle become particle source's [R]."""
+    L, R, N, H, S, D = kv.shape
+    at = (start.long()[:, None] + torch.arange(T, device=kv.device)).clamp(max=S - 1).view(1, R, 1, 1, T, 1)
+    block = kv.gather(4, at.expand(L, R, N, H, T, D))  # [L, R, N, H, T, D]
+    kv.scatter_(4, at.expand(L, R, N, H, T, D), block.gather(2, source.view(1, R, 1, 1, 1, 1).expand(L, R, 1, H, T, D))
+                .expand(L, R, N, H, T, D))
 
 
 def racer_cycle(e, st, s):
@@ -237,6 +268,7 @@ def racer_cycle(e, st, s):
     top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
     st.cues.copy_(top.indices)
     st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
+    st.accepted_at += torch.arange(K, device=device) < n[:, None]
     st.accepted += n
     append(e, st, tokens[:, None], n.int() + 1)
 
@@ -277,7 +309,7 @@ def resample(st, s):
     st.ess_sum += ess
 
 
-RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "smc": smc_cycle}
+RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "mdsd": sd_cycle, "smc": smc_cycle}
 
 
 def record(fn):
@@ -316,6 +348,7 @@ def prefill_slot(e, st, shape, r, req):
     if shape.restrict:
         logits = kernels.restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
     x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
+    x0 = x0 if shape.method == "smc" else x0[:1].expand(N)  # only smc's particles part at once
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
         st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
         if len(req.ids) > 1:
@@ -323,7 +356,7 @@ def prefill_slot(e, st, shape, r, req):
     st.hist[r] = 0
     st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
     st.gen_len[r], st.max_new[r], st.finished[r], st.live[r] = 1, s.max_new_tokens, e.is_eos[x0], True
-    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.resamples, st.triggers):
+    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.accepted_at, st.resamples, st.triggers):
         x[r] = 0
     publish(st)
 
@@ -352,11 +385,14 @@ def pick(st, r, select):
 def method_stats(st, r, req):
     """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
     s, cycles = req.s, max(req.cycles, 1)
-    if s.method in ("sd", "easd"):
+    if s.method in ("sd", "easd", "mdsd"):
         accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
         easd = {"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {}
-        return {"draft_len": s.draft_len, "accepted": accepted,
-                "acceptance": round(accepted / (cycles * s.draft_len), 4), **easd}
+        mdsd = {"particles": s.particles} if s.method == "mdsd" else {}
+        return {"draft_len": s.draft_len, **mdsd, "accepted": accepted,
+                "acceptance": round(accepted / (cycles * s.draft_len), 4),  # vLLM's: per drafted token, the
+                "mean_acceptance_length": round(1 + accepted / cycles, 4),  # tokens a cycle emits, and the rate
+                "acceptance_by_position": [round(a / cycles, 4) for a in st.accepted_at[r].tolist()], **easd}
     if s.method == "smc":
         final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
         return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,

@@ -28,7 +28,7 @@ import racer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
-METHODS = ("smc", "sd", "easd", "ar")
+METHODS = ("smc", "sd", "mdsd", "easd", "ar")
 EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-m, share of the top-m they share
 IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
 
@@ -91,12 +91,13 @@ class Settings:
     overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
 
     def resolve(self, device):
-        """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc from the bench grid's cells that resample and so
-        stream (README, Results): N=3, K=2 on a CPU, where every verify row costs compute; N=4, K=4 on a GPU,
-        where a verify of N x (K+1) rows reads the weights once."""
-        n, k = {"ar": (1, 1), "smc": (3, 2) if torch.device(device).type == "cpu" else (4, 4)}.get(self.method, (1, 4))
-        t = self.temperature
-        return replace(self, particles=n if self.method != "smc" or self.particles is None else self.particles,
+        """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc and mdsd from the bench grid's cells that resample
+        (README, Results): N=3, K=2 on a CPU, where every verify row costs compute; N=4, K=4 on a GPU, where a
+        verify of N x (K+1) rows reads the weights once."""
+        many, t = (3, 2) if torch.device(device).type == "cpu" else (4, 4), self.temperature
+        n, k = {"ar": (1, 1), "smc": many, "mdsd": many}.get(self.method, (1, 4))
+        n = self.particles if self.method in ("smc", "mdsd") and self.particles is not None else n
+        return replace(self, particles=n,
                        draft_len=k if self.method == "ar" or self.draft_len is None else self.draft_len,
                        draft_temperature=t if self.draft_temperature is None else self.draft_temperature,
                        target_temperature=t if self.target_temperature is None else self.target_temperature)
@@ -120,8 +121,7 @@ class Settings:
                 ("method", s.method == "ar" or draft, f"method {s.method} needs a draft model (--draft)"),
                 ("temperature", min(s.draft_temperature, s.target_temperature) >= 0, "temperatures must be >= 0"),
                 ("temperature", s.method != "smc" or 0 not in (s.draft_temperature, s.target_temperature),
-                 "smc needs temperatures > 0 (greedy decoding has no importance weights); use --method sd or "
-                 "--method ar for greedy decoding"),
+                 "smc needs temperatures > 0 (greedy has no importance weights); use --method sd or --method ar"),
                 ("particles", s.particles >= 1, f"particles must be at least 1, got {s.particles}"),
                 ("draft_len", s.draft_len >= 1, f"draft-len must be at least 1, got {s.draft_len}"),
                 ("ess_threshold", 0 <= s.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got "
@@ -140,12 +140,12 @@ class Settings:
                 ("tree", 0 <= s.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {s.tree}"),
                 ("easd", entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in "
                  f"[1, {vocab}] (the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}"),
-                ("method", draft != "racer" or s.method not in ("smc", "easd"), f"{s.method} needs a draft model's "
+                ("method", draft != "racer" or s.method in ("sd", "ar"), f"{s.method} needs a draft model's "
                  "distribution, and racer drafts are deterministic tokens; use --method sd with --draft racer"),
                 ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft "
                  "racer --method sd"),
                 ("overlap", not s.overlap or draft == "model" and s.method != "ar", "overlap runs a draft model's "
-                 "drafting beside the target's verifying: use it with --method sd, easd or smc and a draft model")):
+                 "drafting beside the target's verifying: use it with a draft model and any method but ar")):
             if not ok:
                 raise UsageError(message, param)
         return self
@@ -743,13 +743,13 @@ def apply_chat(tokenizer, messages):
                                                            bos_token="", eos_token="")
 
 
-SUMMARY = {"sd": ", {cycles} cycles, acceptance {acceptance:.2f}",
-           "easd": ", {cycles} cycles, acceptance {acceptance:.2f}, {triggers} easd rejections",
+SUMMARY = {"easd": ", {triggers} easd rejections", "mdsd": ", {particles} drafts a cycle",
            "smc": ", {cycles} cycles, {resamples} resamples, mean ESS {mean_ess:.2f}/{particles}, log Z {log_z:.3f}"}
 
 
 def summary(stats):
-    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s" + SUMMARY.get(stats["method"], "")
+    more = ", {cycles} cycles, acceptance {acceptance:.2f}" if "acceptance" in stats else ""
+    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s" + more + SUMMARY.get(stats["method"], "")
     return line.format(**stats) + (", interrupted" if stats["stop"] == "interrupted" else "") + "]"
 
 
@@ -807,8 +807,8 @@ def parser():
     add("--target-temperature", type=float)
     add("--top-k", type=int, default=0, help="keep the k likeliest target tokens (0 = all)")
     add("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
-    add("--particles", type=int, help="smc: particles N (default: 3 on a CPU, 4 on a GPU)")
-    add("--draft-len", type=int, help="sd, smc: draft tokens K per cycle (default: sd 4; smc 2 on a CPU, 4 on a GPU)")
+    add("--particles", type=int, help="smc: particles N; mdsd: drafts N (default: 3 on a CPU, 4 on a GPU)")
+    add("--draft-len", type=int, help="draft tokens K per cycle (default: sd 4; smc, mdsd 2 on a CPU, 4 on a GPU)")
     add("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
     add("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE", help="easd: reject the draft token "
         "where both models' entropies reach ENTROPY nats and their top-TOP tokens share SHARE x TOP, the token "

@@ -131,6 +131,28 @@ def test_ar_and_sd_sample_the_target_distribution(method, temperature):
     assert tv(found, target) < floor
 
 
+@pytest.mark.parametrize("particles, draft_len", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_mdsd_samples_the_target_distribution(particles, draft_len):
+    """Multi-draft speculative sampling over N particles is exact: 4 tokens are x0 and two cycles at K = 1 (the
+    second after every particle took the winner's state), x0 and one whole cycle at K = 2."""
+    target = exact(TARGET, 4, 1.0)
+    found = empirical(engine.Engine(TARGET, DRAFT), SAMPLES, 4, method="mdsd", particles=particles,
+                      draft_len=draft_len, temperature=1.0)
+    assert tv(found, target) < noise_floor(target, SAMPLES)
+
+
+def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
+    e = engine.Engine(TARGET, DRAFT)
+    for seed in range(3):
+        sd = e.generate(PROMPT, method="sd", max_new_tokens=12, seed=seed, draft_len=3)
+        one = e.generate(PROMPT, method="mdsd", particles=1, max_new_tokens=12, seed=seed, draft_len=3)
+        assert one.tokens == sd.tokens and one.stats["accepted"] == sd.stats["accepted"]
+    ar = e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=30)
+    for particles in (2, 4):
+        assert e.generate(PROMPT, method="mdsd", particles=particles, temperature=0, max_new_tokens=30).tokens == \
+            ar.tokens
+
+
 def test_sd_with_a_greedy_draft_is_exact():
     """Any proposal works: a greedy draft against a sampling target is still exact."""
     target = exact(TARGET, 2 * K, 1.0)
@@ -658,8 +680,10 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
     e = engine.Engine(eos_prone(0), eos_prone(1))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = mixed_requests(method)
+    requests[0]["seed"] = next(seed for seed in range(100)  # one request that ends at an EOS
+                               if e.generate(**(options | requests[0] | {"seed": seed})).stats["stop"] == "eos")
     alone = [e.generate(**(options | r)) for r in requests]
-    assert {r.stats["stop"] for r in alone} == ({"length"} if method == "easd" else {"eos", "length"})  # seeds
+    assert "eos" in {r.stats["stop"] for r in alone}
     for slots in (4, 2):
         together = e.generate(requests, slots=slots, **options)
         assert [r.tokens for r in together] == [r.tokens for r in alone]

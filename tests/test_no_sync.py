@@ -31,7 +31,7 @@ def test_the_guard_catches_a_sync(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log2(0) = -inf for an empty slot
 @pytest.mark.parametrize("method, draft, options", [
-    ("ar", DRAFT, {}), ("sd", DRAFT, {"top_p": 0.9}), ("easd", DRAFT, {}), ("smc", DRAFT, {"ess_threshold": 1.0}),
+    ("ar", DRAFT, {}), ("sd", DRAFT, {"top_p": 0.9}), ("easd", DRAFT, {}), ("smc", DRAFT, {"ess_threshold": 1.0}), ("mdsd", DRAFT, {}),
     ("sd", "racer", {"tree": 4}), ("smc", DRAFT, {"overlap": True})])
 def test_a_cycle_syncs_nothing_with_the_host(monkeypatch, method, draft, options):
     monkeypatch.setattr(kernels, "INTERPRET", True)
