@@ -182,7 +182,7 @@ def configs(args, cells, overlap=False):
             out.append(("ar", 1, 1))
         elif base in ("sd", "easd"):
             out.append((method, 1, args.sd_draft_len))
-        elif base == "smc":
+        elif base in ("smc", "mdsd"):
             out += [(method, n, k) for n, k in cells]
     return out
 
@@ -220,7 +220,7 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth):
         s = r["stats"]
         if r["prompt"] in ar:
             r["speedup"] = r["tokens_per_s"] / ar[r["prompt"]]
-        if r["method"] in ("sd", "easd"):
+        if r["method"] in ("sd", "easd", "mdsd"):
             r["accepted_per_cycle"] = s["accepted"] / max(s["cycles"], 1)
             r["acceptance"] = s["acceptance"]
         if r["method"] == "smc":
@@ -677,7 +677,7 @@ def pass_rates(e, draft_alone, args):
     problems = quality.load_problems()[:args.problems]
     runners = {"ar": (e, "ar", 1, 1)} if "ar" in args.methods else {}
     runners |= {m: (e, m, 1, args.sd_draft_len) for m in ("sd", "easd") if m in args.methods}
-    runners |= {f"smc {N}x{K}": (e, "smc", N, K) for N, K in args.smc_cells if "smc" in args.methods}
+    runners |= {f"{m} {N}x{K}": (e, m, N, K) for m in ("smc", "mdsd") for N, K in args.smc_cells if m in args.methods}
     runners |= {"draft alone": (draft_alone, "ar", 1, 1)} if "draft" in args.methods else {}
     out = {}
     for label, (runner, method, N, K) in runners.items():
@@ -705,7 +705,7 @@ def fmt(x, spec=".2f"):
 def cells_nk(r):
     """A row's N and K cells: blank where its method has none."""
     method = r["method"].removesuffix("+overlap")
-    return (r["N"] if method == "smc" else ""), (r["K"] if method != "ar" else "")
+    return (r["N"] if method in ("smc", "mdsd") else ""), (r["K"] if method != "ar" else "")
 
 
 def speed_table(rows, bandwidth):
@@ -863,7 +863,7 @@ def parse(argv):
                        racer_trees=[0])
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
-    known = ["ar", "sd", "easd", "smc", "draft", "sd+overlap", "easd+overlap", "smc+overlap"]
+    known = ["ar", "sd", "mdsd", "easd", "smc", "draft", "sd+overlap", "mdsd+overlap", "easd+overlap", "smc+overlap"]
     if unknown := set(args.methods) - set(known):
         p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from {','.join(known)})")
     return args

@@ -44,6 +44,8 @@ class State:
     accepted: torch.Tensor  # [R]
     accepted_at: torch.Tensor  # [R, K] draft tokens accepted at each position
     resamples: torch.Tensor  # [R]
+    collapses: torch.Tensor  # [R] smc: resamplings forced by the lag
+    lag: torch.Tensor  # [R] smc: the most unsettled tokens before a collapse (0: no bound)
     triggers: torch.Tensor  # [R]
     flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: what the host reads each round
     block: torch.Tensor  # [R, N, K+1] the last cycle, for traces: the tokens appended
@@ -91,10 +93,11 @@ def new_state(e, shape, R, prefix_cap, suffix_cap):
         top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=b), degenerate=new(R, dtype=b),
         finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
         logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), accepted_at=new(R, K, dtype=i64),
-        resamples=new(R, dtype=i64), triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32),
-        block=new(R, N, K + 1, dtype=i64), kept=new(R, dtype=i32), logw_before=new(R, N), ess=new(R),
-        resampled=new(R, dtype=b), ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
-        q_logits=new(R, N, K, V) if shape.method in ("sd", "easd", "mdsd") and not shape.tree else None, **tree)
+        resamples=new(R, dtype=i64), collapses=new(R, dtype=i64), lag=new(R, dtype=i32), triggers=new(R, dtype=i64),
+        flags=new(R, 4, dtype=i32), block=new(R, N, K + 1, dtype=i64), kept=new(R, dtype=i32), logw_before=new(R, N),
+        ess=new(R), resampled=new(R, dtype=b), ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64),
+        logq=new(R, N, K), q_logits=new(R, N, K, V) if shape.method in ("sd", "easd", "mdsd") and not shape.tree else
+        None, **tree)
 
 
 # ---------------------------------------------------------------- cycles: fixed shapes, no host sync
@@ -293,8 +296,13 @@ def resample(st, s):
     """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
     draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight and the
     weights restart at 0. A population with no positive weight, or a NaN one, is degenerate: resampling it would
-    be a uniform draw that hides the failure, so the request ends."""
+    be a uniform draw that hides the failure, so the request ends. A slot whose unsettled text exceeds its lag
+    (st.lag, 0: none) collapses onto one particle drawn in proportion to its weight (each particle's expected
+    copies are still N x its weight: unbiased), so that text keeps streaming where the weights never degenerate."""
     ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
+    lagging = st.live & (st.lag > 0) & (st.gen_len - st.flags[:, 1] > st.lag) & ~resampled  # [R]
+    one = kernels.sample(st.logw, 1.0, st.rng)[0].clamp(max=s.particles - 1)  # [R] a particle drawn by weight
+    ancestors, resampled = torch.where(lagging[:, None], one[:, None], ancestors), resampled | lagging
     st.degenerate |= degenerate & st.live
     for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess), (st.resampled, resampled)):
         saved.copy_(x)
@@ -306,6 +314,7 @@ def resample(st, s):
     kernels.gather_suffix(st.hist, ancestors, st.gen_len + 1)
     st.finished.copy_(st.finished.gather(1, ancestors))
     st.resamples += resampled
+    st.collapses += lagging
     st.ess_sum += ess
 
 
@@ -356,7 +365,8 @@ def prefill_slot(e, st, shape, r, req):
     st.hist[r] = 0
     st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
     st.gen_len[r], st.max_new[r], st.finished[r], st.live[r] = 1, s.max_new_tokens, e.is_eos[x0], True
-    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.accepted_at, st.resamples, st.triggers):
+    st.lag[r] = s.lag
+    for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.accepted_at, st.resamples, st.collapses, st.triggers):
         x[r] = 0
     publish(st)
 
@@ -396,8 +406,8 @@ def method_stats(st, r, req):
     if s.method == "smc":
         final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
         return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
-                "resamples": int(st.resamples[r]), "mean_ess": round(float(st.ess_sum[r]) / cycles, 3),
-                "log_z": round(float(st.log_z[r] + final), 4)}
+                "resamples": int(st.resamples[r]), "collapses": int(st.collapses[r]),
+                "mean_ess": round(float(st.ess_sum[r]) / cycles, 3), "log_z": round(float(st.log_z[r] + final), 4)}
     return {}
 
 

@@ -80,6 +80,7 @@ class Settings:
     particles: int | None = None  # smc's N
     draft_len: int | None = None  # K
     ess_threshold: float = 0.5
+    lag: int = 0  # smc: collapse onto one particle when more than this many tokens are unsettled (0: never)
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
@@ -126,8 +127,8 @@ class Settings:
                 ("draft_len", s.draft_len >= 1, f"draft-len must be at least 1, got {s.draft_len}"),
                 ("ess_threshold", 0 <= s.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got "
                  f"{s.ess_threshold}"),
-                ("max_new_tokens", s.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got "
-                 f"{s.max_new_tokens}"),
+                ("max_new_tokens", s.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got {s.max_new_tokens}"),
+                ("lag", s.lag >= 0, f"lag must be at least 0 tokens (0: no bound), got {s.lag}"),
                 ("top_k", 0 <= s.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {s.top_k}"),
                 ("top_p", 0 < s.top_p <= 1, f"top-p must lie in (0, 1], got {s.top_p}"),
                 ("seed", 0 <= s.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {s.seed}"),
@@ -150,19 +151,19 @@ class Settings:
                 raise UsageError(message, param)
         return self
 
+    @classmethod
+    def of(cls, options):
+        try:
+            return cls(**options)
+        except TypeError as e:  # an option that does not exist
+            raise UsageError(str(e).replace("Settings.__init__() ", "")) from None
+
     def shape(self, racer_drafts=False):
         """The batch key of these resolved settings."""
         return Shape(self.method, self.particles, self.draft_len, self.ess_threshold if self.method == "smc" else
                      0.0, self.power, tuple(self.easd) if self.method == "easd" else None,
                      bool(self.top_k or self.top_p < 1), (self.tree or self.draft_len) if racer_drafts and
                      self.method == "sd" else 0, self.cuda_graphs, self.overlap)
-
-
-def settings(options):
-    try:
-        return Settings(**options)
-    except TypeError as e:  # an option that does not exist
-        raise UsageError(str(e).replace("Settings.__init__() ", "")) from None
 
 
 # ---------------------------------------------------------------- requests
@@ -626,7 +627,7 @@ class Engine:
         """A prompt (text or ids) and options (Settings' fields) -> a checked Request, before any weight is read;
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context."""
-        s = settings(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
+        s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
         s, stop = s.resolve(self.device), [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise UsageError("stop must be a string or a list of non-empty strings", "stop")
@@ -810,6 +811,7 @@ def parser():
     add("--particles", type=int, help="smc: particles N; mdsd: drafts N (default: 3 on a CPU, 4 on a GPU)")
     add("--draft-len", type=int, help="draft tokens K per cycle (default: sd 4; smc, mdsd 2 on a CPU, 4 on a GPU)")
     add("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
+    add("--lag", type=int, default=0, help="smc: collapse onto one particle when more tokens than this are unsettled")
     add("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE", help="easd: reject the draft token "
         "where both models' entropies reach ENTROPY nats and their top-TOP tokens share SHARE x TOP, the token "
         "among them (default %(default)s)")
@@ -817,15 +819,13 @@ def parser():
         "sharper than the target)")
     add("--tree", type=int, default=0, metavar="NODES", help="--draft racer: draft a tree of up to NODES tokens, at "
         "most --draft-len deep, verified in one forward (default: a chain)")
-    add("--overlap", action="store_true", help="MineDraft: split the slots into two halves, drafting one while the "
-        "target verifies the other")
+    add("--overlap", action="store_true", help="MineDraft: one half of the slots drafts while the other verifies")
     add("--seed", type=int, default=0)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     add("--json", action="store_true", help="print one JSON object: text, tokens, stats")
-    add("--trace", metavar="PATH", help="write one JSON line per cycle to PATH: what each particle appended, its "
-        "weights, ESS, ancestors, settled length, phase times (python plot.py PATH)")
+    add("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, phase times")
     return p
 
 
@@ -833,7 +833,7 @@ def prepare(args, batch, world):
     """-> (engine, requests, prompt), every check done before a weight is read or the prompt echoed."""
     options = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name not in ("select", "cuda_graphs")}
     options["cuda_graphs"] = not args.no_cuda_graphs
-    settings(options).check(None, "racer" if args.draft == "racer" else "model")  # before the pair is fetched
+    Settings.of(options).check(None, "racer" if args.draft == "racer" else "model")  # before the pair is fetched
     for bad, message in ((world > 1 and not args.target, "under torchrun give --target (and --draft): fetch the "
                           "default pair first with python weights/fetch.py, so that the ranks do not fetch it at once"),
                          (args.draft not in (None, "racer") and not args.target, "--draft needs --target"),

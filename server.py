@@ -9,7 +9,7 @@ Endpoints: POST /v1/completions and /v1/chat/completions ("stream": true for ser
 GET /health. Fields: prompt (a string or token ids) / messages, max_tokens (default 16 for completions, as OpenAI;
 256 for chat), temperature (default: the engine's 0.7), top_p, seed (default: a random one), stop, n (1 only),
 stream, stream_options.include_usage; model is not checked (one model here). Extensions, top-level keys: method,
-particles, draft_len, top_k. A request naming no method that smc cannot honour (temperature 0, top_p < 1, top_k)
+particles, draft_len, lag, top_k. A request naming no method that smc cannot honour (temperature 0, top_p < 1, top_k)
 runs sd, which is exact there. Unknown fields are ignored; fields whose meaning cannot be honoured (logprobs,
 echo, n > 1, tools...) are a 400, as is every request the engine refuses.
 
@@ -18,6 +18,7 @@ One worker thread runs Engine.serve: `--slots` requests decode together, later o
 that goes away cancels its request: the engine frees its slot at the next cycle."""
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -111,7 +112,7 @@ def options_of(body, chat, defaults):
         o["max_new_tokens"] = get(body, "max_completion_tokens", int)
     check(o["max_new_tokens"] >= 1, "max_tokens must be at least 1", "max_tokens")  # the API's name for it
     for name, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int), ("seed", int),
-                       ("method", str), ("particles", int), ("draft_len", int)):
+                       ("method", str), ("particles", int), ("draft_len", int), ("lag", int)):
         if body.get(name) is not None:
             o[name] = get(body, name, kind)
     o.setdefault("seed", random.randrange(2 ** 31))  # no seed given: a fresh sample, as OpenAI's
@@ -135,6 +136,7 @@ class Worker:
     def __init__(self, eng, slots, context, max_waiting):
         self.eng, self.slots, self.context, self.max_waiting = eng, slots, context, max_waiting
         self.inbox, self.live, self.loop, self.failure = queue.Queue(), set(), None, None
+        self.totals, self.by_position = collections.Counter(), collections.Counter()  # /metrics
 
     def start(self):
         self.loop = asyncio.get_running_loop()
@@ -162,7 +164,33 @@ class Worker:
     def finish(self, events, result):
         if events in self.live:
             self.live.discard(events)
+            self.count(result.stats)
             events.put_nowait(result)
+
+    def count(self, stats):
+        """A finished request's figures into the counters /metrics shows (on the event loop's thread)."""
+        cycles, t = stats.get("cycles", 0), self.totals
+        t[f'requests_total{{stop="{stats["stop"]}"}}'] += 1
+        for name, key in (("prompt_tokens_total", "prompt_tokens"), ("generation_tokens_total", "new_tokens"),
+                          ("request_seconds_sum", "seconds"), ("prefill_seconds_sum", "prefill_seconds"),
+                          ("cycles_total", "cycles"), ("spec_accepted_tokens_total", "accepted"),
+                          ("smc_resamples_total", "resamples"), ("smc_collapses_total", "collapses")):
+            t[name] += stats.get(key, 0)
+        t["request_seconds_count"] += 1
+        if "acceptance" in stats:  # vLLM's spec-decode counters: drafted, accepted, accepted at each position
+            t["spec_draft_tokens_total"] += cycles * stats["draft_len"]
+            t["spec_cycles_total"] += cycles
+            for k, rate in enumerate(stats["acceptance_by_position"]):
+                self.by_position[k] += round(rate * cycles)
+
+    def metrics(self):
+        """Prometheus' text format: the counters, then the requests running or waiting now."""
+        lines = [f"smcsd_{name} {value:g}" for name, value in sorted(self.totals.items())]
+        lines += [f'smcsd_spec_accepted_tokens_per_position_total{{position="{k}"}} {n}'
+                  for k, n in sorted(self.by_position.items())]
+        lines += [f"smcsd_requests_live {len(self.live)}", f"smcsd_slots {self.slots}",
+                  f"smcsd_requests_waiting {max(0, len(self.live) - self.slots)}"]
+        return "\n".join(lines) + "\n"
 
     def submit(self, prompt, stop, options, stream):
         """-> (engine.Request, its queue); engine.UsageError for a bad request; a 503 when too many wait."""
@@ -215,7 +243,7 @@ async def completions(request):
         raise ApiError(*failure(result), kind="server_error")
     part = {"message": {"role": "assistant", "content": result.text}} if chat else {"text": result.text}
     return JSONResponse({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish(result)}],
-                         "usage": usage(req, result)})
+                         "usage": usage(req, result), "stats": result.stats})  # stats: the engine's, an extension
 
 
 async def until_done(request, req, events):
@@ -237,9 +265,10 @@ async def until_done(request, req, events):
 async def sse(req, events, head, chat, include_usage):
     """Server-sent events in OpenAI's chunk format. Starlette cancels this generator when the client goes away;
     `finally` then cancels the request."""
-    def chunk(piece, finish_reason=None):
+    def chunk(piece, finish_reason=None, **extra):
         part = {"delta": piece} if chat else {"text": piece}
-        return data({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish_reason}]})
+        return data({**head, "choices": [{"index": 0, **part, "logprobs": None, "finish_reason": finish_reason}],
+                     **extra})
     result = None
     try:
         if chat:
@@ -249,7 +278,7 @@ async def sse(req, events, head, chat, include_usage):
         if failure(result):
             yield data(error_body(failure(result)[1], kind="server_error"))
         else:
-            yield chunk({} if chat else "", finish(result))
+            yield chunk({} if chat else "", finish(result), stats=result.stats)
             if include_usage:
                 yield data({**head, "choices": [], "usage": usage(req, result)})
         yield "data: [DONE]\n\n"
@@ -284,6 +313,10 @@ async def health(request):
                          "requests": len(worker.live)}, 200 if ok else 503)
 
 
+async def metrics(request):
+    return Response(request.app.state.worker.metrics(), media_type="text/plain; version=0.0.4")
+
+
 async def api_error(request, e):
     """OpenAI's error object for an ApiError, an engine.UsageError (400) or Starlette's 404 and 405."""
     if isinstance(e, HTTPException):
@@ -310,7 +343,7 @@ def serve_http(worker, model_name, defaults, host, port):
             super().handle_exit(sig, frame)
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/chat/completions", completions, methods=["POST"]),
-                            Route("/v1/models", models), Route("/health", health)],
+                            Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)],
                     exception_handlers={ApiError: api_error, engine.UsageError: api_error, HTTPException: api_error},
                     lifespan=lifespan)
     app.state.worker, app.state.model_name, app.state.defaults = worker, model_name, defaults
@@ -333,6 +366,8 @@ def main(argv=None):
     p.add_argument("--method", choices=engine.METHODS, help="default method (smc with a draft model, sd with racer, else ar)")
     p.add_argument("--particles", type=int, help="default smc particles N")
     p.add_argument("--draft-len", type=int, help="default draft tokens K per cycle")
+    p.add_argument("--lag", type=int, help="default smc lag: collapse onto one particle past this many unsettled "
+                   "tokens")
     p.add_argument("--tree", type=int, metavar="NODES", help="--draft racer: tree drafts of up to NODES tokens")
     p.add_argument("--overlap", action="store_true", help="MineDraft: half the slots draft while the other half "
                    "verifies")
@@ -361,7 +396,8 @@ def main(argv=None):
             raise engine.UsageError(f"--context {context} exceeds the model's {eng.config.max_seq_len} tokens")
         method = args.method or ("sd" if draft == "racer" else "smc" if draft else "ar")
         defaults = {k: v for k, v in (("method", method), ("particles", args.particles), ("draft_len", args.draft_len),
-                                      ("tree", args.tree), ("overlap", args.overlap or None)) if v is not None}
+                                      ("lag", args.lag), ("tree", args.tree), ("overlap", args.overlap or None))
+                    if v is not None}
         eng.request([0], context=context, max_new_tokens=1, **defaults)  # the defaults, checked before the weights
         print(f"loading {target}" + (f" with draft {draft}" if draft else ""), file=sys.stderr)
         eng.load()

@@ -323,6 +323,21 @@ def test_smc_with_draft_equal_to_target():
     assert tv(found, target) < noise_floor(target, SAMPLES)
 
 
+def test_smc_lag_bounds_the_unsettled_text_and_keeps_the_distribution():
+    """With draft == target every weight stays equal, so smc never resamples and its particles, which rarely
+    agree, settle little before the end. A lag of L collapses the population onto one particle whenever more
+    than L tokens are unsettled: all but the last L + K + 1 tokens stream, and the collapse (a particle drawn by
+    its weight) keeps the target's distribution over x0 and three cycles."""
+    e = engine.Engine(TARGET, TARGET)
+    options = dict(method="smc", particles=3, draft_len=2, temperature=1.0, max_new_tokens=30)
+    free, bounded = (e.generate(PROMPT, lag=lag, **options).stats for lag in (0, 4))
+    assert free["collapses"] == 0 and bounded["collapses"] > 0 and bounded["resamples"] == bounded["collapses"]
+    assert bounded["streamed"] >= 30 - (4 + 2 + 1)
+    target = exact(TARGET, 4, 1.0)
+    found = empirical(e, SAMPLES, 4, method="smc", particles=3, draft_len=1, lag=1, temperature=1.0)
+    assert tv(found, target) < noise_floor(target, SAMPLES)
+
+
 def test_smc_approaches_the_target_as_particles_grow():
     target, draft = exact(TARGET, 2 * K, 1.0), exact(DRAFT, 2 * K, 1.0)
     e = engine.Engine(TARGET, DRAFT)

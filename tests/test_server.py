@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from unittest.mock import ANY
 
 import openai
 import pytest
@@ -64,6 +65,12 @@ class Server:
     def get(self, path):
         with DIRECT.open(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
             return r.status, json.loads(r.read())
+
+    def metrics(self):
+        """/metrics (Prometheus' text format) -> {name with labels: value}."""
+        with DIRECT.open(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()}
 
     def post_raw(self, path, body):
         """(status, parsed JSON) for a body the openai client would not send."""
@@ -178,6 +185,27 @@ def test_chat_streamed_and_not(server):
 def test_models_and_health(server):
     assert [m.id for m in server.client.models.list().data] == ["target"]
     assert server.get("/health") == (200, {"status": "ok", "requests": 0})
+
+
+def test_stats_in_responses_and_metrics(server):
+    """Each response carries the engine's stats (an extension: vLLM's acceptance figures for the drafting methods),
+    and /metrics counts what finished: requests, tokens, drafted and accepted tokens, at each position."""
+    before = server.metrics()
+    r = server.client.completions.create(model="target", prompt="w3 w4", max_tokens=9, seed=2,
+                                         extra_body={"method": "mdsd", "particles": 2, "draft_len": 2})
+    stats = r.model_extra["stats"]
+    assert stats["method"] == "mdsd" and stats["particles"] == 2 and len(stats["acceptance_by_position"]) == 2
+    after = server.metrics()
+    grew = {k: after[k] - before.get(k, 0) for k in after}
+    assert grew['smcsd_requests_total{stop="length"}'] == 1 and grew["smcsd_generation_tokens_total"] == 9
+    assert grew["smcsd_spec_accepted_tokens_total"] == stats["accepted"]
+    assert grew["smcsd_spec_draft_tokens_total"] == 2 * stats["cycles"]
+    assert sum(v for k, v in grew.items() if "per_position" in k) == stats["accepted"]
+    assert after["smcsd_requests_live"] == 0 and after["smcsd_slots"] == 4
+    stream = server.client.completions.create(model="target", prompt="w3 w4", max_tokens=9, seed=2, stream=True,
+                                              extra_body={"method": "mdsd", "particles": 2, "draft_len": 2})
+    assert [c.model_extra.get("stats") for c in stream][-1] == stats | {"seconds": ANY, "prefill_seconds": ANY,
+                                                                         "tokens_per_s": ANY}
 
 
 def test_stop_strings(server):
