@@ -628,6 +628,57 @@ def compact(cache, base, path):
         kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
 
 
+# ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU)
+# A weight kept in few bits and multiplied by torch's own CPU kernels as it is: int8 per output row, symmetric
+# (w ~ q * scale), and int4 in groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero, as
+# _weight_int4pack_mm_for_cpu reads it). Scales live in the activations' dtype, as the kernels take them; q is
+# computed from the rounded scales, so a weight's one error is its rounding to the grid.
+
+INT4_GROUP = 32
+
+
+def quantize_int8(w):
+    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype."""
+    scale = (w.float().abs().amax(1) / 127).clamp(min=1e-30).to(w.dtype).float()  # clamp: an all-zero row
+    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(w.dtype)
+
+
+def int8_linear_ref(x, q, scale):
+    return F.linear(x.float(), q.float() * scale.float()[:, None]).to(x.dtype)
+
+
+def int8_linear(x, q, scale):
+    """x [..., in] @ (q * scale).T; the kernel takes 2-D activations."""
+    return torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale).reshape(*x.shape[:-1], -1)
+
+
+def quantize_int4(w, group=INT4_GROUP):
+    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / group, out, 2] in w's dtype (the kernel's layout)."""
+    wg = w.float().unflatten(1, (-1, group))  # [out, in / group, group]
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype).float()  # [out, in / group]
+    zero = (lo + 8 * scale).to(w.dtype).float()
+    q = ((wg - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15).to(torch.int32).flatten(1)
+    return q, torch.stack([scale, zero], -1).transpose(0, 1).to(w.dtype).contiguous()
+
+
+def int4_linear_ref(x, q, scale_zero, group=INT4_GROUP):
+    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [out, in / group] each
+    w = (q.unflatten(1, (-1, group)) - 8) * scale[..., None] + zero[..., None]  # [out, in / group, group]
+    return F.linear(x.float(), w.flatten(1)).to(x.dtype)
+
+
+def pack_int4(q):
+    """q int32 [out, in] in 0..15 (out a multiple of 16) -> uint8 [out, in / 2] in the CPU kernel's layout."""
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1)
+
+
+def int4_linear(x, packed, scale_zero, group=INT4_GROUP):
+    """x [..., in] @ w.T for w = int4_linear_ref's, its q packed by pack_int4."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return torch._weight_int4pack_mm_for_cpu(x2, packed, group, scale_zero).reshape(*x.shape[:-1], -1)
+
+
 # ---------------------------------------------------------------- the methods' rules (settings per request: [R])
 
 

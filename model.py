@@ -253,14 +253,76 @@ class KVCache:
                                           self.suffix_v[layer], self.prefix_len, self.suffix_len, scale, tree)
 
 
-# ---------------------------------------------------------------- transformer
+# ---------------------------------------------------------------- weight formats
+# Every matmul weight (each block's wqkv, wo, w13, w2, and the head) is in one format, and the activations,
+# embeddings and norms run in the dtype its kernels are fast with. No format is fastest everywhere: on AVX2 without
+# native bf16, oneDNN cannot pack bf16 and bf16 F.linear's cost grows with the rows, while torch's int8 and int4
+# kernels are fast only with bf16 activations (5-20x slower with float32 ones, measured there). So: measure.
+
+FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
+
+
+def weight_format(fmt, device="cpu"):
+    """-> the activations' dtype of weight format fmt on device, or a one-line LoadError: checked before any
+    weight is read."""
+    if fmt not in FORMATS:
+        raise LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
+    if fmt in ("int8", "int4") and torch.device(device).type != "cpu":
+        raise LoadError(f"{fmt} weights run on the CPU only so far; use bf16 on {torch.device(device).type}")
+    return FORMATS[fmt]
+
+
+class Quantized(torch.nn.Module):
+    """A matmul weight [out, in] in int8 or int4 (kernels.quantize_int8/int4) for torch's CPU kernels; its tensors
+    are parameters, so weight_bytes counts the bytes a forward reads."""
+
+    def __init__(self, fmt, w):
+        super().__init__()
+        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):
+            raise LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+        q, scale = (kernels.quantize_int8 if fmt == "int8" else kernels.quantize_int4)(w)
+        self.fmt, self.matmul = fmt, kernels.int8_linear if fmt == "int8" else kernels.int4_linear
+        self.q = torch.nn.Parameter(q if fmt == "int8" else kernels.pack_int4(q), requires_grad=False)
+        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+
+
+def converted(w, fmt):
+    """w [out, in] (plain, in the activations' dtype) in weight format fmt, as `linear` takes it: int8 and int4
+    quantized; on the CPU, bf16 and float32 handed to oneDNN once in its blocked layout (1.4-2x F.linear's speed at
+    decoding's few rows, measured on AVX-512) where it packs the dtype (bf16: AVX-512 or AVX-NE-CONVERT only)."""
+    if fmt in ("int8", "int4"):
+        return Quantized(fmt, w)
+    packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and packs:
+        return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
+    return w
 
 
 def linear(x, w, bias=None):
-    """x @ w.T + bias; w may be a oneDNN-packed weight (`pack_for_cpu`)."""
+    """x [..., in] @ w.T + bias [out]; w plain, oneDNN-packed or Quantized (`converted`)."""
+    if isinstance(w, Quantized):
+        y = w.matmul(x, w.q, w.scale)
+        return y if bias is None else y + bias
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)
+
+
+@torch.no_grad()
+def convert_weights(model, fmt=None):
+    """Every matmul weight of model into weight format fmt (None: that of its dtype, bf16 or float32), in place.
+    A tied head gets a copy of its own: the embedding lookup needs the plain rows."""
+    fmt = fmt or ("float32" if model.embed.dtype == torch.float32 else "bf16")
+    for m, name in [(b, n) for b in model.layers for n in ("wqkv", "wo", "w13", "w2")] + [(model, "lm_head")]:
+        w = converted(getattr(m, name), fmt)
+        delattr(m, name)  # a module's parameter cannot be replaced by a module by assignment
+        setattr(m, name, w)
+
+
+pack_for_cpu = convert_weights  # bench.py's name for it
+
+
+# ---------------------------------------------------------------- transformer
 
 
 def rms_norm(x, w, eps):
@@ -314,9 +376,8 @@ class Transformer(torch.nn.Module):
     def device(self):
         return self.embed.device
 
-    def num_params(self):  # of this rank's shard under tensor parallelism, as weight_bytes
-        tied_copy = self.config.tie_embeddings and self.lm_head is not self.embed  # packed for the CPU
-        return sum(p.numel() for p in self.parameters() if not (tied_copy and p is self.lm_head))
+    def num_params(self):  # of this rank's shard under tensor parallelism, as weight_bytes; in any format
+        return sum(math.prod(shape) for shape in expected_shapes(self.config).values())
 
     def weight_bytes(self):
         """Bytes one full forward reads from weights (all but the embedding table, of which it reads a few
@@ -436,22 +497,6 @@ def fill_weights(model, get, rank=0):
             put(b.w2, [p + "mlp.down_proj.weight"], cols)
             put(b.attn_norm, [p + "input_layernorm.weight"])
             put(b.ffn_norm, [p + "post_attention_layernorm.weight"])
-
-
-def pack_for_cpu(model):
-    """Hand every matmul weight to oneDNN once, in its blocked layout: on CPU the matmuls of a few rows that
-    decoding runs are 1.4-2x faster than F.linear's (bf16 and float32, measured on AVX-512). A tied head gets a
-    packed copy of its own, since the embedding lookup needs the plain rows. No-op off the CPU or without
-    oneDNN support."""
-    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return
-    dtype = model.embed.dtype
-    if not (dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return
-    pack = lambda w: torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
-    for b in model.layers:
-        b.wqkv, b.wo, b.w13, b.w2 = pack(b.wqkv), pack(b.wo), pack(b.w13), pack(b.w2)
-    model.lm_head = pack(model.lm_head)
 
 
 # ---------------------------------------------------------------- weights: Hugging Face directories
@@ -819,16 +864,19 @@ def open_weights(path):
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 
-def build(c, get, device="cpu", dtype=None, tp=(0, 1)):
-    """-> Transformer with every weight from get(name) in memory on `device`, packed for oneDNN on CPU; with
+def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None):
+    """-> Transformer with every weight from get(name) in memory on `device`, its matmul weights in format `weights`
+    (FORMATS; None: dtype's, bf16 unless dtype is torch.float32) and its activations in that format's dtype; with
     tp = (rank, world), the rank's tensor-parallel shard of it (shard_config), reading only the rank's chunks."""
-    model = Transformer(shard_config(c, tp[1]), device, dtype or torch.bfloat16)  # bf16: fast on GPUs and here
+    weights = weights or ("float32" if dtype == torch.float32 else "bf16")
+    model = Transformer(shard_config(c, tp[1]), device, weight_format(weights, device))
     fill_weights(model, get, tp[0])
-    pack_for_cpu(model)
+    convert_weights(model, weights)
     return model
 
 
-def load(path, device="cpu", dtype=None, tp=(0, 1)):
-    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device`."""
+def load(path, device="cpu", dtype=None, tp=(0, 1), weights=None):
+    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device` (build's)."""
+    weight_format(weights or "bf16", device)
     c, get, tok = open_weights(path)
-    return build(c, get, device, dtype, tp), tok
+    return build(c, get, device, dtype, tp, weights), tok
