@@ -637,10 +637,15 @@ def compact(cache, base, path):
 INT4_GROUP = 32
 
 
-def quantize_int8(w):
-    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype."""
-    scale = (w.float().abs().amax(1) / 127).clamp(min=1e-30).to(w.dtype).float()  # clamp: an all-zero row
-    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(w.dtype)
+def quantize_int8(w, rows=256):
+    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype; `rows` rows at a time, so that the float32
+    temporaries stay in cache (a 1.5B model quantizes in seconds) and small."""
+    q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype)
+    for i in range(0, len(w), rows):
+        wf = w[i:i + rows].float()
+        scale[i:i + rows] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
+        q[i:i + rows] = wf.div_(scale[i:i + rows, None].float()).round_().clamp_(-127, 127)
+    return q, scale
 
 
 def int8_linear_ref(x, q, scale):
@@ -652,14 +657,19 @@ def int8_linear(x, q, scale):
     return torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale).reshape(*x.shape[:-1], -1)
 
 
-def quantize_int4(w, group=INT4_GROUP):
-    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / group, out, 2] in w's dtype (the kernel's layout)."""
-    wg = w.float().unflatten(1, (-1, group))  # [out, in / group, group]
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype).float()  # [out, in / group]
-    zero = (lo + 8 * scale).to(w.dtype).float()
-    q = ((wg - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15).to(torch.int32).flatten(1)
-    return q, torch.stack([scale, zero], -1).transpose(0, 1).to(w.dtype).contiguous()
+def quantize_int4(w, group=INT4_GROUP, rows=256):
+    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / group, out, 2] in w's dtype (the kernel's
+    layout); `rows` rows at a time, as quantize_int8."""
+    q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // group, len(w), 2, dtype=w.dtype)
+    for i in range(0, len(w), rows):
+        wg = w[i:i + rows].float().unflatten(1, (-1, group))  # [rows, in / group, group]
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [rows, in / group]
+        zero = (lo + 8 * scale.float()).to(w.dtype)
+        scale_zero[:, i:i + rows] = torch.stack([scale, zero], -1).transpose(0, 1)
+        wg.sub_(zero.float()[..., None]).div_(scale.float()[..., None]).add_(8).round_().clamp_(0, 15)
+        q[i:i + rows] = wg.flatten(1)
+    return q, scale_zero
 
 
 def int4_linear_ref(x, q, scale_zero, group=INT4_GROUP):

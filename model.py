@@ -6,6 +6,7 @@ import datetime
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -320,6 +321,64 @@ def convert_weights(model, fmt=None):
 
 
 pack_for_cpu = convert_weights  # bench.py's name for it
+
+
+def best_seconds(f, flush, repeats=2):
+    """The shortest of `repeats` timed calls of f() after a warm one, each after reading `flush` (more than a
+    last-level cache) so that f reads its weights from memory, as a forward does."""
+    f()
+    best = math.inf
+    for _ in range(repeats):
+        flush.sum()
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=4):
+    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
+    R x N x (K + 1) for a verify), estimated as c's layer count times one layer's q/k/v, o, gate/up and down, plus
+    the LM head, on c's shapes with random weights in each format (those that can hold them: int4 packs whole
+    tiles). Quick (~0.3 s for a 1.5B at two row counts): 1/share of each layer weight's rows and 1/(8 share) of the
+    head's are timed and the times scaled up by their sizes (a matmul's cost is about proportional to its rows)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
+    parts = [share] * 4 + [8 * share]
+    sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
+               for (o, i), p in zip(shapes, parts)]
+    layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
+    head_scale = c.vocab_size / len(sampled[4])
+    threads_before, flush, costs = torch.get_num_threads(), torch.empty(2**24), {}  # 64 MiB: over a last-level cache
+    torch.set_num_threads(threads or threads_before)
+    try:
+        for fmt in formats:
+            dtype = weight_format(fmt)
+            try:
+                ws = [converted(w.to(dtype), fmt) for w in sampled]
+            except LoadError:  # int4 on sizes it cannot pack
+                continue
+            costs[fmt] = {}
+            for r in rows:
+                xs = [torch.randn(r, w.shape[1], dtype=dtype) for w in sampled]
+                layer = best_seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])], flush)
+                head = best_seconds(lambda: linear(xs[4], ws[4]), flush)
+                costs[fmt][r] = 1e3 * (layer * layer_scale + head * head_scale)
+    finally:
+        torch.set_num_threads(threads_before)
+    return costs
+
+
+def choose_format(costs, mix):
+    """The format in costs (measure_formats') whose forwards cost least for mix {rows: forwards of that many rows},
+    e.g. {1: 1} for ar, {N * (K + 1): 1} for smc's target."""
+    return min(costs, key=lambda fmt: sum(n * costs[fmt][r] for r, n in mix.items()))
+
+
+def costs_line(costs, chosen):
+    """'weights: int8 (measured ms per forward at 1 / 9 rows: bf16 160/1240, float32 250/560, ...)'"""
+    return (f"weights: {chosen} (measured ms per forward at {' / '.join(map(str, next(iter(costs.values()))))} rows: "
+            + ", ".join(f"{f} {'/'.join(f'{ms:.0f}' for ms in c.values())}" for f, c in costs.items()) + ")")
 
 
 # ---------------------------------------------------------------- transformer
