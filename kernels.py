@@ -630,21 +630,20 @@ def compact(cache, base, path):
 
 # ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU)
 # A weight kept in few bits and multiplied by torch's own CPU kernels as it is: int8 per output row, symmetric
-# (w ~ q * scale), and int4 in groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero, as
-# _weight_int4pack_mm_for_cpu reads it). Scales live in the activations' dtype, as the kernels take them; q is
-# computed from the rounded scales, so a weight's one error is its rounding to the grid.
+# (w ~ q * scale), int4 in groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero, as torch's kernel reads it).
+# Scales are in the activations' dtype, as the kernels take them, and q is rounded from the rounded scales. A weight
+# is quantized 256 rows at a time: its float32 temporaries stay in cache (a 1.5B model takes seconds) and small.
 
 INT4_GROUP = 32
 
 
-def quantize_int8(w, rows=256):
-    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype; `rows` rows at a time, so that the float32
-    temporaries stay in cache (a 1.5B model quantizes in seconds) and small."""
+def quantize_int8(w):
+    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype."""
     q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype)
-    for i in range(0, len(w), rows):
-        wf = w[i:i + rows].float()
-        scale[i:i + rows] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
-        q[i:i + rows] = wf.div_(scale[i:i + rows, None].float()).round_().clamp_(-127, 127)
+    for i in range(0, len(w), 256):
+        wf = w[i:i + 256].float()
+        scale[i:i + 256] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
+        q[i:i + 256] = wf.div_(scale[i:i + 256, None].float()).round_().clamp_(-127, 127)
     return q, scale
 
 
@@ -652,41 +651,33 @@ def int8_linear_ref(x, q, scale):
     return F.linear(x.float(), q.float() * scale.float()[:, None]).to(x.dtype)
 
 
-def int8_linear(x, q, scale):
-    """x [..., in] @ (q * scale).T; the kernel takes 2-D activations."""
-    return torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale).reshape(*x.shape[:-1], -1)
-
-
-def quantize_int4(w, group=INT4_GROUP, rows=256):
-    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / group, out, 2] in w's dtype (the kernel's
-    layout); `rows` rows at a time, as quantize_int8."""
-    q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // group, len(w), 2, dtype=w.dtype)
-    for i in range(0, len(w), rows):
-        wg = w[i:i + rows].float().unflatten(1, (-1, group))  # [rows, in / group, group]
+def quantize_int4(w):
+    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernel's layout)."""
+    q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype)
+    for i in range(0, len(w), 256):
+        wg = w[i:i + 256].float().unflatten(1, (-1, INT4_GROUP))  # [256, in / 32, 32]
         lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [rows, in / group]
+        scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [256, in / 32]
         zero = (lo + 8 * scale.float()).to(w.dtype)
-        scale_zero[:, i:i + rows] = torch.stack([scale, zero], -1).transpose(0, 1)
+        scale_zero[:, i:i + 256] = torch.stack([scale, zero], -1).transpose(0, 1)
         wg.sub_(zero.float()[..., None]).div_(scale.float()[..., None]).add_(8).round_().clamp_(0, 15)
-        q[i:i + rows] = wg.flatten(1)
+        q[i:i + 256] = wg.flatten(1)
     return q, scale_zero
 
 
-def int4_linear_ref(x, q, scale_zero, group=INT4_GROUP):
-    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [out, in / group] each
-    w = (q.unflatten(1, (-1, group)) - 8) * scale[..., None] + zero[..., None]  # [out, in / group, group]
+def int4_linear_ref(x, q, scale_zero):
+    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [out, in / 32] each
+    w = (q.unflatten(1, (-1, INT4_GROUP)) - 8) * scale[..., None] + zero[..., None]  # [out, in / 32, 32]
     return F.linear(x.float(), w.flatten(1)).to(x.dtype)
 
 
-def pack_int4(q):
-    """q int32 [out, in] in 0..15 (out a multiple of 16) -> uint8 [out, in / 2] in the CPU kernel's layout."""
-    return torch._convert_weight_to_int4pack_for_cpu(q, 1)
-
-
-def int4_linear(x, packed, scale_zero, group=INT4_GROUP):
-    """x [..., in] @ w.T for w = int4_linear_ref's, its q packed by pack_int4."""
+def quantized_linear(x, q, scale):
+    """x [..., in] @ w.T for w quantized by quantize_int8 (q int8) or quantize_int4 (q packed for the kernel by
+    torch._convert_weight_to_int4pack_for_cpu(q, 1): uint8 [out, in / 2]); the kernels take 2-D activations."""
     x2 = x.reshape(-1, x.shape[-1])
-    return torch._weight_int4pack_mm_for_cpu(x2, packed, group, scale_zero).reshape(*x.shape[:-1], -1)
+    y = torch._weight_int8pack_mm(x2, q, scale) if q.dtype == torch.int8 else \
+        torch._weight_int4pack_mm_for_cpu(x2, q, INT4_GROUP, scale)
+    return y.reshape(*x.shape[:-1], -1)
 
 
 # ---------------------------------------------------------------- the methods' rules (settings per request: [R])

@@ -255,17 +255,16 @@ class KVCache:
 
 
 # ---------------------------------------------------------------- weight formats
-# Every matmul weight (each block's wqkv, wo, w13, w2, and the head) is in one format, and the activations,
-# embeddings and norms run in the dtype its kernels are fast with. No format is fastest everywhere: on AVX2 without
-# native bf16, oneDNN cannot pack bf16 and bf16 F.linear's cost grows with the rows, while torch's int8 and int4
-# kernels are fast only with bf16 activations (5-20x slower with float32 ones, measured there). So: measure.
+# Every matmul weight (each block's wqkv, wo, w13, w2, and the head) is in one format; the activations, embeddings
+# and norms run in the dtype its kernels are fast with. No format is fastest everywhere (on AVX2 without native
+# bf16, oneDNN cannot pack bf16 and bf16 F.linear's cost grows with the rows; torch's int8 and int4 kernels are fast
+# only with bf16 activations, 5-20x slower with float32 ones): measure_formats times them on the machine.
 
 FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
 def weight_format(fmt, device="cpu"):
-    """-> the activations' dtype of weight format fmt on device, or a one-line LoadError: checked before any
-    weight is read."""
+    """-> weight format fmt's activations dtype on device, or a one-line LoadError, before any weight is read."""
     if fmt not in FORMATS:
         raise LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
     if fmt in ("int8", "int4") and torch.device(device).type != "cpu":
@@ -274,17 +273,16 @@ def weight_format(fmt, device="cpu"):
 
 
 class Quantized(torch.nn.Module):
-    """A matmul weight [out, in] in int8 or int4 (kernels.quantize_int8/int4) for torch's CPU kernels; its tensors
-    are parameters, so weight_bytes counts the bytes a forward reads."""
+    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; its tensors are parameters, so that
+    weight_bytes counts what a forward reads."""
 
     def __init__(self, fmt, w):
         super().__init__()
-        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):
+        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the kernel's tiles
             raise LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
-        q, scale = (kernels.quantize_int8 if fmt == "int8" else kernels.quantize_int4)(w)
-        self.fmt, self.matmul = fmt, kernels.int8_linear if fmt == "int8" else kernels.int4_linear
-        self.q = torch.nn.Parameter(q if fmt == "int8" else kernels.pack_int4(q), requires_grad=False)
-        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        q, scale = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
+        q = q if fmt == "int8" else torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
+        self.q, self.scale = (torch.nn.Parameter(t, requires_grad=False) for t in (q, scale))
 
 
 def converted(w, fmt):
@@ -302,7 +300,7 @@ def converted(w, fmt):
 def linear(x, w, bias=None):
     """x [..., in] @ w.T + bias [out]; w plain, oneDNN-packed or Quantized (`converted`)."""
     if isinstance(w, Quantized):
-        y = w.matmul(x, w.q, w.scale)
+        y = kernels.quantized_linear(x, w.q, w.scale)
         return y if bias is None else y + bias
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
@@ -323,47 +321,41 @@ def convert_weights(model, fmt=None):
 pack_for_cpu = convert_weights  # bench.py's name for it
 
 
-def best_seconds(f, flush, repeats=2):
-    """The shortest of `repeats` timed calls of f() after a warm one, each after reading `flush` (more than a
-    last-level cache) so that f reads its weights from memory, as a forward does."""
-    f()
-    best = math.inf
-    for _ in range(repeats):
-        flush.sum()
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=4):
+def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
     """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
     R x N x (K + 1) for a verify), estimated as c's layer count times one layer's q/k/v, o, gate/up and down, plus
-    the LM head, on c's shapes with random weights in each format (those that can hold them: int4 packs whole
-    tiles). Quick (~0.3 s for a 1.5B at two row counts): 1/share of each layer weight's rows and 1/(8 share) of the
-    head's are timed and the times scaled up by their sizes (a matmul's cost is about proportional to its rows)."""
+    the LM head, on c's shapes in each format that can hold them (int4 packs whole tiles). Quick (0.3 s for a 1.5B
+    at two row counts): 1/share of each layer weight's rows and 1/(8 share) of the head's are timed, and the times
+    scaled up by their sizes (a matmul's cost grows about in proportion to its rows). Each time is the best of two
+    after a warm call, each after reading 64 MiB (more than a last-level cache): a forward reads its weights from
+    memory."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
-    parts = [share] * 4 + [8 * share]
     sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
-               for (o, i), p in zip(shapes, parts)]
+               for (o, i), p in zip(shapes, [share] * 4 + [8 * share])]
     layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
     head_scale = c.vocab_size / len(sampled[4])
-    threads_before, flush, costs = torch.get_num_threads(), torch.empty(2**24), {}  # 64 MiB: over a last-level cache
+    threads_before, flush, costs = torch.get_num_threads(), torch.empty(2**24), {}
+
+    def seconds(f):
+        f()
+        for _ in range(2):
+            flush.sum()
+            t = time.perf_counter()
+            f()
+            yield time.perf_counter() - t
     torch.set_num_threads(threads or threads_before)
     try:
         for fmt in formats:
-            dtype = weight_format(fmt)
             try:
-                ws = [converted(w.to(dtype), fmt) for w in sampled]
+                ws = [converted(w.to(FORMATS[fmt]), fmt) for w in sampled]
             except LoadError:  # int4 on sizes it cannot pack
                 continue
             costs[fmt] = {}
             for r in rows:
-                xs = [torch.randn(r, w.shape[1], dtype=dtype) for w in sampled]
-                layer = best_seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])], flush)
-                head = best_seconds(lambda: linear(xs[4], ws[4]), flush)
-                costs[fmt][r] = 1e3 * (layer * layer_scale + head * head_scale)
+                xs = [torch.randn(r, w.shape[1], dtype=FORMATS[fmt]) for w in sampled]
+                layer = min(seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])]))
+                costs[fmt][r] = 1e3 * (layer * layer_scale + min(seconds(lambda: linear(xs[4], ws[4]))) * head_scale)
     finally:
         torch.set_num_threads(threads_before)
     return costs

@@ -572,7 +572,8 @@ def test_quantized_matmul_equals_its_reference(fmt, rows):
     w, x = (torch.randn(*s, generator=g).bfloat16() for s in ((48, 128), (2, rows, 128)))
     quantize, ref = QUANTIZERS[fmt]
     q, scale = quantize(w)
-    out = kernels.int8_linear(x, q, scale) if fmt == "int8" else kernels.int4_linear(x, kernels.pack_int4(q), scale)
+    packed = q if fmt == "int8" else torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    out = kernels.quantized_linear(x, packed, scale)
     assert out.shape == (2, rows, 48) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref(x, q, scale), atol=0.05, rtol=1e-2)
 
