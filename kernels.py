@@ -632,18 +632,20 @@ def compact(cache, base, path):
 # A weight kept in few bits and multiplied by torch's own CPU kernels as it is: int8 per output row, symmetric
 # (w ~ q * scale), int4 in groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero, as torch's kernel reads it).
 # Scales are in the activations' dtype, as the kernels take them, and q is rounded from the rounded scales. A weight
-# is quantized 256 rows at a time: its float32 temporaries stay in cache (a 1.5B model takes seconds) and small.
+# is quantized QUANT_BLOCK values at a time: its float32 temporaries stay in the last-level cache and small.
 
 INT4_GROUP = 32
+QUANT_BLOCK = 2**20  # 4 MB of float32
 
 
 def quantize_int8(w):
     """w [out, in] -> q int8 [out, in], scale [out] in w's dtype."""
     q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype)
-    for i in range(0, len(w), 256):
-        wf = w[i:i + 256].float()
-        scale[i:i + 256] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
-        q[i:i + 256] = wf.div_(scale[i:i + 256, None].float()).round_().clamp_(-127, 127)
+    n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
+    for i in range(0, len(w), n):
+        wf = w[i:i + n].float()
+        scale[i:i + n] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
+        q[i:i + n] = wf.div_(scale[i:i + n, None].float()).round_().clamp_(-127, 127)
     return q, scale
 
 
@@ -654,14 +656,15 @@ def int8_linear_ref(x, q, scale):
 def quantize_int4(w):
     """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernel's layout)."""
     q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype)
-    for i in range(0, len(w), 256):
-        wg = w[i:i + 256].float().unflatten(1, (-1, INT4_GROUP))  # [256, in / 32, 32]
+    n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
+    for i in range(0, len(w), n):
+        wg = w[i:i + n].float().unflatten(1, (-1, INT4_GROUP))  # [n, in / 32, 32]
         lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [256, in / 32]
+        scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [n, in / 32]
         zero = (lo + 8 * scale.float()).to(w.dtype)
-        scale_zero[:, i:i + 256] = torch.stack([scale, zero], -1).transpose(0, 1)
+        scale_zero[:, i:i + n] = torch.stack([scale, zero], -1).transpose(0, 1)
         wg.sub_(zero.float()[..., None]).div_(scale.float()[..., None]).add_(8).round_().clamp_(0, 15)
-        q[i:i + 256] = wg.flatten(1)
+        q[i:i + n] = wg.flatten(1)
     return q, scale_zero
 
 

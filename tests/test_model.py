@@ -299,7 +299,7 @@ def test_one_at_a_time_equals_one_forward_in_every_format(qwen_tiny_path, fmt):
 
 
 QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2,
-                         head_dim=128, ffn_dim=8960, qkv_bias=True, tie_embeddings=True)
+                         head_dim=128, ffn_dim=8960, qkv_bias=True)
 
 
 def test_measured_costs_are_positive_and_quick():
