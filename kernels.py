@@ -629,13 +629,10 @@ def compact(cache, base, path):
 
 
 # ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU)
-# A weight kept in few bits and multiplied by torch's own CPU kernels as it is: int8 per output row, symmetric
-# (w ~ q * scale), int4 in groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero, as torch's kernel reads it).
-# Scales are in the activations' dtype, as the kernels take them, and q is rounded from the rounded scales. A weight
-# is quantized QUANT_BLOCK values at a time: its float32 temporaries stay in the last-level cache and small.
-
-INT4_GROUP = 32
-QUANT_BLOCK = 2**20  # 4 MB of float32
+# Weights in few bits, multiplied by torch's own CPU kernels: int8 per output row, symmetric (w ~ q * scale); int4 in
+# groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero). Scales in the activations' dtype, as the kernels take
+# them, and q rounded from the rounded scales. QUANT_BLOCK values at a time: the float32 temporaries stay in cache.
+INT4_GROUP, QUANT_BLOCK = 32, 2**20
 
 
 def quantize_int8(w):

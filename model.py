@@ -323,19 +323,17 @@ pack_for_cpu = convert_weights  # bench.py's name for it
 
 def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
     """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
-    R x N x (K + 1) for a verify), estimated as c's layer count times one layer's q/k/v, o, gate/up and down, plus
-    the LM head, on c's shapes in each format that can hold them (int4 packs whole tiles). Quick (0.3 s for a 1.5B
-    at two row counts): 1/share of each layer weight's rows and 1/(8 share) of the head's are timed, and the times
-    scaled up by their sizes (a matmul's cost grows about in proportion to its rows). Each time is the best of two
-    after a warm call, each after reading 64 MiB (more than a last-level cache): a forward reads its weights from
-    memory."""
+    R x N x (K + 1) for a verify): c's layer count times one layer's q/k/v, o, gate/up and down, plus the LM head, in
+    each format that can hold c's shapes. Quick (0.3 s for a 1.5B at two row counts): 1/share of each layer weight's
+    rows and 1/(8 share) of the head's are timed, scaled up by size (a matmul's cost is about proportional to its
+    rows); each the best of two after a warm call, after reading 64 MiB so that the weights come from memory."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
     sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
                for (o, i), p in zip(shapes, [share] * 4 + [8 * share])]
     layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
     head_scale = c.vocab_size / len(sampled[4])
-    threads_before, flush, costs = torch.get_num_threads(), torch.empty(2**24), {}
+    threads_before, flush, costs = torch.get_num_threads(), torch.ones(2**24), {}  # ones: pages written
 
     def seconds(f):
         f()
