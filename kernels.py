@@ -628,6 +628,58 @@ def compact(cache, base, path):
         kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
 
 
+# ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU)
+# Weights in few bits, multiplied by torch's own CPU kernels: int8 per output row, symmetric (w ~ q * scale); int4 in
+# groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero). Scales in the activations' dtype, as the kernels take
+# them, and q rounded from the rounded scales. QUANT_BLOCK values at a time: the float32 temporaries stay in cache.
+INT4_GROUP, QUANT_BLOCK = 32, 2**20
+
+
+def quantize_int8(w):
+    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype."""
+    q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype)
+    n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
+    for i in range(0, len(w), n):
+        wf = w[i:i + n].float()
+        scale[i:i + n] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
+        q[i:i + n] = wf.div_(scale[i:i + n, None].float()).round_().clamp_(-127, 127)
+    return q, scale
+
+
+def int8_linear_ref(x, q, scale):
+    return F.linear(x.float(), q.float() * scale.float()[:, None]).to(x.dtype)
+
+
+def quantize_int4(w):
+    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernel's layout)."""
+    q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype)
+    n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
+    for i in range(0, len(w), n):
+        wg = w[i:i + n].float().unflatten(1, (-1, INT4_GROUP))  # [n, in / 32, 32]
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [n, in / 32]
+        zero = (lo + 8 * scale.float()).to(w.dtype)
+        scale_zero[:, i:i + n] = torch.stack([scale, zero], -1).transpose(0, 1)
+        wg.sub_(zero.float()[..., None]).div_(scale.float()[..., None]).add_(8).round_().clamp_(0, 15)
+        q[i:i + n] = wg.flatten(1)
+    return q, scale_zero
+
+
+def int4_linear_ref(x, q, scale_zero):
+    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)  # [out, in / 32] each
+    w = (q.unflatten(1, (-1, INT4_GROUP)) - 8) * scale[..., None] + zero[..., None]  # [out, in / 32, 32]
+    return F.linear(x.float(), w.flatten(1)).to(x.dtype)
+
+
+def quantized_linear(x, q, scale):
+    """x [..., in] @ w.T for w quantized by quantize_int8 (q int8) or quantize_int4 (q packed for the kernel by
+    torch._convert_weight_to_int4pack_for_cpu(q, 1): uint8 [out, in / 2]); the kernels take 2-D activations."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch._weight_int8pack_mm(x2, q, scale) if q.dtype == torch.int8 else \
+        torch._weight_int4pack_mm_for_cpu(x2, q, INT4_GROUP, scale)
+    return y.reshape(*x.shape[:-1], -1)
+
+
 # ---------------------------------------------------------------- the methods' rules (settings per request: [R])
 
 

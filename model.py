@@ -6,6 +6,7 @@ import datetime
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -253,14 +254,124 @@ class KVCache:
                                           self.suffix_v[layer], self.prefix_len, self.suffix_len, scale, tree)
 
 
-# ---------------------------------------------------------------- transformer
+# ---------------------------------------------------------------- weight formats
+# Every matmul weight (each block's wqkv, wo, w13, w2, and the head) is in one format; the activations, embeddings
+# and norms run in the dtype its kernels are fast with. No format is fastest everywhere (on AVX2 without native
+# bf16, oneDNN cannot pack bf16 and bf16 F.linear's cost grows with the rows; torch's int8 and int4 kernels are fast
+# only with bf16 activations, 5-20x slower with float32 ones): measure_formats times them on the machine.
+
+FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
+
+
+def weight_format(fmt, device="cpu"):
+    """-> weight format fmt's activations dtype on device, or a one-line LoadError, before any weight is read."""
+    if fmt not in FORMATS:
+        raise LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
+    if fmt in ("int8", "int4") and torch.device(device).type != "cpu":
+        raise LoadError(f"{fmt} weights run on the CPU only so far; use bf16 on {torch.device(device).type}")
+    return FORMATS[fmt]
+
+
+class Quantized(torch.nn.Module):
+    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; its tensors are parameters, so that
+    weight_bytes counts what a forward reads."""
+
+    def __init__(self, fmt, w):
+        super().__init__()
+        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the kernel's tiles
+            raise LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+        q, scale = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
+        q = q if fmt == "int8" else torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
+        self.q, self.scale = (torch.nn.Parameter(t, requires_grad=False) for t in (q, scale))
+
+
+def converted(w, fmt):
+    """w [out, in] (plain, in the activations' dtype) in weight format fmt, as `linear` takes it: int8 and int4
+    quantized; on the CPU, bf16 and float32 handed to oneDNN once in its blocked layout (1.4-2x F.linear's speed at
+    decoding's few rows, measured on AVX-512) where it packs the dtype (bf16: AVX-512 or AVX-NE-CONVERT only)."""
+    if fmt in ("int8", "int4"):
+        return Quantized(fmt, w)
+    packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and packs:
+        return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
+    return w
 
 
 def linear(x, w, bias=None):
-    """x @ w.T + bias; w may be a oneDNN-packed weight (`pack_for_cpu`)."""
+    """x [..., in] @ w.T + bias [out]; w plain, oneDNN-packed or Quantized (`converted`)."""
+    if isinstance(w, Quantized):
+        y = kernels.quantized_linear(x, w.q, w.scale)
+        return y if bias is None else y + bias
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, w, bias)
+
+
+@torch.no_grad()
+def convert_weights(model, fmt=None):
+    """Every matmul weight of model into weight format fmt (None: that of its dtype, bf16 or float32), in place.
+    A tied head gets a copy of its own: the embedding lookup needs the plain rows."""
+    fmt = fmt or ("float32" if model.embed.dtype == torch.float32 else "bf16")
+    for m, name in [(b, n) for b in model.layers for n in ("wqkv", "wo", "w13", "w2")] + [(model, "lm_head")]:
+        w = converted(getattr(m, name), fmt)
+        delattr(m, name)  # a module's parameter cannot be replaced by a module by assignment
+        setattr(m, name, w)
+
+
+pack_for_cpu = convert_weights  # bench.py's name for it
+
+
+def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
+    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
+    R x N x (K + 1) for a verify): c's layer count times one layer's q/k/v, o, gate/up and down, plus the LM head, in
+    each format that can hold c's shapes. Quick (0.3 s for a 1.5B at two row counts): 1/share of each layer weight's
+    rows and 1/(8 share) of the head's are timed, scaled up by size (a matmul's cost is about proportional to its
+    rows); each the best of two after a warm call, after reading 64 MiB so that the weights come from memory."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
+    sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
+               for (o, i), p in zip(shapes, [share] * 4 + [8 * share])]
+    layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
+    head_scale = c.vocab_size / len(sampled[4])
+    threads_before, flush, costs = torch.get_num_threads(), torch.ones(2**24), {}  # ones: pages written
+
+    def seconds(f):
+        f()
+        for _ in range(2):
+            flush.sum()
+            t = time.perf_counter()
+            f()
+            yield time.perf_counter() - t
+    torch.set_num_threads(threads or threads_before)
+    try:
+        for fmt in formats:
+            try:
+                ws = [converted(w.to(FORMATS[fmt]), fmt) for w in sampled]
+            except LoadError:  # int4 on sizes it cannot pack
+                continue
+            costs[fmt] = {}
+            for r in rows:
+                xs = [torch.randn(r, w.shape[1], dtype=FORMATS[fmt]) for w in sampled]
+                layer = min(seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])]))
+                costs[fmt][r] = 1e3 * (layer * layer_scale + min(seconds(lambda: linear(xs[4], ws[4]))) * head_scale)
+    finally:
+        torch.set_num_threads(threads_before)
+    return costs
+
+
+def choose_format(costs, mix):
+    """The format in costs (measure_formats') whose forwards cost least for mix {rows: forwards of that many rows},
+    e.g. {1: 1} for ar, {N * (K + 1): 1} for smc's target."""
+    return min(costs, key=lambda fmt: sum(n * costs[fmt][r] for r, n in mix.items()))
+
+
+def costs_line(costs, chosen):
+    """'weights: int8 (measured ms per forward at 1 / 9 rows: bf16 160/1240, float32 250/560, ...)'"""
+    return (f"weights: {chosen} (measured ms per forward at {' / '.join(map(str, next(iter(costs.values()))))} rows: "
+            + ", ".join(f"{f} {'/'.join(f'{ms:.0f}' for ms in c.values())}" for f, c in costs.items()) + ")")
+
+
+# ---------------------------------------------------------------- transformer
 
 
 def rms_norm(x, w, eps):
@@ -314,9 +425,8 @@ class Transformer(torch.nn.Module):
     def device(self):
         return self.embed.device
 
-    def num_params(self):  # of this rank's shard under tensor parallelism, as weight_bytes
-        tied_copy = self.config.tie_embeddings and self.lm_head is not self.embed  # packed for the CPU
-        return sum(p.numel() for p in self.parameters() if not (tied_copy and p is self.lm_head))
+    def num_params(self):  # of this rank's shard under tensor parallelism, as weight_bytes; in any format
+        return sum(math.prod(shape) for shape in expected_shapes(self.config).values())
 
     def weight_bytes(self):
         """Bytes one full forward reads from weights (all but the embedding table, of which it reads a few
@@ -436,22 +546,6 @@ def fill_weights(model, get, rank=0):
             put(b.w2, [p + "mlp.down_proj.weight"], cols)
             put(b.attn_norm, [p + "input_layernorm.weight"])
             put(b.ffn_norm, [p + "post_attention_layernorm.weight"])
-
-
-def pack_for_cpu(model):
-    """Hand every matmul weight to oneDNN once, in its blocked layout: on CPU the matmuls of a few rows that
-    decoding runs are 1.4-2x faster than F.linear's (bf16 and float32, measured on AVX-512). A tied head gets a
-    packed copy of its own, since the embedding lookup needs the plain rows. No-op off the CPU or without
-    oneDNN support."""
-    if model.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return
-    dtype = model.embed.dtype
-    if not (dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return
-    pack = lambda w: torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
-    for b in model.layers:
-        b.wqkv, b.wo, b.w13, b.w2 = pack(b.wqkv), pack(b.wo), pack(b.w13), pack(b.w2)
-    model.lm_head = pack(model.lm_head)
 
 
 # ---------------------------------------------------------------- weights: Hugging Face directories
@@ -819,16 +913,19 @@ def open_weights(path):
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 
-def build(c, get, device="cpu", dtype=None, tp=(0, 1)):
-    """-> Transformer with every weight from get(name) in memory on `device`, packed for oneDNN on CPU; with
+def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None):
+    """-> Transformer with every weight from get(name) in memory on `device`, its matmul weights in format `weights`
+    (FORMATS; None: dtype's, bf16 unless dtype is torch.float32) and its activations in that format's dtype; with
     tp = (rank, world), the rank's tensor-parallel shard of it (shard_config), reading only the rank's chunks."""
-    model = Transformer(shard_config(c, tp[1]), device, dtype or torch.bfloat16)  # bf16: fast on GPUs and here
+    weights = weights or ("float32" if dtype == torch.float32 else "bf16")
+    model = Transformer(shard_config(c, tp[1]), device, weight_format(weights, device))
     fill_weights(model, get, tp[0])
-    pack_for_cpu(model)
+    convert_weights(model, weights)
     return model
 
 
-def load(path, device="cpu", dtype=None, tp=(0, 1)):
-    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device`."""
+def load(path, device="cpu", dtype=None, tp=(0, 1), weights=None):
+    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device` (build's)."""
+    weight_format(weights or "bf16", device)
     c, get, tok = open_weights(path)
-    return build(c, get, device, dtype, tp), tok
+    return build(c, get, device, dtype, tp, weights), tok

@@ -545,6 +545,39 @@ def test_resample_then_gather_moves_only_childless_particles():
     assert torch.equal(ancestors[0, [0, 1, 3, 5]].cpu(), torch.tensor([0, 1, 3, 5]))
 
 
+# ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU kernels)
+
+QUANTIZERS = {"int8": (kernels.quantize_int8, kernels.int8_linear_ref),
+              "int4": (kernels.quantize_int4, kernels.int4_linear_ref)}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantization_error_is_at_most_half_a_step(fmt):
+    """Every weight lands on the nearest point of its grid: within half a step (int8: its row's max|w| / 127;
+    int4: its group's (max - min) / 15), the rounded scales included; an all-zero row quantizes to zeros."""
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+    w[5] = 0
+    quantize, ref = QUANTIZERS[fmt]
+    q, scale = quantize(w)
+    dequantized = ref(torch.eye(128), q, scale).T  # the reference's own weights: x = I gives w.T
+    step = scale.float()[:, None] if fmt == "int8" else scale[..., 0].float().T.repeat_interleave(32, 1)
+    assert ((dequantized - w.float()).abs() <= step / 2 * (1 + 1e-6)).all() and not dequantized[5].any()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 100])  # decoding's and verifying's few rows, a prefill's many
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_matmul_equals_its_reference(fmt, rows):
+    """torch's CPU kernel on the packed weight = dequantize-then-F.linear, up to the bf16 output's rounding."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = (torch.randn(*s, generator=g).bfloat16() for s in ((48, 128), (2, rows, 128)))
+    quantize, ref = QUANTIZERS[fmt]
+    q, scale = quantize(w)
+    packed = q if fmt == "int8" else torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    out = kernels.quantized_linear(x, packed, scale)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref(x, q, scale), atol=0.05, rtol=1e-2)
+
+
 # ---------------------------------------------------------------- CUDA graphs
 
 

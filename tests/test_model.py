@@ -4,6 +4,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -169,10 +170,15 @@ def test_parameter_count_and_bytes(tiny):
 
 
 @pytest.fixture(scope="module")
-def qwen_tiny(tmp_path_factory):
+def qwen_tiny_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("inv"))
     save_tiny("qwen2", path)
-    return model.load(path, dtype=torch.float32)[0]
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny(qwen_tiny_path):
+    return model.load(qwen_tiny_path, dtype=torch.float32)[0]
 
 
 def test_one_at_a_time_equals_one_forward(qwen_tiny):
@@ -216,6 +222,116 @@ def test_cache_size_estimate_matches_allocation(qwen_tiny):
     allocated = sum(t.numel() * t.element_size() for t in (cache.prefix_k, cache.prefix_v, cache.suffix_k,
                                                             cache.suffix_v))
     assert model.KVCache.nbytes(c, 3, 10, 7, torch.bfloat16) == allocated
+
+
+# ---------------------------------------------------------------- weight formats
+
+
+def dequantized_copy(path, fmt):
+    """A float32 model of path whose every matmul weight is its fmt quantization (of the bf16 weight, as a format's
+    load quantizes), dequantized by the kernels' references; the tied head untied, as the format's own copy."""
+    c, get, _ = model.open_weights(path)
+    m = model.Transformer(c, "cpu", torch.float32)
+    model.fill_weights(m, get)
+    quantize, ref = (kernels.quantize_int8, kernels.int8_linear_ref) if fmt == "int8" else \
+        (kernels.quantize_int4, kernels.int4_linear_ref)
+    dq = lambda w: torch.nn.Parameter(ref(torch.eye(w.shape[1]), *quantize(w.bfloat16())).T, requires_grad=False)
+    for b in m.layers:
+        b.wqkv, b.wo, b.w13, b.w2 = dq(b.wqkv), dq(b.wo), dq(b.w13), dq(b.w2)
+    m.lm_head = dq(m.lm_head)
+    return m
+
+
+# A weight's rounding error is at most half a step (test_kernels.py): int8's max|w| / 127 of its output row, int4's
+# (max - min) / 15 <= 2 max|w| / 15 of its group of 32: about 17x int8's. bf16's relative 2^-8 is of int8's order.
+STEP = {"int8": 1, "int4": 17}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_logits_are_their_dequantized_weights_logits(tiny, fmt):
+    """A quantized model computes the float32 forward of its dequantized weights, up to its bf16 activations (the
+    bf16 test's tolerance); those weights' own error, against the float32 reference, is within the quantization's
+    step. A tied head is quantized as a copy of its own; the embedding stays bf16 for the lookup."""
+    hf, path = tiny
+    m, _ = model.load(path, weights=fmt)
+    assert isinstance(m.lm_head, model.Quantized) and m.embed.dtype == torch.bfloat16
+    assert m.num_params() == hf.num_parameters()
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_logits(hf, ids)
+    tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
+    dq = dequantized_copy(path, fmt).prefill(torch.tensor(ids), model.KVCache(m.config, 1, 32, 8, "cpu",
+                                                                               torch.float32), logits="all")
+    ours = m.prefill(torch.tensor(ids), model.KVCache(m.config, 1, 32, 8, "cpu", torch.bfloat16), logits="all")
+    assert (ours - dq).abs().max() < tol
+    assert (dq - ref).abs().max() < 2 * tol * STEP[fmt]
+
+
+def test_weight_bytes_follow_the_format(tiny):
+    """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
+    lookup excluded), int8's bf16 scale a row and int4's bf16 scale and zero a group of 32, and its norms and
+    biases in the activations' dtype."""
+    _, path = tiny
+    c = model.open_weights(path)[0]
+    shapes = {n: s for n, s in model.expected_shapes(c).items() if n != "model.embed_tokens.weight"}
+    shapes["lm_head.weight"] = (c.vocab_size, c.dim)
+    matmul = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
+    rows, rest = sum(s[0] for s in shapes.values() if len(s) == 2), sum(s[0] for s in shapes.values() if len(s) == 1)
+    expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
+                "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest}
+    assert {fmt: model.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
+
+
+@pytest.mark.parametrize("fmt", list(model.FORMATS))
+def test_one_at_a_time_equals_one_forward_in_every_format(qwen_tiny_path, fmt):
+    """Rows scored one at a time, in a block, or all in a prefill give the same logits: up to float32's rounding,
+    and up to bf16's (8 bits, a few roundings deep: 2% of the logit range) in bf16 activations."""
+    m = model.load(qwen_tiny_path, weights=fmt)[0]
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
+    cache = model.KVCache(m.config, 1, 32, 32, "cpu", m.embed.dtype)
+    full = m.prefill(ids, cache, logits="all")
+    tol = 1e-5 if fmt == "float32" else 0.02 * (full.max() - full.min())
+    m.prefill(ids[:5], cache)
+    assert (m.step(ids[5:][None, None], cache)[0, 0] - full[5:]).abs().max() < tol  # 15 new tokens in one step
+    m.prefill(ids[:1], cache)
+    for t in range(1, 20):
+        assert (m.step(ids[t].view(1, 1, 1), cache)[0, 0, 0] - full[t]).abs().max() < tol, t
+        cache.suffix_len += 1
+
+
+QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2,
+                         head_dim=128, ffn_dim=8960, qkv_bias=True)
+
+
+def test_measured_costs_are_positive_and_quick():
+    """One forward's matmuls, estimated from a sample of one layer's and the head's, for every format and row count;
+    in well under a second for a 1.5B at two row counts (a loaded machine gets 3x); `auto`'s pick and its line."""
+    import time
+    t = time.perf_counter()
+    costs = model.measure_formats(QWEN_1_5B, [1, 9])
+    assert time.perf_counter() - t < 3
+    assert list(costs) == list(model.FORMATS) and all(list(c) == [1, 9] for c in costs.values())
+    assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
+    best = model.choose_format(costs, {9: 1})
+    assert all(costs[best][9] <= c[9] for c in costs.values())
+    line = model.costs_line(costs, best)
+    assert line.startswith(f"weights: {best} (measured ms per forward at 1 / 9 rows: bf16 ") and "int4" in line
+
+
+def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
+    odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
+                       ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
+    assert list(model.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8"]
+
+
+def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
+    _, path = tiny
+    for call in (lambda: model.load(os.path.join(path, "nope"), weights="int5"),
+                 lambda: model.build(model.open_weights(path)[0], None, weights="fp8")):
+        with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
+                                                   r"float32, int8, int4$"):
+            call()
+    with pytest.raises(model.LoadError, match="int4 weights run on the CPU only so far; use bf16 on meta"):
+        model.load(path, device="meta", weights="int4")
 
 
 # ---------------------------------------------------------------- real weights
