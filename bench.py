@@ -111,7 +111,7 @@ def random_model(shape, device, dtype, seed, world=1):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    model.pack_for_cpu(m)
+    model.convert_weights(m)
     return m
 
 
@@ -122,10 +122,11 @@ def load_engines(args, device, world=1):
     if args.random:
         draft, target = (random_model(name, device, dtype, seed, world if seed else 1)  # the draft is whole
                          for seed, name in enumerate(args.random.split(":")))
-        return engine.Engine(target, draft, device, dtype), None, None
+        return engine.Engine(target, draft, device), None, None
     draft, target = (args.draft, args.target) if args.target else engine.default_pair()
-    return (engine.Engine(target, draft, device, dtype).load(), engine.Engine(draft, None, device, dtype).load(),
-            (draft, target))
+    weights = args.weights or {"bfloat16": "bf16", "float32": "float32"}[args.dtype]
+    pair = engine.Engine(target, draft, device, weights).load()
+    return pair, engine.Engine(draft, None, device, pair.weights).load(), (draft, target)
 
 
 def prompts(args, e):
@@ -854,7 +855,9 @@ def parse(argv):
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="random models and the peers")
+    p.add_argument("--weights", choices=["auto", "bf16", "float32", "int8", "int4"], help="the engine's weight format "
+                   "(default: --dtype's); auto measures at load, as engine.py does")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="bench.json")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win

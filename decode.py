@@ -437,3 +437,22 @@ def batch_bytes(e, shape, slots, caps):
     configs = [e.config] + ([e.draft_config] if e.draft_config and shape.method != "ar" else [])
     need = sum(model.KVCache.nbytes(c, shape.particles, *caps, e.dtype, slots) for c in configs)
     return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
+
+
+def choose_weights(e, shape):
+    """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if it beats bf16
+    by a fifth and 5 ms (a scheduler's time slice; else bf16, so that noise does not change the tokens) -> (format,
+    the line that says so). A cycle is K draft steps of N rows and a target forward of N x (K + 1) rows (ar: one
+    row; racer: the tree's), each model's matmuls timed in every format whose weights fit, on its own shapes."""
+    N, K = shape.particles, shape.draft_len
+    rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else N * (K + 1)
+    fits = [f for f, dtype in model.FORMATS.items()  # int8 and int4 as their bf16 activations: an upper bound
+            if unread_bytes(e) * dtype.itemsize / e.dtype.itemsize <= free_bytes(e.device)]
+    costs = {f: {rows: ms[rows]} for f, ms in model.measure_formats(e.config, [rows], tuple(fits)).items()}
+    if e.draft_config and shape.method != "ar" and not shape.tree:
+        steps = model.measure_formats(e.draft_config, [N], tuple(costs))
+        costs = {f: {rows: ms[rows] + K * steps[f][N]} for f, ms in costs.items() if f in steps}
+    best = model.choose_format(costs, {rows: 1})
+    gain = costs["bf16"][rows] - costs[best][rows]
+    chosen = best if gain > 0.2 * costs["bf16"][rows] and gain > 5 else "bf16"  # a clear win, beyond timing noise
+    return chosen, model.costs_line(costs, chosen).replace(" per forward at", f" per {shape.method} cycle at")

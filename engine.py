@@ -1,15 +1,14 @@
-"""Generation: autoregressive decoding (ar), speculative sampling (sd, easd, racer drafts) and sequential Monte
-Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
+"""Generation: autoregressive decoding (ar), speculative sampling (sd, mdsd, easd, racer drafts) and sequential
+Monte Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
 
     python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
     python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
     Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
 
 Top to bottom: Settings (a request's options, checked once) and Shape (a batch's key); Request; Batch (slots of
-one shape, its State and CUDA graphs made with it) and Pair (MineDraft's halves); the Scheduler; Engine (the
-models and the API); the command line. decode.py is the device side: the State, one cycle function per method.
-Each round cycles every busy batch, then reads each slot's flags once, passes settled text on, and refills the
-slots of finished requests (continuous batching)."""
+one shape) and Pair (MineDraft's halves); the Scheduler; Engine (the models and the API); the command line.
+decode.py is the device side. Each round cycles every busy batch, reads each slot's flags once, passes settled
+text on, and refills the slots of finished requests (continuous batching)."""
 import argparse
 import json
 import math
@@ -132,9 +131,8 @@ class Settings:
                 ("top_k", 0 <= s.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {s.top_k}"),
                 ("top_p", 0 < s.top_p <= 1, f"top-p must lie in (0, 1], got {s.top_p}"),
                 ("seed", 0 <= s.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {s.seed}"),
-                ("top_k", s.method != "smc" or not (s.top_k or s.top_p < 1), "smc cannot honour top-k/top-p: its "
-                 "draft proposes tokens the restricted target forbids, whose weight is zero; use --method sd or "
-                 "--method ar with --top-k/--top-p"),
+                ("top_k", s.method != "smc" or not (s.top_k or s.top_p < 1), "smc cannot honour top-k/top-p (its "
+                 "draft proposes tokens the restricted target forbids); use --method sd or --method ar with them"),
                 ("select", s.select in ("sample", "argmax"), f"select must be 'sample' or 'argmax', got {s.select!r}"),
                 ("power", s.power > 0 and (s.power == 1 or s.method == "smc"),
                  f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}"),
@@ -143,8 +141,7 @@ class Settings:
                  f"[1, {vocab}] (the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}"),
                 ("method", draft != "racer" or s.method in ("sd", "ar"), f"{s.method} needs a draft model's "
                  "distribution, and racer drafts are deterministic tokens; use --method sd with --draft racer"),
-                ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft "
-                 "racer --method sd"),
+                ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft racer"),
                 ("overlap", not s.overlap or draft == "model" and s.method != "ar", "overlap runs a draft model's "
                  "drafting beside the target's verifying: use it with a draft model and any method but ar")):
             if not ok:
@@ -252,10 +249,9 @@ def until_eos(tokens, ends):
 
 
 class Batch:
-    """`slots` requests of one shape decoded together, each prefilled into a free slot between cycles. Its caches
-    are allocated and the CUDA graphs of `phases` (the cycle, or MineDraft's draft and verify) recorded once, here,
-    over empty slots, which append nothing. A graph runs every slot (memory-bound decoding does not notice the
-    rows); an eager cycle, on a CPU where every row costs compute, runs the slots up to the last busy one."""
+    """`slots` requests of one shape, each prefilled into a free slot between cycles. The caches and the CUDA graphs
+    of `phases` (the cycle, or MineDraft's draft and verify) are made once, here, over empty slots, which append
+    nothing. A graph runs every slot; an eager cycle (a CPU, where every row costs) up to the last busy one."""
 
     def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=("cycle",)):
         self.e, self.shape, self.requests, self.idle_since = e, shape, [None] * slots, time.monotonic()
@@ -359,8 +355,8 @@ class Pair:
     def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
         if slots < 2:
             raise UsageError("overlap needs at least 2 slots, one for each half")
-        phases = ("draft_block", "verify_cycle")
-        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap, phases) for i in (1, 0)]
+        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap, ("draft_block", "verify_cycle"))
+                       for i in (1, 0)]
         self.drafted, self.cuda = [False, False], engine.device.type == "cuda"
         where = torch.cuda.current_device() if self.cuda else max(1, torch.get_num_threads() // 2)
         self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
@@ -423,9 +419,8 @@ class Pair:
 
 class Scheduler:
     """One serving loop's requests, waiting and running. Requests of one shape share a batch of `slots` slots of
-    caps (prompt, rest) tokens, made at the shape's first request and dropped once idle for idle_s; batches of
-    different shapes take turns. raise_errors (generate): a failure raises; else (serve) it ends its batch's
-    requests "error" and serving goes on, unless the device failed (DeviceFailed)."""
+    caps (prompt, rest) tokens, made at the shape's first request, dropped once idle for idle_s. raise_errors
+    (generate): a failure raises; else (serve) it ends its batch's requests "error", unless the device failed."""
 
     def __init__(self, engine, slots, caps, raise_errors, idle_s=IDLE_S):
         self.engine, self.slots, self.caps, self.raise_errors, self.idle_s = engine, slots, caps, raise_errors, idle_s
@@ -573,20 +568,21 @@ def capacity(e, prompt_len, s, shape, context=None):
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer
     (then prompts are ids and results have no text); draft "racer" drafts without a model. Paths are opened at
-    once (configs, tokenizer, headers), so a bad request is refused before `load()` reads a weight. Under torchrun
-    each rank holds its shard of the target and decodes the same requests with the same logits and rng. pad = V
-    ends a particle's tokens; failure: why the engine serves nothing more (its device failed)."""
+    once, so a bad request is refused before `load()` reads a weight; weights: model.FORMATS' or "auto". Under
+    torchrun each rank holds its shard of the target and decodes the same requests with the same logits and rng."""
 
-    def __init__(self, target, draft=None, device=None, dtype=None):
+    def __init__(self, target, draft=None, device=None, weights=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.bfloat16
         self.racer, draft = (True, None) if draft == "racer" else (False, draft)
         self.target, self.draft = (m if isinstance(m, model.Transformer) else None for m in (target, draft))
         self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
                        for m in (target, draft)]
         self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
+        auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1  # ranks must not differ
+        self.weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
+        dtype = torch.bfloat16 if auto else model.weight_format(self.weights, device)
         self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
         self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
@@ -599,12 +595,17 @@ class Engine:
         self.is_eos[self.config.eos_ids + [self.pad]] = True
         self.ends = set(self.config.eos_ids) | {self.pad}
 
-    def load(self):
-        """Read the weights (once) -> self."""
+    def load(self, shape=None):
+        """Read the weights (once) -> self; with weights "auto", first measure which format suits shape's cycles."""
+        if self.weights == "auto" and self.target is None:
+            self.weights, line = decode.choose_weights(self, shape or Settings().resolve(self.device).shape(self.racer))
+            self.dtype = model.FORMATS[self.weights]
+            print(line, file=sys.stderr)
         if self.target is None:
-            self.target = model.build(*self.opened[0][:2], self.device, self.dtype, (self.rank, self.world))
+            self.target = model.build(*self.opened[0][:2], self.device, self.dtype, (self.rank, self.world),
+                                      self.weights)
         if self.draft is None and self.opened[1]:
-            self.draft = model.build(*self.opened[1][:2], self.device, self.dtype)
+            self.draft = model.build(*self.opened[1][:2], self.device, self.dtype, weights=self.weights)
         self.opened = [None, None]
         return self
 
@@ -650,10 +651,9 @@ class Engine:
 
     def generate(self, prompt, on_tokens=None, slots=None, **options):
         """prompt: text, ids or {"prompt": ..., **its options} -> Result(text, tokens, stats); a list of prompts ->
-        [Result], decoded together, `slots` at a time (default: up to 8), each with its own randomness (its output
-        does not depend on its neighbours). options: Settings' fields, and stop. on_tokens(settled tokens), called
-        as more settle, stops the request by returning True. stats["stop"]: "eos", "length", "stop" (a stop
-        string), "stopped", "interrupted", or "degenerate" (smc: no particle kept a weight; what had settled)."""
+        [Result], decoded together, `slots` at a time (default: up to 8), each with its own randomness. options:
+        Settings' fields, and stop. on_tokens(settled tokens), called as more settle, stops the request by returning
+        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight)."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
         one = options | prompt if isinstance(prompt, dict) else options | {"prompt": prompt}
@@ -692,6 +692,7 @@ class Engine:
         if until_idle:
             requests, slots, inbox = inbox, slots or min(len(inbox), 8), queue.Queue()
             caps = check_memory(self, requests, slots)
+            self.load(requests[0].shape)
             for req in requests:
                 inbox.put(req)
         sched = Scheduler(self.load(), slots, caps, until_idle, idle_s)
@@ -711,9 +712,7 @@ class Engine:
     def device_ok(self):
         """Whether the device still runs work (a CUDA error is sticky: every later call fails)."""
         try:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return True
+            return self.device.type != "cuda" or torch.cuda.synchronize(self.device) is None
         except RuntimeError:
             return False
 
@@ -822,7 +821,8 @@ def parser():
     add("--overlap", action="store_true", help="MineDraft: one half of the slots drafts while the other verifies")
     add("--seed", type=int, default=0)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add("--weights", choices=["auto", "bf16", "float32", "int8", "int4"], default="auto", help="matmul weights' format "
+        "(activations in the dtype its kernels want); auto: the fastest, measured at load (CPU; bf16 elsewhere)")
     add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     add("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     add("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, phase times")
@@ -846,7 +846,7 @@ def prepare(args, batch, world):
     if not batch and not prompt.strip():
         raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
     draft, target = (args.draft, args.target) if args.target else default_pair()
-    e = Engine(target, "racer" if args.draft == "racer" else draft, args.device, args.dtype)
+    e = Engine(target, "racer" if args.draft == "racer" else draft, args.device, args.weights)
     if args.chat and not (e.tokenizer and e.tokenizer.chat_template):
         raise UsageError(f"--chat: {target} has no chat template; give the prompt as the model should read it")
     chat = (lambda text: apply_chat(e.tokenizer, text)) if args.chat else (lambda text: text)

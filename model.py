@@ -318,9 +318,6 @@ def convert_weights(model, fmt=None):
         setattr(m, name, w)
 
 
-pack_for_cpu = convert_weights  # bench.py's name for it
-
-
 def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
     """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
     R x N x (K + 1) for a verify): c's layer count times one layer's q/k/v, o, gate/up and down, plus the LM head, in

@@ -372,7 +372,8 @@ def main(argv=None):
     p.add_argument("--overlap", action="store_true", help="MineDraft: half the slots draft while the other half "
                    "verifies")
     p.add_argument("--device")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"])
+    p.add_argument("--weights", choices=["auto", "bf16", "float32", "int8", "int4"], help="matmul weights' format "
+                   "(default auto: measured at load on a CPU, bf16 elsewhere)")
     p.add_argument("--model-name", help="the model id clients see (default: the target's base name)")
     args = p.parse_args(argv)
     try:
@@ -390,7 +391,7 @@ def main(argv=None):
             device = args.device and torch.device(args.device)
         except RuntimeError:
             raise engine.UsageError(f"unknown device {args.device!r}; use cpu or cuda") from None
-        eng = engine.Engine(target, draft, device, args.dtype)  # opens the files; reads no weights yet
+        eng = engine.Engine(target, draft, device, args.weights)  # opens the files; reads no weights yet
         context = args.context or min(2048, eng.config.max_seq_len)
         if context > eng.config.max_seq_len:
             raise engine.UsageError(f"--context {context} exceeds the model's {eng.config.max_seq_len} tokens")
@@ -398,9 +399,9 @@ def main(argv=None):
         defaults = {k: v for k, v in (("method", method), ("particles", args.particles), ("draft_len", args.draft_len),
                                       ("lag", args.lag), ("tree", args.tree), ("overlap", args.overlap or None))
                     if v is not None}
-        eng.request([0], context=context, max_new_tokens=1, **defaults)  # the defaults, checked before the weights
+        probe = eng.request([0], context=context, max_new_tokens=1, **defaults)  # checked before the weights
         print(f"loading {target}" + (f" with draft {draft}" if draft else ""), file=sys.stderr)
-        eng.load()
+        eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (model.LoadError, engine.UsageError) as e:
         sys.exit(f"error: {e}")
     name = args.model_name or os.path.basename(os.path.normpath(target)).removesuffix(".gguf")

@@ -865,7 +865,7 @@ def test_one_dict_prompt_is_one_request():
 def test_without_eos_ids_the_pad_is_no_token(tmp_path):
     """With no EOS id the pad lies past the vocabulary: smc particles ended by a stop string append it, and it
     shows up in no result's tokens or counts."""
-    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), dtype="float32")
+    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), weights="float32")
     assert not e.config.eos_ids
     for seed in range(4):
         r = e.generate("w1 w2 w3", method="smc", particles=4, draft_len=2, max_new_tokens=30, seed=seed,
@@ -918,7 +918,7 @@ def test_smc_particles_end_at_a_stop_string(tmp_path):
     """Without resampling smc's particles rarely agree, so little settles: the request still ends after the first
     cycle after which every particle's text holds the stop string (each then ends there, as at an EOS; the others'
     draws are those of the run without it), while the text they share does not, long before its budget."""
-    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), dtype="float32")
+    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), weights="float32")
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=45, temperature=1.0, ess_threshold=0.0)
     for seed in range(3):
         texts = []  # after each cycle of the run without a stop string, every particle's text
@@ -968,7 +968,7 @@ def test_a_failing_prefill_ends_its_request_and_serving_goes_on(monkeypatch):
 def test_stop_strings_and_the_text_stream(tmp_path, method):
     """The stream's pieces add up to the result's text; a stop string ends the text before it (and may not
     appear in any piece shown before it was complete), with the same text up to there as without it."""
-    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), dtype="float32")
+    e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), weights="float32")
     options = dict(method=method, max_new_tokens=30, temperature=1.0, seed=2)
     full = e.generate("w1 w2 w3", **options)
     words = full.text.split()
@@ -1126,8 +1126,10 @@ def pair(tmp_path_factory):
 
 def cli(*runs):
     """engine.py in a subprocess per list of arguments, all at once (each is mostly a second or two of imports, on
-    one core) -> [CompletedProcess], on the reference kernels as in this file (conftest.py set TRITON_INTERPRET)."""
+    one core) -> [CompletedProcess], on the reference kernels as in this file (conftest.py set TRITON_INTERPRET),
+    in bf16 unless the arguments say: --weights auto times the formats, which processes running at once disturb."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = [args if "--weights" in args else [*args, "--weights", "bf16"] for args in runs]
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "engine.py"), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for args in runs]
     outputs = [p.communicate() for p in procs]
@@ -1184,9 +1186,12 @@ def test_cli_trace(pair, tmp_path):
 def test_cli_streams_text_then_a_summary(pair):
     target, draft = pair
     run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens",
-                "9"])
+                "9", "--weights", "auto"])
     assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("w1 w2 w3") and run.stderr.startswith("[sd: ")
+    chose, summary = run.stderr.splitlines()  # auto says what it measured and chose, in one line
+    assert re.fullmatch(r"weights: (bf16|float32|int8) \(measured ms per sd cycle at 5 rows: bf16 \d+, float32 \d+, "
+                        r"int8 \d+\)", chose)  # int4 needs larger shapes
+    assert run.stdout.startswith("w1 w2 w3") and summary.startswith("[sd: ")
 
 
 CLI_ERRORS = [

@@ -43,7 +43,7 @@ def trace(pair, *runs):
     """engine.py --trace PATH for each (PATH, options), all at once -> their JSON results."""
     target, draft = pair
     done = cli(*(["--target", target, "--draft", draft, "--trace", str(path), "--prompt", "w1 w2 w3",
-                  "--max-new-tokens", "30", "--temperature", "1.0", "--dtype", "float32", "--json", *options]
+                  "--max-new-tokens", "30", "--temperature", "1.0", "--weights", "float32", "--json", *options]
                  for path, options in runs))
     assert all(run.returncode == 0 for run in done), [run.stderr for run in done]
     return [json.loads(run.stdout) for run in done]

@@ -97,7 +97,7 @@ def serve(pair, *args):
     port, env = free_port(), {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--target", pair[0], "--draft",
-                                 pair[1], "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port",
+                                 pair[1], "--device", "cpu", "--weights", "float32", "--host", "127.0.0.1", "--port",
                                  str(port), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
         server = Server(port, proc)
         try:

@@ -272,7 +272,7 @@ ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_N
 def torchrun(world, *args):
     """engine.py on `world` ranks (one thread each) under torchrun; world 1: plain python."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)] if world > 1 else []
-    command = [sys.executable, *launch, os.path.join(ROOT, "engine.py"), "--device", "cpu", "--dtype", "float32",
+    command = [sys.executable, *launch, os.path.join(ROOT, "engine.py"), "--device", "cpu", "--weights", "float32",
                *args]
     return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -298,7 +298,7 @@ def test_torchrun_engine_speaks_once_and_decodes_as_one_process(tiny_dirs, tmp_p
 def test_a_rank_that_dies_ends_the_others():
     """SIGKILL one of two ranks while they decode the real 0.5B: torchrun ends the other, no hang."""
     path = fetch_module().fetch("qwen2.5-coder-0.5b-instruct")
-    run = torchrun(2, "--target", path, "--method", "ar", "--max-new-tokens", "400", "--dtype", "bfloat16",
+    run = torchrun(2, "--target", path, "--method", "ar", "--max-new-tokens", "400", "--weights", "bf16",
                    "--prompt", "def quicksort(xs):")
     assert run.stdout.read(len("def quicksort")) == "def quicksort"  # rank 0 echoed: the ranks are loading
     assert len(run.stdout.read(len("(xs):") + 1)) == 6  # and its first new text: the ranks decode
