@@ -443,11 +443,11 @@ def choose_weights(e, shape):
     """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if it beats bf16
     by a fifth and 5 ms (a scheduler's time slice; else bf16, so that noise does not change the tokens) -> (format,
     the line that says so). A cycle is K draft steps of N rows and a target forward of N x (K + 1) rows (ar: one
-    row; racer: the tree's), each model's matmuls timed in every format whose weights fit, on its own shapes."""
+    row; racer: the tree's), each model's matmuls timed on its own shapes in bf16, float32 and int8 where they fit."""
     N, K = shape.particles, shape.draft_len
     rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else N * (K + 1)
-    fits = [f for f, dtype in model.FORMATS.items()  # int8 and int4 as their bf16 activations: an upper bound
-            if unread_bytes(e) * dtype.itemsize / e.dtype.itemsize <= free_bytes(e.device)]
+    fits = [f for f in ("bf16", "float32", "int8")  # int4 changes the model more: on request only
+            if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)]  # int8: bf16's
     costs = {f: {rows: ms[rows]} for f, ms in model.measure_formats(e.config, [rows], tuple(fits)).items()}
     if e.draft_config and shape.method != "ar" and not shape.tree:
         steps = model.measure_formats(e.draft_config, [N], tuple(costs))
