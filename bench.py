@@ -856,7 +856,7 @@ def parse(argv):
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="random models and the peers")
-    p.add_argument("--weights", choices=["auto", "bf16", "float32", "int8", "int4"], help="the engine's weight format "
+    p.add_argument("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format "
                    "(default: --dtype's); auto measures at load, as engine.py does")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="bench.json")

@@ -205,15 +205,16 @@ def sd_cycle(e, st, s):
     n, fix = torch.zeros(R, dtype=torch.long, device=device), p[:, 0, K]  # [R], [R, V]
     for k in range(K):
         lead = viable.int().argmax(-1)  # [R] a viable particle: its rows are every viable one's
-        r, qk, c = p[rows, lead, k], q[rows, lead, k], st.drafted[..., k]  # [R, V], [R, V], [R, N]
-        triggered = kernels.easd_trigger(r[:, None], qk[:, None], c[:, :1], s.easd)[:, 0] if s.easd else None
-        ratios = []
+        pk, qk, c = p[rows, lead, k], q[rows, lead, k], st.drafted[..., k]  # [R, V], [R, V], [R, N]
+        triggered = kernels.easd_trigger(pk[:, None], qk[:, None], c[:, :1], s.easd)[:, 0] if s.easd else None
+        r, ratios = pk, []
         for i in range(N):
             rc, qc = r.gather(1, c[:, i:i + 1])[:, 0], qk.gather(1, c[:, i:i + 1])[:, 0]
             ok = viable[:, i] if triggered is None else viable[:, i] & ~triggered
             ratios.append(torch.where(rc >= qc, 1.0, rc / qc) * ok)
-            residual = (r - qk).clamp(min=0) if triggered is None else torch.where(
-                triggered[:, None], p[rows, lead, k], (r - qk).clamp(min=0))
+            residual = (r - qk).clamp(min=0)
+            if triggered is not None:  # easd: where its rule fired, the token is drawn from p
+                residual = torch.where(triggered[:, None], pk, residual)
             total = residual.sum(-1, keepdim=True)
             r = torch.where(viable[:, i, None] & (total > 0), residual / total, r)  # r == q: nothing to fix
         accept = kernels.bernoulli(torch.stack(ratios, -1), st.rng)  # [R, N]: the first one counts

@@ -821,7 +821,7 @@ def parser():
     add("--overlap", action="store_true", help="MineDraft: one half of the slots drafts while the other verifies")
     add("--seed", type=int, default=0)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--weights", choices=["auto", "bf16", "float32", "int8", "int4"], default="auto", help="matmul weights' format "
+    add("--weights", choices=["auto", *model.FORMATS], default="auto", help="matmul weights' format "
         "(activations in the dtype its kernels want); auto: the fastest, measured at load (CPU; bf16 elsewhere)")
     add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     add("--json", action="store_true", help="print one JSON object: text, tokens, stats")

@@ -372,7 +372,7 @@ def main(argv=None):
     p.add_argument("--overlap", action="store_true", help="MineDraft: half the slots draft while the other half "
                    "verifies")
     p.add_argument("--device")
-    p.add_argument("--weights", choices=["auto", "bf16", "float32", "int8", "int4"], help="matmul weights' format "
+    p.add_argument("--weights", choices=["auto", *model.FORMATS], help="matmul weights' format "
                    "(default auto: measured at load on a CPU, bf16 elsewhere)")
     p.add_argument("--model-name", help="the model id clients see (default: the target's base name)")
     args = p.parse_args(argv)
