@@ -302,13 +302,10 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
                          head_dim=128, ffn_dim=8960, qkv_bias=True)
 
 
-def test_measured_costs_are_positive_and_quick():
-    """One forward's matmuls, estimated from a sample of one layer's and the head's, for every format and row count;
-    in well under a second for a 1.5B at two row counts (a loaded machine gets 3x); `auto`'s pick and its line."""
-    import time
-    t = time.perf_counter()
+def test_measured_costs_are_positive():
+    """One forward's matmuls, estimated from a sample of one layer's and the head's, for every format and row count
+    (how long it takes is a benchmark's figure, in the README); `auto`'s pick and its line."""
     costs = model.measure_formats(QWEN_1_5B, [1, 9])
-    assert time.perf_counter() - t < 3
     assert list(costs) == list(model.FORMATS) and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
     best = model.choose_format(costs, {9: 1})
