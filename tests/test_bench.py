@@ -217,7 +217,7 @@ def test_body_complete(text, complete):
 def test_help_describes_the_benchmark_in_full(capsys):
     with pytest.raises(SystemExit):
         bench.parse(["--help"])
-    assert "and pass@1 on the code-completion set." in " ".join(capsys.readouterr().out.split())
+    assert "and pass@1 and the target's log-probability on HumanEval." in " ".join(capsys.readouterr().out.split())
 
 
 def test_under_torchrun_rank_zero_reports(tmp_path):
@@ -233,3 +233,45 @@ def test_under_torchrun_rank_zero_reports(tmp_path):
     report = json.loads(out.read_text())
     assert report["tensor_parallel"] == 2 and {r["method"] for r in report["speed"]} == {"ar", "sd", "smc"}
     assert run.stdout.count("| prompt | method |") == 1 and run.stdout.count("wrote ") == 1
+
+
+def test_target_logprobs_score_each_continuation_as_one_forward_would():
+    m = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.float32, seed=3)
+    prompt, continuations = [1, 2, 3], [[4, 5, 6], [7], []]
+    got = bench.target_logprobs(m, prompt, continuations, temperature=0.7)
+    for tokens, mean in zip(continuations[:2], got):
+        ids = bench.torch.tensor(prompt + tokens)
+        cache = bench.model.KVCache(m.config, 1, len(ids), 1, "cpu", bench.torch.float32)
+        logits = m.prefill(ids, cache, logits="all")[len(prompt) - 1:-1] / 0.7  # [T, V]
+        want = logits.log_softmax(-1).gather(1, ids[len(prompt):, None]).mean().item()
+        assert mean == pytest.approx(want, abs=1e-5)
+    assert got[2] is None
+
+
+def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
+    """pass@1 and the target's log-probability, paired per problem, from stub completions: ar writes the
+    reference solutions, the draft alone fails every problem, smc passes half; their log-probabilities -1, -2, -3
+    (each completion's one token says which)."""
+    problems = quality.load_problems()[:4]
+    fail = "    return None\n"
+    plan = {"ar": (lambda i: problems[i]["solution"], 1), "smc": (lambda i: problems[i]["solution"] if i % 2
+                                                                 else fail, 2), "draft": (lambda i: fail, 3)}
+
+    def completions(runner, group, seeds, method, N, K, max_new_tokens, options):
+        text, code = plan["draft" if runner == "draft" else method]
+        return [bench.engine.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1}) for p in group]
+    monkeypatch.setattr(bench, "completions", completions)
+    monkeypatch.setattr(bench, "target_logprobs", lambda m, prompt, continuations: [-t[0] for t in continuations])
+
+    class Pair:
+        target, encode = None, staticmethod(lambda text: [0])
+    args = bench.parse(["--problem-set", "ours", "--problems", "4", "--samples", "2", "--methods", "ar,smc,draft",
+                        "--smc-cells", "3x2", "--lag", "0"])
+    *_, out = bench.pass_rates(Pair(), "draft", args)
+    assert list(out) == ["ar", "smc 3x2", "draft alone"] and out["ar"]["problems"] == 4
+    assert out["ar"]["pass_at_1"] == 1.0 and out["draft alone"]["pass_at_1"] == 0.0
+    assert out["smc 3x2"]["pass_at_1"] == 0.5 and out["smc 3x2"]["vs_ar"] == -0.5
+    assert out["smc 3x2"]["logprob_vs_ar"] == pytest.approx(-1.0) and out["smc 3x2"]["logprob_vs_ar_stderr"] == 0
+    assert out["smc 3x2"]["shift_of_draft"] == pytest.approx(0.5) and out["smc 3x2"]["tokens_per_cycle"] == 2
+    assert "| smc 3x2 | 0.500 ± 0.289 | -0.500 ± 0.289 | -2.000 ± 0.000 | -1.000 ± 0.000 | 0.50 ± 0.00 |" in \
+        bench.quality_table(out)

@@ -116,3 +116,15 @@ def test_import_needs_no_matplotlib_and_errors_need_no_traceback(tmp_path):
     err = probe.communicate()[1]
     assert probe.returncode == 0, err
     assert run.returncode == 1 and run.stderr.count("\n") == 1 and "No such file" in run.stderr
+
+
+def test_frontier_from_a_quality_run(tmp_path):
+    def row(pass_at_1, tokens_per_s, shift=None):
+        return {"pass_at_1": pass_at_1, "pass_at_1_stderr": 0.05, "tokens_per_s": tokens_per_s, "problems": 8,
+                "samples": 1} | ({} if shift is None else {"logprob_vs_ar": shift, "logprob_vs_ar_stderr": 0.01})
+    report = tmp_path / "quality.json"
+    report.write_text(json.dumps({"quality": {"ar": row(0.5, 3.0), "smc 3x2": row(0.4, 2.0, -0.1),
+                                              "draft alone": row(0.3, 9.0, -0.3)}}))
+    assert plot.main([str(report), "--out", str(tmp_path)]) == 0
+    check_png(tmp_path / "frontier.png")
+    assert not (tmp_path / "roofline.png").exists()
