@@ -733,7 +733,7 @@ def pass_rates(e, draft_alone, args):
     problems = (quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems())
     problems, runners = problems[:args.problems], quality_runners(e, draft_alone, args)
     out = {label: {"problems": 0, "samples": args.samples, "seconds": 0.0, "new_tokens": 0, "cycles": 0,
-                   "texts": [], "logprobs": [], "results": []} for label in runners}
+                   "streamed": 0, "texts": [], "logprobs": [], "results": []} for label in runners}
     for start in range(0, len(problems), QUALITY_SLOTS):
         group, tokens = problems[start:start + QUALITY_SLOTS], {}
         jobs = [(start + i, p, j) for i, p in enumerate(group) for j in range(args.samples)]
@@ -745,6 +745,7 @@ def pass_rates(e, draft_alone, args):
             q["seconds"] += time.perf_counter() - begin
             q["new_tokens"] += sum(r.stats["new_tokens"] for r in results)
             q["cycles"] += sum(r.stats["cycles"] for r in results)
+            q["streamed"] += sum(r.stats["streamed"] for r in results)
             q["texts"] += [[r.text for r in results[k:k + args.samples]] for k in range(0, len(jobs), args.samples)]
             q["results"] += quality.score(group, q["texts"][-len(group):])
             q["problems"] = len(q["results"])
@@ -773,6 +774,7 @@ def summarize(out):
         q["logprob"], q["logprob_stderr"] = quality.pass_at_1(per_problem(q["logprobs"]))
         q["tokens_per_s"] = q["new_tokens"] / q["seconds"]
         q["tokens_per_cycle"] = q["new_tokens"] / max(q["cycles"], 1)
+        q["streamed_share"] = q["streamed"] / max(q["new_tokens"], 1)  # of the text, shown before its request ended
     ar, draft = out.get("ar"), out.get("draft alone")
     for q in out.values():
         if ar and q is not ar:
@@ -886,10 +888,11 @@ def quality_table(scores):
     def pm(q, key, spec=".3f"):
         return f"{q[key]:{spec}} ± {q[key + '_stderr']:{spec.lstrip('+')}}" if key in q else ""
     lines = ["| method | pass@1 | minus ar (paired) | target log-prob per token | minus ar (paired) | shift / draft's "
-             "| tok/s | x ar | tokens/cycle | problems x samples |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tok/s | x ar | tokens/cycle | streamed | problems x samples |", "|---" * 11 + "|"]
     lines += [f"| {label} | {pm(q, 'pass_at_1')} | {pm(q, 'vs_ar', '+.3f')} | {pm(q, 'logprob')} | "
               f"{pm(q, 'logprob_vs_ar', '+.3f')} | {pm(q, 'shift_of_draft', '.2f')} | {q['tokens_per_s']:.2f} | "
-              f"{fmt(q.get('speedup'))} | {q['tokens_per_cycle']:.2f} | {q['problems']} x {q['samples']} |"
+              f"{fmt(q.get('speedup'))} | {q['tokens_per_cycle']:.2f} | {q['streamed_share']:.2f} | "
+              f"{q['problems']} x {q['samples']} |"
               for label, q in scores.items()]
     return "\n".join(lines)
 

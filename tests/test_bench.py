@@ -259,7 +259,7 @@ def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
 
     def completions(runner, group, seeds, method, N, K, max_new_tokens, options):
         text, code = plan["draft" if runner == "draft" else method]
-        return [bench.engine.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1}) for p in group]
+        return [bench.engine.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1, "streamed": 1}) for p in group]
     monkeypatch.setattr(bench, "completions", completions)
     monkeypatch.setattr(bench, "target_logprobs", lambda m, prompt, continuations: [-t[0] for t in continuations])
 
