@@ -4,8 +4,9 @@
 # the kernel micro-benchmark; then, on random-weight models shaped like Llama-3.2-1B (draft) and Llama-3.1-8B
 # (target) in bf16: ar, sd and smc (its GPU default, 4x4) at 1, 4 and 8 concurrent requests (total tokens/s,
 # per-request latency), sd and smc with MineDraft's overlap beside them at 4 and 8 (and the draft and verify
-# phases of a cycle at 8: plain, half the slots alone, and overlapped), and ar and smc one request at a time:
-# tokens/s, cycle phase split, achieved against measured copy bandwidth. (No racer rows: they need real text.)
+# phases of a cycle at 8: plain, half the slots alone, and overlapped), and ar, mdsd and smc one request at a time
+# (random weights accept no draft, so mdsd's row is its cycle cost): tokens/s, cycle phase split, achieved against
+# measured copy bandwidth. (No racer rows: they need real text.)
 # With two GPUs or more, the same ar and smc at tensor-parallel 2 (torchrun, nccl), to set against the TP=1 line.
 .PHONY: gpu-check
 gpu-check:
@@ -16,7 +17,7 @@ gpu-check:
 	-python bench.py --random llama-1b:llama-8b --methods ar,sd,smc,sd+overlap,smc+overlap --grid "" \
 		--prompt-lengths "" --short-requests 0 --concurrency 1,4,8 --prompt-len 256 --new-tokens 128 --repeats 2 \
 		--out gpu-check-batch.json
-	-python bench.py --random llama-1b:llama-8b --methods ar,smc --grid 8x8,4x4 --prompt-len 256 \
+	-python bench.py --random llama-1b:llama-8b --methods ar,mdsd,smc --grid 8x8,4x4 --prompt-len 256 \
 		--new-tokens 256 --repeats 3 --concurrency "" --out gpu-check.json
 	if [ "$$(nvidia-smi -L | wc -l)" -ge 2 ]; then torchrun --nproc-per-node 2 bench.py --random llama-1b:llama-8b \
 		--methods ar,smc --grid 4x4 --prompt-len 256 --new-tokens 128 --repeats 2 --prompt-lengths "" \
