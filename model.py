@@ -1,12 +1,13 @@
-"""A Llama-family decoder (llama, qwen2, mistral) from scratch, its weight loaders (Hugging Face
-safetensors directories and GGUF files), its tokenizer, the static prefix/suffix KV cache, and tensor-parallel
-sharding over torch.distributed."""
+"""A Llama-family decoder (llama, qwen2, mistral) from scratch, its weight loaders (Hugging Face safetensors
+directories and GGUF files), its tokenizer, the static prefix/suffix KV cache, tensor-parallel sharding."""
 import dataclasses
 import datetime
 import json
 import math
+import mmap
 import os
-import time
+import struct
+import timeit
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -48,6 +49,13 @@ class Config:
 
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# Config field -> its name in a config.json
+HF_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "ffn_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
+             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def config_from_hf(hf, path, more_eos=()):
@@ -69,14 +77,11 @@ def config_from_hf(hf, path, more_eos=()):
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
         raise LoadError(f"{path}: rope type {rope_type!r} is not supported (default, llama3, linear)")
-    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
-    c = Config(arch=arch, vocab_size=hf.get("vocab_size"), dim=hf.get("hidden_size"),
-               n_layers=hf.get("num_hidden_layers"), n_heads=heads, n_kv_heads=heads if kv_heads is None else kv_heads,
-               head_dim=hf.get("head_dim"), ffn_dim=hf.get("intermediate_size"),
-               norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+    sizes = {f: hf.get(key, {"norm_eps": 1e-6, "max_seq_len": 4096}.get(f)) for f, key in HF_FIELDS.items()}
+    kv_heads = sizes["n_heads"] if sizes["n_kv_heads"] is None else sizes["n_kv_heads"]
+    c = Config(arch=arch, **sizes | {"n_kv_heads": kv_heads, "rope_theta": theta}, qkv_bias=arch == "qwen2",
                rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-               tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=arch == "qwen2",
-               max_seq_len=hf.get("max_position_embeddings", 4096), bos_id=hf.get("bos_token_id"),
+               tie_embeddings=hf.get("tie_word_embeddings", False), bos_id=hf.get("bos_token_id"),
                eos_ids=list(dict.fromkeys(token_ids(hf.get("eos_token_id"), path) + list(more_eos))))
     return checked_config(c, HF_FIELDS, path)
 
@@ -89,29 +94,17 @@ def token_ids(eos, where):
     return ids
 
 
-# Config field -> its name in a config.json, for error messages
-HF_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
-             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-             "ffn_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
-             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
-ROPE_KEYS = {"linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
-
-def positive(x, integer):
-    if integer:
-        return type(x) is int and x > 0
-    return type(x) in (int, float) and math.isfinite(x) and x > 0
-
-
 def checked_config(c, names, where):
     """c with every size a positive integer (head_dim derived when the file leaves it out) and the heads grouping
     evenly, else a LoadError naming the field as the file spells it: a damaged or hostile file must not become a
     ZeroDivisionError or a tensor of negative size."""
+    def positive(x, integer, name):  # else a LoadError; integer false: a positive finite number
+        if not (type(x) is int if integer else type(x) in (int, float) and math.isfinite(x)) or x <= 0:
+            raise LoadError(f"{where}: {name} is {x!r}, expected a positive {'integer' if integer else 'number'}")
+
     for f, name in names.items():
-        v, integer = getattr(c, f), f not in ("norm_eps", "rope_theta")
-        if not (positive(v, integer) or f == "head_dim" and v is None):
-            raise LoadError(f"{where}: {name} is {v!r}, expected a positive {'integer' if integer else 'number'}")
+        if not (f == "head_dim" and c.head_dim is None):
+            positive(getattr(c, f), f not in ("norm_eps", "rope_theta"), name)
     if c.n_heads % c.n_kv_heads:
         raise LoadError(f"{where}: {names['n_heads']} ({c.n_heads}) is not a multiple of {names['n_kv_heads']} "
                         f"({c.n_kv_heads})")
@@ -124,9 +117,7 @@ def checked_config(c, names, where):
         raise LoadError(f"{where}: {names['head_dim']} is {c.head_dim}; rotary embeddings need an even head size")
     s = c.rope_scaling or {}
     for key in ROPE_KEYS.get(s.get("rope_type"), ()):
-        if not positive(s.get(key), integer=key == "original_max_position_embeddings"):
-            raise LoadError(f"{where}: rope scaling {key} is {s.get(key)!r}, expected a positive "
-                            f"{'integer' if key == 'original_max_position_embeddings' else 'number'}")
+        positive(s.get(key), key == "original_max_position_embeddings", f"rope scaling {key}")
     if s and s["factor"] < 1:  # a factor below 1 would speed positions up, which no scaling means
         raise LoadError(f"{where}: rope scaling factor is {s['factor']!r}, expected at least 1")
     if s.get("rope_type") == "llama3" and s["high_freq_factor"] <= s["low_freq_factor"]:  # the ramp divides by it
@@ -142,12 +133,9 @@ def checked_config(c, names, where):
 def config_to_hf(c):
     """The config.json a Hugging Face loader (ours or transformers) reads back into the same Config."""
     rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-    return {"architectures": [ARCHS[c.arch]], "model_type": c.arch, "vocab_size": c.vocab_size,
-            "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-            "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "intermediate_size": c.ffn_dim,
-            "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta, "rope_parameters": rope,
-            "tie_word_embeddings": c.tie_embeddings, "max_position_embeddings": c.max_seq_len,
-            "hidden_act": "silu", "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
+    return {"architectures": [ARCHS[c.arch]], "model_type": c.arch, **{k: getattr(c, f) for f, k in HF_FIELDS.items()},
+            "rope_parameters": rope, "tie_word_embeddings": c.tie_embeddings, "hidden_act": "silu",
+            "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
 
 
 # ---------------------------------------------------------------- tensor parallel
@@ -164,13 +152,12 @@ def init_distributed(device):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return 0, 1
-    dist = torch.distributed
-    if not dist.is_initialized():
+    if not torch.distributed.is_initialized():
         cuda = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=60))
-    return dist.get_rank(), world
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=60))
+    return torch.distributed.get_rank(), world
 
 
 def shard_config(c, world):
@@ -180,14 +167,14 @@ def shard_config(c, world):
             fits = [d for d in range(1, c.n_kv_heads + 1) if c.n_kv_heads % d == c.n_heads % d == c.ffn_dim % d == 0]
             raise LoadError(f"--nproc-per-node {world} does not divide the target's {n} {what}; use "
                             f"{' or '.join(map(str, fits))}")
-    return dataclasses.replace(c, n_heads=c.n_heads // world, n_kv_heads=c.n_kv_heads // world,
-                               ffn_dim=c.ffn_dim // world, tp=world)
+    return dataclasses.replace(c, tp=world, **{f: getattr(c, f) // world for f in ("n_heads", "n_kv_heads", "ffn_dim")})
 
 
 # ---------------------------------------------------------------- rotary embeddings
 
 
-def rope_inv_freq(c):
+def rope_tables(c, device):
+    """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout."""
     inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
     s = c.rope_scaling or {}
     if s.get("rope_type") == "linear":
@@ -197,13 +184,7 @@ def rope_inv_freq(c):
         wavelen = 2 * math.pi / inv
         ramp = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
         inv = (1 - ramp) * inv / s["factor"] + ramp * inv
-    return inv
-
-
-def rope_tables(c, device):
-    """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout."""
-    angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), rope_inv_freq(c))
-    angles = torch.cat([angles, angles], -1)
+    angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)  # [T, D]: both halves
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
@@ -217,11 +198,10 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Static cache for R requests x N particles, all particles of a request at one position.
-
-    prefix_k/v [L, R, Hkv, P, D] hold each prompt once; suffix_k/v [L, R, N, Hkv, S, D] hold each
-    particle's generated tokens. prefix_len/suffix_len [R] live on the device so that a decoding step
-    needs no host sync; the model writes new K/V at suffix_len, the caller advances suffix_len."""
+    """Static cache for R requests x N particles, all particles of a request at one position: prefix_k/v
+    [L, R, Hkv, P, D] hold each prompt once, suffix_k/v [L, R, N, Hkv, S, D] each particle's generated tokens.
+    prefix_len/suffix_len [R] live on the device so that a decoding step needs no host sync; the model writes new
+    K/V at suffix_len, the caller advances suffix_len."""
 
     def __init__(self, c, particles, prefix_cap, suffix_cap, device, dtype, requests=1):
         shape_p = (c.n_layers, requests, c.n_kv_heads, prefix_cap, c.head_dim)
@@ -237,9 +217,7 @@ class KVCache:
 
     def attend_prefill(self, layer, q, k, v, scale, r):
         """q [T, Hq, D], k/v [T, Hkv, D] at positions 0..T-1 of request r's prompt."""
-        T = q.shape[0]
-        self.prefix_k[layer, r, :, :T] = k.transpose(0, 1)
-        self.prefix_v[layer, r, :, :T] = v.transpose(0, 1)
+        self.prefix_k[layer, r, :, :len(q)], self.prefix_v[layer, r, :, :len(q)] = k.transpose(0, 1), v.transpose(0, 1)
         return kernels.prefill_attention(q, k, v, scale)
 
     def attend_step(self, layer, q, k, v, scale, tree=None):
@@ -273,8 +251,7 @@ def weight_format(fmt, device="cpu"):
 
 
 class Quantized(torch.nn.Module):
-    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; its tensors are parameters, so that
-    weight_bytes counts what a forward reads."""
+    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it."""
 
     def __init__(self, fmt, w):
         super().__init__()
@@ -334,11 +311,7 @@ def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
 
     def seconds(f):
         f()
-        for _ in range(2):
-            flush.sum()
-            t = time.perf_counter()
-            f()
-            yield time.perf_counter() - t
+        return min(timeit.repeat(f, flush.sum, repeat=2, number=1))
     torch.set_num_threads(threads or threads_before)
     try:
         for fmt in formats:
@@ -349,16 +322,15 @@ def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
             costs[fmt] = {}
             for r in rows:
                 xs = [torch.randn(r, w.shape[1], dtype=FORMATS[fmt]) for w in sampled]
-                layer = min(seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])]))
-                costs[fmt][r] = 1e3 * (layer * layer_scale + min(seconds(lambda: linear(xs[4], ws[4]))) * head_scale)
+                layer = seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])])
+                costs[fmt][r] = 1e3 * (layer * layer_scale + seconds(lambda: linear(xs[4], ws[4])) * head_scale)
     finally:
         torch.set_num_threads(threads_before)
     return costs
 
 
 def choose_format(costs, mix):
-    """The format in costs (measure_formats') whose forwards cost least for mix {rows: forwards of that many rows},
-    e.g. {1: 1} for ar, {N * (K + 1): 1} for smc's target."""
+    """The format in costs (measure_formats') cheapest for mix {rows: forwards of that many rows}, e.g. {1: 1}."""
     return min(costs, key=lambda fmt: sum(n * costs[fmt][r] for r, n in mix.items()))
 
 
@@ -377,10 +349,9 @@ def rms_norm(x, w, eps):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, c, device, dtype):
+    def __init__(self, c, empty):  # empty(*shape): an uninitialised parameter
         super().__init__()
         qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        empty = lambda *s: torch.nn.Parameter(torch.empty(s, device=device, dtype=dtype), requires_grad=False)
         self.attn_norm, self.ffn_norm = empty(c.dim), empty(c.dim)
         self.wqkv = empty(qkv_rows, c.dim)  # q, k and v projections fused: one matmul reads them all
         self.bqkv = empty(qkv_rows) if c.qkv_bias else None
@@ -393,10 +364,8 @@ class Block(torch.nn.Module):
         """x [..., T, dim] -> [..., T, dim], this rank's heads' share; attend(layer, q, k, v, scale) is the cache's."""
         c = self.c
         qkv = linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv)
-        q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
-        q = apply_rope(q.unflatten(-1, (c.n_heads, c.head_dim)), cos, sin)  # [..., T, Hq, D]
-        k = apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), cos, sin)  # [..., T, Hkv, D]
-        v = v.unflatten(-1, (c.n_kv_heads, c.head_dim))
+        q, k, v = qkv.unflatten(-1, (-1, c.head_dim)).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [..., T, Hq, D], [..., T, Hkv, D]
         return linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
 
     def ffn(self, x):
@@ -411,12 +380,11 @@ class Transformer(torch.nn.Module):
         self.config = c
         empty = lambda *s: torch.nn.Parameter(torch.empty(s, device=device, dtype=dtype), requires_grad=False)
         self.embed = empty(c.vocab_size, c.dim)
-        self.layers = torch.nn.ModuleList(Block(c, device, dtype) for _ in range(c.n_layers))
+        self.layers = torch.nn.ModuleList(Block(c, empty) for _ in range(c.n_layers))
         self.norm = empty(c.dim)
         self.lm_head = self.embed if c.tie_embeddings else empty(c.vocab_size, c.dim)
-        cos, sin = rope_tables(c, device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        for name, table in zip(("cos", "sin"), rope_tables(c, device)):
+            self.register_buffer(name, table, persistent=False)
 
     @property
     def device(self):
@@ -426,11 +394,9 @@ class Transformer(torch.nn.Module):
         return sum(math.prod(shape) for shape in expected_shapes(self.config).values())
 
     def weight_bytes(self):
-        """Bytes one full forward reads from weights (all but the embedding table, of which it reads a few
-        rows, unless that is also the head): the memory-bandwidth roofline's numerator. A tensor-parallel rank's
-        model counts its shard."""
-        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not self.embed
-                   or p is self.lm_head)
+        """Bytes one full forward reads from weights (a tensor-parallel rank's: its shard's), all but the embedding
+        table's (a few rows read) unless that is also the head: the memory-bandwidth roofline's numerator."""
+        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not self.embed or p is self.lm_head)
 
     def _hidden(self, x, cos, sin, attend):
         for i, b in enumerate(self.layers):
@@ -449,13 +415,11 @@ class Transformer(torch.nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens, cache, r=0, logits="last"):
-        """tokens [T] -> logits [V] of the last position, [T, V] of all (logits="all") or None (logits=None:
-        the LM head is skipped, as a draft's prefill needs) for request r's prompt.
-        Sets prefix_len[r] = T and suffix_len[r] = 0."""
-        T = tokens.shape[0]
-        cos, sin = self.cos[:T, None], self.sin[:T, None]  # [T, 1, D]
+        """tokens [T] -> logits [V] of the last position, [T, V] of all (logits="all") or None (logits=None: the LM head
+        is skipped, as a draft's prefill needs) for request r's prompt. Sets prefix_len[r] = T and suffix_len[r] = 0."""
+        cos, sin = self.cos[:len(tokens), None], self.sin[:len(tokens), None]  # [T, 1, D]
         h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_prefill, r=r))  # [T, dim]
-        cache.prefix_len[r], cache.suffix_len[r] = T, 0
+        cache.prefix_len[r], cache.suffix_len[r] = len(tokens), 0
         return None if logits is None else self._logits(h if logits == "all" else h[-1])
 
     @torch.inference_mode()
@@ -474,22 +438,28 @@ class Transformer(torch.nn.Module):
 # ---------------------------------------------------------------- weights: Hugging Face names
 
 
+def layout(c):
+    """[(a model parameter's name, its Hugging Face tensors [(name, shape)] one after another along its rows, the
+    dim along which a tensor-parallel rank takes its chunk of each: None for all of it)] for every tensor c needs."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    out = [("embed", [("model.embed_tokens.weight", (c.vocab_size, c.dim))], None),
+           ("norm", [("model.norm.weight", (c.dim,))], None)]
+    out += [] if c.tie_embeddings else [("lm_head", [("lm_head.weight", (c.vocab_size, c.dim))], None)]
+    for i in range(c.n_layers):
+        p, qkv = f"model.layers.{i}.", list(zip("qkv", (q, kv, kv)))
+        out += [(f"layers.{i}.wqkv", [(p + f"self_attn.{x}_proj.weight", (n, c.dim)) for x, n in qkv], 0)]
+        out += [(f"layers.{i}.bqkv", [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in qkv], 0)] * c.qkv_bias
+        out += [(f"layers.{i}.wo", [(p + "self_attn.o_proj.weight", (c.dim, q))], 1),
+                (f"layers.{i}.w13", [(p + f"mlp.{x}_proj.weight", (c.ffn_dim, c.dim)) for x in ("gate", "up")], 0),
+                (f"layers.{i}.w2", [(p + "mlp.down_proj.weight", (c.dim, c.ffn_dim))], 1),
+                (f"layers.{i}.attn_norm", [(p + "input_layernorm.weight", (c.dim,))], None),
+                (f"layers.{i}.ffn_norm", [(p + "post_attention_layernorm.weight", (c.dim,))], None)]
+    return out
+
+
 def expected_shapes(c):
     """Every tensor the model needs, by its Hugging Face name."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.dim), "model.norm.weight": (c.dim,)}
-    if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.dim)
-    for i in range(c.n_layers):
-        p = f"model.layers.{i}."
-        for x, rows in zip("qkv", (q, kv, kv)):
-            shapes[p + f"self_attn.{x}_proj.weight"] = (rows, c.dim)
-            if c.qkv_bias:
-                shapes[p + f"self_attn.{x}_proj.bias"] = (rows,)
-        shapes |= {p + "self_attn.o_proj.weight": (c.dim, q), p + "mlp.gate_proj.weight": (c.ffn_dim, c.dim),
-                   p + "mlp.up_proj.weight": (c.ffn_dim, c.dim), p + "mlp.down_proj.weight": (c.dim, c.ffn_dim),
-                   p + "input_layernorm.weight": (c.dim,), p + "post_attention_layernorm.weight": (c.dim,)}
-    return shapes
+    return {name: shape for _, tensors, _ in layout(c) for name, shape in tensors}
 
 
 def checked_getter(c, tensors, where):
@@ -516,33 +486,17 @@ def fill_weights(model, get, rank=0):
     """Copy every tensor into the model (materialised in RAM, never left memory-mapped), in the model's dtype and
     straight into its rows of the fused q/k/v and gate/up weights, so that no tensor is ever held twice in full
     (a GGUF file's float32 dequantization of the embedding alone is 0.9 GB for Qwen2.5-1.5B). A tensor-parallel
-    rank's model reads only its chunks: rows of q/k/v (and their biases) and gate/up, columns of o and down; each
-    fused tensor holds its own q, k, v / gate, up rows. A progress bar on a terminal: a big model takes a minute."""
+    rank's model reads only its chunks (layout's). A progress bar on a terminal: a big model takes a minute."""
     from tqdm import tqdm
-    rows, cols, whole = (0, rank, model.config.tp), (1, rank, model.config.tp), (0, 0, 1)
     total = sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
     with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
-        def put(dst, names, part=whole):  # dst <- the named tensors, one after another along its rows
-            at = 0
-            for name in names:
-                t = get(name, part, dst.dtype)
+        for param, tensors, dim in layout(model.config):
+            dst, at = model.get_parameter(param), 0
+            for name, _ in tensors:
+                t = get(name, (0, 0, 1) if dim is None else (dim, rank, model.config.tp), dst.dtype)
                 dst[at:at + len(t)] = t
                 at += len(t)
                 bar.update(t.numel())
-        put(model.embed, ["model.embed_tokens.weight"])
-        put(model.norm, ["model.norm.weight"])
-        if not model.config.tie_embeddings:
-            put(model.lm_head, ["lm_head.weight"])
-        for i, b in enumerate(model.layers):
-            p = f"model.layers.{i}."
-            put(b.wqkv, [p + f"self_attn.{x}_proj.weight" for x in "qkv"], rows)
-            if b.bqkv is not None:
-                put(b.bqkv, [p + f"self_attn.{x}_proj.bias" for x in "qkv"], rows)
-            put(b.wo, [p + "self_attn.o_proj.weight"], cols)
-            put(b.w13, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows)
-            put(b.w2, [p + "mlp.down_proj.weight"], cols)
-            put(b.attn_norm, [p + "input_layernorm.weight"])
-            put(b.ffn_norm, [p + "post_attention_layernorm.weight"])
 
 
 # ---------------------------------------------------------------- weights: Hugging Face directories
@@ -571,8 +525,7 @@ def shard_files(path):
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise LoadError(f"{index}: no weight_map of tensor names to file names")
     for f in set(weight_map.values()):
-        norm = os.path.normpath(f)
-        if os.path.isabs(norm) or norm.split(os.sep)[0] == "..":
+        if os.path.isabs(norm := os.path.normpath(f)) or norm.split(os.sep)[0] == "..":
             raise LoadError(f"{index}: shard {f!r} lies outside the model directory; refusing to open it")
     return sorted(set(weight_map.values()))
 
@@ -607,18 +560,25 @@ def open_hf_dir(path):
 
 # ---------------------------------------------------------------- weights: GGUF files
 
-GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+GGUF_NAMES = {"blk": "model.layers", "token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+              "ffn_norm": "post_attention_layernorm"}
+# GGUF value type -> its struct format, but for the two others: strings and arrays
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+GGUF_BLOCK = 2**22  # values dequantized at a time (16 MB of float32): the temporaries of a big tensor stay small
+# Config field -> its GGUF metadata key, "{}" the architecture
+GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
+             "n_kv_heads": "{}.attention.head_count_kv", "head_dim": "{}.attention.key_length",
+             "ffn_dim": "{}.feed_forward_length", "max_seq_len": "{}.context_length",
+             "norm_eps": "{}.attention.layer_norm_rms_epsilon", "rope_theta": "{}.rope.freq_base"}
 
 
 def hf_name(gguf_name):
-    """'blk.3.attn_q.bias' -> 'model.layers.3.self_attn.q_proj.bias'; a name of neither form stays as it is."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4:
-        return f"model.layers.{parts[1]}.{GGUF_NAMES.get(parts[2], parts[2])}.{parts[3]}"
-    return f"{GGUF_NAMES.get(parts[0], parts[0])}.{parts[1]}" if len(parts) == 2 else gguf_name
+    """'blk.3.attn_q.bias' -> 'model.layers.3.self_attn.q_proj.bias': each part as GGUF_NAMES renames it."""
+    return ".".join(GGUF_NAMES.get(part, part) for part in gguf_name.split("."))
 
 
 def unpermute_rope(w, heads):
@@ -627,31 +587,12 @@ def unpermute_rope(w, heads):
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-class GGUFMetadata(dict):
-    """GGUF key-value metadata; a missing required key is a one-line LoadError naming the file."""
-
-    def __init__(self, values, path):
-        super().__init__(values)
-        self.path = path
-
-    def __missing__(self, key):
-        raise LoadError(f"{self.path}: GGUF metadata has no {key}")
-
-
-# GGUF value type -> its struct format, but for the two others: strings and arrays
-GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-GGUF_STRING, GGUF_ARRAY = 8, 9
-
-
 def read_gguf_header(path):
     """-> (metadata {key: value}, tensors {GGUF name: (shape, GGML type, file offset, bytes a row)}) from the header
     alone. Parsed here, not by gguf.GGUFReader: that builds a numpy view of every vocabulary string (13 s for
     Qwen2.5's 150k tokens and merges, so a draft and a target took 18 s to open) and trusts every count, failing
     on a damaged one with 'index 0 is out of bounds'. Raises ValueError naming the first count, length or offset
     that the file's size makes impossible."""
-    import mmap
-    import struct
-
     import gguf
     size = os.path.getsize(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -665,47 +606,40 @@ def read_gguf_header(path):
             pos += n
             return struct.unpack_from("<" + fmt, data, pos - n)
 
-        def read(fmt, field):
-            return unpack(fmt, field)[0]
-
-        def count(field, item_bytes):
-            n = read("Q", field)
+        def count(field, item_bytes):  # of items of at least item_bytes each
+            n = unpack("Q", field)[0]
             if n * item_bytes > size - pos:
                 raise ValueError(f"{field} is {n}, more than the rest of the file holds")
             return n
 
-        def string(field):
-            return read(f"{count(f'{field} length', 1)}s", field).decode()
-
         def value(vtype, field):
             if vtype == GGUF_STRING:
-                return string(field)
+                return unpack(f"{count(f'{field} length', 1)}s", field)[0].decode()
             if vtype == GGUF_ARRAY:
-                itype = read("I", f"{field} element type")
+                itype = unpack("I", f"{field} element type")[0]
                 n = count(f"{field} array length", struct.calcsize("<" + GGUF_SCALARS.get(itype, "Q")))
                 if itype in GGUF_SCALARS:
                     return list(unpack(f"{n}{GGUF_SCALARS[itype]}", field))
                 return [value(itype, f"{field} element") for _ in range(n)]
             if vtype in GGUF_SCALARS:
-                return read(GGUF_SCALARS[vtype], field)
+                return unpack(GGUF_SCALARS[vtype], field)[0]
             raise ValueError(f"{field} has unknown value type {vtype}")
 
-        if read("4s", "the magic number") != b"GGUF":
+        if unpack("4s", "the magic number")[0] != b"GGUF":
             raise ValueError("no GGUF magic number")
-        version = read("I", "the version")
+        version = unpack("I", "the version")[0]
         if version & 0xFFFF == 0:  # as gguf.GGUFReader decides; its tensors' blocks would need byte-swapping too
             raise LoadError(f"{path}: a big-endian GGUF file; convert it to a little-endian one")
         if version not in (2, 3):
             raise LoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_kv = count("the tensor count", 24), count("the key-value count", 13)  # smallest entries
-        meta = {}
+        meta, infos = {}, {}
         for i in range(n_kv):
-            key = string(f"metadata key {i}")
-            meta[key] = value(read("I", f"the type of metadata {key!r}"), f"metadata {key!r}")
-        infos = {}
+            key = value(GGUF_STRING, f"metadata key {i}")
+            meta[key] = value(unpack("I", f"the type of metadata {key!r}")[0], f"metadata {key!r}")
         for i in range(n_tensors):
-            name = string(f"tensor name {i}")
-            n_dims = read("I", f"tensor {name!r} n_dims")
+            name = value(GGUF_STRING, f"tensor name {i}")
+            n_dims = unpack("I", f"tensor {name!r} n_dims")[0]
             if n_dims > 4:
                 raise ValueError(f"tensor {name!r} n_dims is {n_dims}, more than GGUF's 4")
             *dims, kind, offset = unpack(f"{n_dims}QIQ", f"tensor {name!r} dimensions, type and offset")
@@ -729,25 +663,20 @@ def read_gguf_header(path):
     return meta, tensors
 
 
-GGUF_BLOCK = 2**22  # values dequantized at a time (16 MB of float32): the temporaries of a big tensor stay small
-
-# Config field -> its GGUF metadata key, "{}" the architecture
-GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
-             "n_kv_heads": "{}.attention.head_count_kv", "head_dim": "{}.attention.key_length",
-             "ffn_dim": "{}.feed_forward_length", "max_seq_len": "{}.context_length",
-             "norm_eps": "{}.attention.layer_norm_rms_epsilon", "rope_theta": "{}.rope.freq_base"}
-
-
 def open_gguf(path):
     """-> (Config, get(name, part, dtype) -> tensor by Hugging Face name (float32 unless dtype says otherwise),
     Tokenizer), reading the header only: tensors are read and dequantized when got."""
     import gguf
     import numpy as np
+
+    class Metadata(dict):  # a missing required key is a one-line LoadError naming the file
+        def __missing__(self, key):
+            raise LoadError(f"{path}: GGUF metadata has no {key}")
     try:
         values, infos = read_gguf_header(path)
     except ValueError as e:
         raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt? ({e})") from None
-    meta, found = GGUFMetadata(values, path), {hf_name(n): t for n, t in infos.items()}
+    meta, found = Metadata(values), {hf_name(n): t for n, t in infos.items()}
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
@@ -780,15 +709,12 @@ def open_gguf(path):
         try:
             gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
         except NotImplementedError:
-            raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; try a newer one") \
-                from None
+            raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; upgrade it") from None
 
     def dequantized(name, first, n):  # float32 [n, columns]: rows first .. first + n - 1
         _, kind, offset, row_bytes = found[name]
-        with open(path, "rb") as f:
-            f.seek(offset + first * row_bytes)
-            raw = np.fromfile(f, np.uint8, n * row_bytes)
-        return torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, row_bytes), kind))
+        raw = np.fromfile(path, np.uint8, n * row_bytes, offset=offset + first * row_bytes).reshape(n, row_bytes)
+        return torch.from_numpy(gguf.quants.dequantize(raw, kind))
 
     def fetch(name, index, dtype=None):
         """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
@@ -820,15 +746,13 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 
 def gguf_pre_tokenizer(name, where):
-    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import Regex, normalizers, pre_tokenizers as pre
     if name == "qwen2":
-        return normalizers.NFC(), pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return normalizers.NFC(), pre.Sequence([pre.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                pre.ByteLevel(add_prefix_space=False, use_regex=False)])
     if name == "smollm":
-        return None, pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return None, pre.Sequence([pre.Digits(individual_digits=True),
+                                   pre.ByteLevel(add_prefix_space=False, use_regex=True)])
     raise LoadError(f"{where}: GGUF pre-tokenizer {name!r} is not supported (supported: qwen2, smollm)")
 
 
@@ -857,8 +781,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, meta, where):
-        from tokenizers import AddedToken, decoders, models, processors
-        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, processors
         if meta.get("tokenizer.ggml.model") != "gpt2":
             raise LoadError(f"{where}: GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
                             "supported (byte-level BPE, 'gpt2', only)")
@@ -890,16 +813,14 @@ class Tokenizer:
         """tokenizer.json, and tokenizer_config.json holding the chat template."""
         self.tok.save(os.path.join(path, "tokenizer.json"))
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-            json.dump({"chat_template": self.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}, f,
-                      indent=1)
+            json.dump({"chat_template": self.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)
 
 
 # ---------------------------------------------------------------- loading
 
 
 def open_weights(path):
-    """-> (Config, get(name, part) -> tensor (checked_getter's), Tokenizer) for a Hugging Face directory or a
-    .gguf file."""
+    """-> (Config, get (checked_getter's), Tokenizer) for a Hugging Face directory or a .gguf file."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
