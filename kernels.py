@@ -1,19 +1,17 @@
-"""Kernels: each Triton kernel beside the few-line PyTorch reference that documents it; then the tensor rules
-the decoding methods share (restricted, tempered and power distributions, easd's trigger, smc's EOS-absorbing
-weights), plain PyTorch that runs on every device.
+"""Kernels: each Triton kernel beside the few-line PyTorch reference that documents it; then the tensor rules the
+decoding methods share (restricted, tempered and power distributions, easd's trigger, smc's EOS-absorbing weights),
+plain PyTorch that runs on every device.
 
 Dispatch (`use_triton`): the Triton kernel on CUDA tensors, the reference on CPU tensors (attention:
-`particle_attention_cpu`, the same math arranged for speed), and the Triton kernel on CPU when
-TRITON_INTERPRET=1 was set before this module was imported (the tests). Without triton installed (macOS
-has no wheels) the references serve everywhere.
+`particle_attention_cpu`, the same math arranged for speed), and the Triton kernel on CPU when TRITON_INTERPRET=1 was
+set before this module was imported (the tests). Without triton (macOS has no wheels) the references serve everywhere.
 
-Randomness: `rng` is an int64 tensor [R, 2] on the data's device, one (seed, counter) row per request
-(`make_rng`); the rows of the data are grouped by request, request r owning rows [r*M, (r+1)*M) of B = R*M.
-Each call that draws noise (`sample`, `resample`) keys request r's numbers on its own (seed, counter) and the
-row's index within the request, then adds 1 to every counter in place on the device: batching never changes
-a request's draws, a CUDA-graph replay draws fresh noise, the same seed replays the same run. Triton draws
-Philox numbers and the references draw from torch generators, so the two paths agree in distribution, not
-draw for draw."""
+Randomness: `rng` is an int64 tensor [R, 2] on the data's device, one (seed, counter) row per request (`make_rng`); the
+rows of the data are grouped by request, request r owning rows [r*M, (r+1)*M) of B = R*M. Each call that draws noise
+(`sample`, `resample`) keys request r's numbers on its own (seed, counter) and the row's index within the request, then
+adds 1 to every counter in place on the device: batching never changes a request's draws, a CUDA-graph replay draws
+fresh noise, the same seed replays the same run. Triton draws Philox numbers and the references draw from torch
+generators, so the two paths agree in distribution, not draw for draw."""
 import functools
 import os
 from types import SimpleNamespace
@@ -31,6 +29,7 @@ jit = triton.jit if triton else (lambda fn: fn)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when a kernel is defined
 LOG2E = 1.4426950408889634
 _cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, log-sum-exp)
+MAX_SPLITS = 16  # KV splits of an attention pass at most: enough to fill a GPU
 
 
 def use_triton(t):
@@ -45,16 +44,12 @@ def make_rng(seed, device):
     return torch.tensor([[s, 0] for s in seeds], dtype=torch.int64, device=device)
 
 
-def _generators(rng):
-    """One torch generator per request keyed on its (seed, counter), for the references; advances the counters."""
+def _uniforms(rng, M):
+    """float32 [R * M, 1] for the references: request r's M rows from a generator keyed on rng[r]; counters + 1."""
     keys = rng.tolist()
     rng[:, 1] += 1
-    return [torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64) for s, c in keys]
-
-
-def _uniforms(gens, M, device):
-    """float32 [R * M, 1]: request r's M rows draw their uniforms from its own generator only."""
-    return torch.cat([torch.rand(M, 1, generator=g, device=device) for g in gens])
+    gens = [torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64) for s, c in keys]
+    return torch.cat([torch.rand(M, 1, generator=g, device=rng.device) for g in gens])
 
 
 def _temperatures(temperature, device, R=None):
@@ -74,9 +69,8 @@ def _per_row(t, B):
 
 @jit
 def _offset(i, stride):
-    """i * stride in int64. The kernels take every (request, particle, head, layer) offset from here:
-    one layer's suffix cache reaches 2**31 elements at long contexts (N=16, 8 KV heads, D=128, S=128k),
-    where the int32 product of a program index and a stride wraps."""
+    """i * stride in int64, for every (request, particle, head, layer) offset in the kernels: one layer's suffix cache
+    reaches 2**31 elements at long contexts (N=16, 8 KV heads, D=128, S=128k), where int32 products wrap."""
     return tl.cast(i, tl.int64) * stride
 
 
@@ -84,18 +78,15 @@ def _offset(i, stride):
 
 
 def prefill_attention(q, k, v, scale):
-    """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
-    On the CPU in blocks of query tokens, a KV group's rows of a block forming one matrix against the keys up to
-    the block's end: 5-8x faster at T = 1500 than torch's fused CPU attention. Scores in float32 (bf16 scores
-    triple the logits' KL divergence), probabilities in q's dtype."""
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
+    """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CPU: in blocks of query tokens,
+    a KV group's rows of a block one matrix against the keys up to the block's end (5-8x torch's fused CPU attention
+    at T = 1500). Scores in float32 (bf16 scores triple the logits' KL divergence), probabilities in q's dtype."""
+    (T, Hq, D), Hkv = q.shape, k.shape[1]
     G = Hq // Hkv
     if q.device.type != "cpu":  # 4-D, KV heads repeated: only such inputs reach the flash / efficient / cuDNN kernels
         k, v = (x[:, :, None].expand(T, Hkv, G, D).reshape(T, Hq, D) for x in (k, v))
-        out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
-                                             scale=scale)
-        return out[0].transpose(0, 1)
+        qkv = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, Hq, T, D]
+        return F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale)[0].transpose(0, 1)
     block = max(1, min(128, 2**23 // (Hq * T)))  # query tokens: more spill the float32 scores out of cache
     qg, kf, vt = q.view(T, Hkv, G, D).transpose(0, 1), k.transpose(0, 1).float(), v.transpose(0, 1)  # [Hkv, T, ...]
     out = torch.empty_like(q)
@@ -111,18 +102,14 @@ def prefill_attention(q, k, v, scale):
 
 
 def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """Attention for R requests x N particles x T new tokens.
-
-    q [R, N, T, Hq, D]; prefix_k/v [R, Hkv, P, D] (the prompt, shared by all particles);
-    suffix_k/v [R, N, Hkv, S, D] (each particle's generated tokens, the T new ones already written
-    at suffix_len .. suffix_len+T-1); prefix_len, suffix_len: int32 [R].
-    Query t sees prefix keys [0, prefix_len) and suffix keys [0, suffix_len + t]. -> [R, N, T, Hq, D].
-    tree: None (causal), or bool [R, T, T] for a draft tree verified in one pass (RACER): query t sees the
-    prefix, the committed suffix keys [0, suffix_len) and new token j iff tree[r, t, j] (its ancestors and
-    itself), the same for every particle. A lower-triangular tree is the causal case.
-    The math, not the speed: the broadcast matmuls against the prefix copy it per particle and head."""
-    R, N, T, Hq, D = q.shape
-    Hkv = prefix_k.shape[1]
+    """Attention for R requests x N particles x T new tokens. q [R, N, T, Hq, D]; prefix_k/v [R, Hkv, P, D] (the
+    prompt, shared by all particles); suffix_k/v [R, N, Hkv, S, D] (each particle's generated tokens, the T new ones
+    already written at suffix_len .. suffix_len+T-1); prefix_len, suffix_len: int32 [R]. -> [R, N, T, Hq, D].
+    Query t sees prefix keys [0, prefix_len) and suffix keys [0, suffix_len + t]. tree: None (causal), or bool
+    [R, T, T] for a draft tree verified in one pass (RACER): query t sees the prefix, the committed suffix keys
+    [0, suffix_len) and new token j iff tree[r, t, j] (its ancestors and itself), for every particle (lower-triangular
+    = causal). The math, not the speed: the broadcast matmuls copy the prefix per particle and head."""
+    (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
     out = torch.empty_like(q)
     for r in range(R):
         P, S = int(prefix_len[r]), int(suffix_len[r]) + T
@@ -140,13 +127,11 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
 
 
 def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """`particle_attention_ref`'s contract, fast on the CPU: two calls of torch's fused CPU attention, which
-    also returns each row's log-sum-exp. Prefix pass: every particle's rows of a KV group form one query
-    matrix against the prompt, read once (the reference's broadcast matmuls copy it per particle and head).
-    Suffix pass: each particle's rows against its own suffix, causal (or by the tree) in the T new tokens. The
-    prefix holds a share sigmoid(lse_prefix - lse_suffix) of each row's softmax mass."""
-    R, N, T, Hq, D = q.shape
-    Hkv = prefix_k.shape[1]
+    """`particle_attention_ref`'s contract, fast on the CPU: two calls of torch's fused CPU attention, which also
+    returns each row's log-sum-exp. Prefix pass: every particle's rows of a KV group form one query matrix against the
+    prompt, read once. Suffix pass: each particle's rows against its own suffix, causal (or by the tree) in the T new
+    tokens. The prefix holds a share sigmoid(lse_prefix - lse_suffix) of each row's softmax mass."""
+    (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
     G = Hq // Hkv
     token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
     out = torch.empty_like(q)
@@ -171,17 +156,15 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
 
 
 @jit
-def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_ptr, qk_scale,
-                            sq_r, sq_n, sq_t, sk_r, sk_n, sk_h, sk_s, so_r, so_n, so_t, so_h,
-                            N, T, G, Hkv, split0, CAUSAL: tl.constexpr, TREE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_ptr, qk_scale, sq_r, sq_n, sq_t,
+                            sk_r, sk_n, sk_h, sk_s, so_r, so_n, so_t, so_h, N, T, G, Hkv, split0, CAUSAL: tl.constexpr,
+                            TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One KV split of one (request, KV head[, particle]) against a block of its query rows.
-    Prefix pass (CAUSAL=False): the rows are every particle x token x head of the KV group, so each
-    K/V tile is loaded once for all of them. Suffix pass: one particle's rows, causal in the T new
-    tokens, or with TREE as the request's tree (bytes [R, T, T]) says. The grid's splits share the
-    live keys, not the capacity, so a short cache still spreads over them. Writes the split's normalised
-    output and log-sum-exp; an empty split loads nothing and writes lse = -inf, out = 0."""
+    """One KV split of one (request, KV head[, particle]) against a block of its query rows. Prefix pass (CAUSAL=False):
+    the rows are every particle x token x head of the KV group, so each K/V tile is loaded once for all of them. Suffix
+    pass: one particle's rows, causal in the T new tokens, or with TREE as the request's tree (bytes [R, T, T]) says.
+    The grid's splits share the live keys, not the capacity, so a short cache still spreads over them. Writes the
+    split's normalised output and log-sum-exp; an empty split loads nothing and writes lse = -inf, out = 0."""
     pid = tl.program_id(0)
     h = pid % Hkv
     if CAUSAL:
@@ -190,8 +173,7 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
         n0, r, rows = 0, pid // Hkv, N * T * G
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (particle, token, head)
     n, t, hq = n0 + m // (T * G), m // G % T, h * G + m % G
-    d = tl.arange(0, D)
-    row_ok = m < rows
+    d, row_ok = tl.arange(0, D), m < rows
     length = tl.load(len_ptr + r)
     if CAUSAL:  # token t sees its own row of the suffix and those before it
         limit, end = length + t + 1, length + T  # [BLOCK_M], and their maximum
@@ -233,30 +215,24 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    found = l_i > 0
     slot = _offset(r, so_r) + _offset(n, so_n) + t * so_t + hq * so_h + split0 + tl.program_id(2)  # [BLOCK_M]
     tl.store(lse_ptr + slot, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # ln; -inf if l_i = 0
-    out = acc / tl.where(found, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + slot[:, None] * D + d[None, :], out, mask=row_ok[:, None])
 
 
-MAX_SPLITS = 16
-
-
 def _split_len(capacity, rows, block_n):
-    """Keys per split of a full cache: at most MAX_SPLITS splits, to fill the GPU when the cache is long,
-    and at least `rows` keys each, so the fp32 partials written (rows x D) weigh no more than the K/V
-    read. The grid has one split per this many keys of capacity; the kernel applies the same rule to
-    the live keys over those splits."""
+    """Keys per split of a full cache: at most MAX_SPLITS splits, to fill the GPU when the cache is long, and at least
+    `rows` keys each, so the fp32 partials written (rows x D) weigh no more than the K/V read. The grid has one split
+    per this many keys of capacity; the kernel applies the same rule to the live keys over those splits."""
     tiles = triton.cdiv(max(capacity, 1), block_n)
     return block_n * max(triton.cdiv(tiles, MAX_SPLITS), triton.cdiv(rows, block_n))
 
 
 def _attention_blocks(rows, D, elem, smem):
-    """(BLOCK_M, BLOCK_N, num_stages): the largest whose estimated shared memory fits `smem` bytes per
-    program. The estimate, a Q tile, num_stages K and V tiles and an fp32 [BLOCK_M, BLOCK_N] scratch,
-    bounds what Triton 3.6 and 3.9 allocate for this kernel on sm_80 and sm_90 (offline compiles).
-    fp32 at D=128, 128 rows: (128, 64, 2) on an H100, (128, 32, 2) an A100, (64, 32, 1) an RTX 4090."""
+    """(BLOCK_M, BLOCK_N, num_stages): the largest whose estimated shared memory fits `smem` bytes per program. The
+    estimate (a Q tile, num_stages K and V tiles, an fp32 [BLOCK_M, BLOCK_N] scratch) bounds what Triton 3.6 and 3.9
+    allocate on sm_80 and sm_90. fp32 D=128, 128 rows: (128, 64, 2) on H100, (128, 32, 2) A100, (64, 32, 1) RTX 4090."""
     top = min(max(triton.next_power_of_2(rows), 16), 128)
     for block_m in (m for m in (128, 64, 32, 16) if m <= top):
         for block_n, stages in ((64, 3), (64, 2), (32, 2), (32, 1)):
@@ -275,16 +251,13 @@ def _shared_memory(device):
 def _attention_plan(q, capacity, rows):
     """(splits, BLOCK_M, BLOCK_N, num_stages) for a pass of `rows` query rows per program over a cache
     of `capacity` keys; shapes only, for CUDA graphs. The interpreter keeps small blocks (it is slow)."""
-    if INTERPRET:
-        blocks = min(max(triton.next_power_of_2(rows), 16), 128), 16, 1
-    else:
-        blocks = _attention_blocks(rows, q.shape[-1], q.element_size(), _shared_memory(q.get_device()))
+    blocks = (min(max(triton.next_power_of_2(rows), 16), 128), 16, 1) if INTERPRET else \
+        _attention_blocks(rows, q.shape[-1], q.element_size(), _shared_memory(q.get_device()))
     return triton.cdiv(capacity, _split_len(capacity, rows, blocks[1])), *blocks
 
 
 def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree=None):
-    R, N, T, Hq, D = q.shape
-    Hkv = k.shape[-3]
+    (R, N, T, Hq, D), Hkv = q.shape, k.shape[-3]
     G = Hq // Hkv
     splits, block_m, block_n, stages = plan
     rows = T * G if causal else N * T * G
@@ -300,10 +273,9 @@ def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree
 
 
 def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """`particle_attention_ref`'s contract (tree: None = causal, or bool [R, T, T], a device tensor).
-    Triton: a prefix pass and a per-particle suffix pass each write one partial softmax per KV split,
-    merged here by log-sum-exp. The grid depends on shapes only and the lengths and tree stay on the
-    device, so the call can be captured in a CUDA graph."""
+    """`particle_attention_ref`'s contract (tree: None = causal, or bool [R, T, T], a device tensor). Triton: a prefix
+    pass and a per-particle suffix pass each write one partial softmax per KV split, merged here by log-sum-exp. The
+    grid depends on shapes only, the lengths and tree stay on the device: the call can be captured in a CUDA graph."""
     if not use_triton(q):
         fn = particle_attention_cpu if q.device.type == "cpu" else particle_attention_ref
         return fn(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree)
@@ -327,16 +299,15 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
 
 
 def sample_ref(logits, temperature, rng):
-    """Inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform draw times
-    the total. -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0. Request r's M rows
-    take their M uniforms from a generator keyed on rng[r] alone. (On CPU this is ~10x cheaper than Gumbel
+    """Inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform draw times the total.
+    -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0. (On CPU this is ~10x cheaper than Gumbel
     noise for every vocabulary entry; the kernel's one streaming pass needs Gumbel.)"""
     B, R = logits.shape[0], rng.shape[0]
     t = _per_row(_temperatures(temperature, logits.device, R), B)[:, None]  # [B, 1]
     x = logits.float() / t.where(t > 0, 1.0)  # [B, V]
     top = x.amax(-1, keepdim=True)  # [B, 1]
     cdf = (x - top).exp_().cumsum_(-1)  # [B, V] nondecreasing, so tokens of probability 0 are never hit
-    u = _uniforms(_generators(rng), B // R, x.device) * cdf[:, -1:]  # greedy rows draw too: alone == batched
+    u = _uniforms(rng, B // R) * cdf[:, -1:]  # greedy rows draw too: alone == batched
     last = cdf.argmax(-1, keepdim=True)  # the last token of nonzero probability: u * total may round up
     tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, x.argmax(-1, keepdim=True))
     return tokens[:, 0], (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)[:, 0]
@@ -354,13 +325,11 @@ def token_logprobs_ref(logits, tokens, temperature):
 @jit
 def _vocab_chunk_kernel(logits_ptr, stride_b, V, M, temp_ptr, rng_ptr, max_ptr, sum_ptr, key_ptr, x_ptr, at_ptr,
                         CHUNK: tl.constexpr, SAMPLE: tl.constexpr, NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One vocabulary chunk of one row, streamed once: the max of the tempered logits x and the sum of
-    exp(x - max); with SAMPLE also the chunk's Gumbel-max winner (key, x, index). The row belongs to
-    request b // M, whose temperature (0 = greedy: no noise) and (seed, counter) it reads; NOISE off = all
-    greedy."""
+    """One vocabulary chunk of one row, streamed once: the max of the tempered logits x and the sum of exp(x - max);
+    with SAMPLE also the chunk's Gumbel-max winner (key, x, index). The row belongs to request b // M, whose temperature
+    (0 = greedy: no noise) and (seed, counter) it reads; NOISE off = all greedy."""
     b, c = tl.program_id(0), tl.program_id(1)
-    row = logits_ptr + b.to(tl.int64) * stride_b
-    r = b // M
+    row, r = logits_ptr + b.to(tl.int64) * stride_b, b // M
     temp = tl.load(temp_ptr + r)
     inv_temp = 1.0 / tl.where(temp > 0, temp, 1.0)
     if NOISE:  # Philox counter (element within the request, call): the request's other rows never enter
@@ -419,10 +388,9 @@ def _logprob(picked, chunk_max, chunk_sum, t):
 
 
 def sample(logits, temperature, rng):
-    """Draw one token per row of logits [B, V], grouped by request, from softmax(logits / temperature) ->
-    (tokens int64 [B], their log-probs float32 [B], 0 when greedy). temperature: a Python float, or float32
-    [R] per request; 0 = greedy. Request r's noise is keyed on rng[r] = (seed, counter) [R, 2] and the row's
-    index within the request; every counter is incremented in place on the device. No host sync."""
+    """Draw one token per row of logits [B, V], grouped by request, from softmax(logits / temperature) -> (tokens
+    int64 [B], their log-probs float32 [B], 0 when greedy). temperature: a Python float, or float32 [R] per request;
+    0 = greedy. Noise from rng [R, 2] as the module docstring says (every counter + 1 in place). No host sync."""
     if not use_triton(logits):
         return sample_ref(logits, temperature, rng)
     t = _temperatures(temperature, logits.device, rng.shape[0])  # [R]
@@ -434,9 +402,8 @@ def sample(logits, temperature, rng):
 
 
 def token_logprobs(logits, tokens, temperature):
-    """log softmax(logits [B, V] / temperature)[tokens [B]] -> float32 [B], in one pass over logits.
-    temperature: a Python float, or float32 [R] for R requests of B // R rows each. Temperature 0 is the
-    greedy distribution: 0 for the argmax token, -inf for any other."""
+    """log softmax(logits [B, V] / temperature)[tokens [B]] -> float32 [B], in one pass over logits. temperature: a
+    float, or float32 [R] for R requests of B // R rows each; 0 = greedy: 0 for the argmax token, -inf for others."""
     if not use_triton(logits):
         return token_logprobs_ref(logits, tokens, temperature)
     t = _temperatures(temperature, logits.device)  # [R]
@@ -449,19 +416,8 @@ def token_logprobs(logits, tokens, temperature):
 # ---------------------------------------------------------------- resampling
 
 
-def _keep_in_place(offspring):
-    """Ancestors [R, N] with the given offspring counts where every particle with offspring is its own
-    ancestor; the spare copies fill the childless slots in order. So a gather writes only childless
-    particles (the fewest rows possible) and never reads a particle it overwrites."""
-    extra = (offspring - 1).clamp(min=0).cumsum(-1)  # [R, N] spare copies of particles 0..j
-    rank = (offspring == 0).cumsum(-1) - 1  # [R, N] slot i is the rank-th childless one
-    fill = (extra[:, None, :] <= rank[:, :, None]).sum(-1)  # first j whose spares reach that rank
-    return torch.where(offspring > 0, torch.arange(offspring.shape[1], device=offspring.device), fill)
-
-
-# An ESS within this relative distance below threshold * N counts as at the threshold, not below it. Compiled
-# Triton's exp and division are approximate, so k equal weights can give an ESS a few ulps (~1e-7 each) under
-# k; ESS < N (1 - 1e-5) takes weights spread by ~0.3% (log-weights by ~0.003 nats RMS), a real difference.
+# An ESS within this relative distance below threshold * N counts as at it: compiled exp and division are approximate
+# (k equal weights may give an ESS some 1e-7 under k), while ESS < N (1 - 1e-5) takes log-weights ~0.003 nats RMS apart.
 ESS_RTOL = 1e-5
 
 
@@ -484,22 +440,24 @@ def resample_ref(logw, threshold, rng):
     w = u / u.sum(-1, keepdim=True)
     ess = (u.sum(-1) ** 2 / (u * u).sum(-1)).clamp(1, N)  # [R]; k equal weights give k here, ~k compiled
     resampled = ess < _ess_limit(threshold, N)  # the float32 comparison the kernel makes
-    pos = (i + _uniforms(_generators(rng), 1, logw.device)) / N  # [R, N], request r's uniform its own
+    pos = (i + _uniforms(rng, 1)) / N  # [R, N], request r's uniform its own
     last = torch.where(w > 0, i, 0).amax(-1, keepdim=True)  # catches pos beyond a rounded-down total
     hit = (w.cumsum(-1)[:, None, :] > pos[:, :, None]) & (w[:, None, :] > 0)  # [R, slot, particle]
     systematic = torch.where(hit, i, last[:, :, None]).amin(-1)  # sorted; never a zero weight
     offspring = (systematic[:, :, None] == i).sum(1)  # [R, N]
-    ancestors = torch.where(resampled[:, None], _keep_in_place(offspring), i)
+    # each particle with offspring stays its own ancestor, its spare copies fill the childless slots in order
+    extra = (offspring - 1).clamp(min=0).cumsum(-1)  # [R, N] spare copies of particles 0..j
+    rank = (offspring == 0).cumsum(-1) - 1  # [R, N] slot i is the rank-th childless one
+    fill = (extra[:, None, :] <= rank[:, :, None]).sum(-1)  # first j whose spares reach that rank
+    ancestors = torch.where(resampled[:, None] & (offspring == 0), fill, i)
     return ancestors, ess, resampled, nan.any(-1) | empty[:, 0]
 
 
 @jit
-def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, degenerate_ptr,
-                     N, ess_limit, BLOCK: tl.constexpr):
-    """One request per program; `resample_ref` step by step, with [BLOCK, BLOCK] comparison
-    matrices standing in for searchsorted and bincount."""
-    r = tl.program_id(0)
-    i = tl.arange(0, BLOCK)
+def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, degenerate_ptr, N, ess_limit,
+                     BLOCK: tl.constexpr):
+    """One request per program: `resample_ref`, [BLOCK, BLOCK] comparisons standing in for searchsorted, bincount."""
+    r, i = tl.program_id(0), tl.arange(0, BLOCK)
     valid = i < N
     x = tl.load(logw_ptr + r * N + i, mask=valid, other=float("-inf"))
     nan = x != x
@@ -528,27 +486,21 @@ def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, d
 
 
 def resample(logw, threshold, rng):
-    """Systematic resampling, per request, of the particles' log-weights logw [R, N] float32.
-
-    Weights are softmax(logw) with NaN read as -inf (zero weight); an all -inf row counts as uniform.
-    ESS = 1 / sum(w^2), clamped to [1, N]. A row is resampled iff ESS < threshold * N (strict, as in
-    the paper) by more than a relative ESS_RTOL = 1e-5, so float rounding never decides (k equal weights
-    may give an ESS an ulp below k on a GPU): threshold 0 never resamples, 1 whenever the weights are not
-    all equal (log-weights spread by more than ~0.003 nats RMS; equal weights would give every particle
-    itself anyway). Ancestors put each particle with k >= 1 offspring (k is floor or ceil of N w) in its
-    own slot and its k - 1 spare copies in the slots of particles with none, so only childless particles
-    are overwritten; rows not resampled get the identity. Request r's
-    uniform is keyed on its own rng[r] = (seed, counter) only, and every counter incremented in place. No
-    host sync. The caller resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)).
-    -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all
-    -inf row)."""
+    """Systematic resampling, per request, of the particles' log-weights logw [R, N] float32. Weights are softmax(logw)
+    with NaN read as -inf (zero weight); an all -inf row counts as uniform. ESS = 1 / sum(w^2), clamped to [1, N]. A row
+    is resampled iff ESS < threshold * N (strict, as in the paper) by more than a relative ESS_RTOL, so float rounding
+    never decides: threshold 0 never resamples, 1 whenever the weights are not all equal (equal weights would give every
+    particle itself anyway). Ancestors put each particle with k >= 1 offspring (k is floor or ceil of N w) in its own
+    slot and its k - 1 spare copies in the slots of particles with none, so only childless particles are overwritten;
+    rows not resampled get the identity. Noise from rng [R, 2] as the module docstring says. No host sync. The caller
+    resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)). -> ancestors int64 [R, N], ess
+    float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all -inf row)."""
     if not use_triton(logw):
         return resample_ref(logw, threshold, rng)
     R, N = logw.shape
     assert rng.shape == (R, 2), "one (seed, counter) per request"
-    ancestors = torch.empty(R, N, dtype=torch.int64, device=logw.device)
-    ess = torch.empty(R, dtype=torch.float32, device=logw.device)
-    resampled, degenerate = (torch.empty(R, dtype=torch.bool, device=logw.device) for _ in range(2))
+    ancestors, ess = logw.new_empty(R, N, dtype=torch.int64), logw.new_empty(R, dtype=torch.float32)
+    resampled, degenerate = (logw.new_empty(R, dtype=torch.bool) for _ in range(2))
     _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N,
                            _ess_limit(threshold, N), BLOCK=max(triton.next_power_of_2(N), 2))  # fp32, as the ref
     rng[:, 1].add_(1)
@@ -576,15 +528,13 @@ def gather_suffix_ref(cache, ancestors, length):
 @jit
 def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st_n, st_h, st_s,
                    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (layer, request, head) per program, all N particles' rows at once; the row blocks below
-    the live length are dealt round-robin over the grid's second axis, so the work follows the
-    length, not the capacity, and a request where no particle moved loads no cache row. Programs
-    touch disjoint rows, and in each block every load comes before the barrier and every store after
-    it, so each read sees the old values whatever the ancestors (cycles and chains included)."""
+    """One (layer, request, head) per program, all N particles' rows at once; the row blocks below the live length
+    are dealt round-robin over the grid's second axis, so the work follows the length, not the capacity, and a
+    request where no particle moved loads no cache row. Programs touch disjoint rows, and in each block every load
+    precedes the barrier and every store follows it: each read sees the old values, whatever the ancestors."""
     pid = tl.program_id(0)
     h, r, layer = pid % H, pid // H % R, pid // (H * R)
-    p = tl.arange(0, BLOCK_P)
-    d = tl.arange(0, BLOCK_D)
+    p, d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
     ancestor = tl.load(ancestors_ptr + _offset(r, N) + p, mask=p < N, other=0)  # [BLOCK_P]
     moved = (p < N) & (ancestor != p)
     end = tl.where(tl.sum(moved.to(tl.int32), 0) > 0, tl.load(len_ptr + r), 0)  # no move: no row to copy
@@ -600,10 +550,9 @@ def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st
 
 
 def gather_suffix(cache, ancestors, length):
-    """In place, for cache [L, R, N, H, S, D] (a suffix KV cache, all layers in one launch) or a token
-    history [R, N, S]: rows [0, length[r]) of each particle i whose ancestors[r, i] != i become a copy
-    of its ancestor's; other particles and rows are not touched. Any ancestor vector is safe (reads
-    see the old values). ancestors int64 [R, N], length int32 [R]. Returns cache."""
+    """In place, for cache [L, R, N, H, S, D] (a suffix KV cache, all layers in one launch) or a token history
+    [R, N, S]: rows [0, length[r]) of each particle i whose ancestors[r, i] != i become a copy of its ancestor's; no
+    other row is touched. Any ancestors are safe. ancestors int64 [R, N], length int32 [R]. Returns cache."""
     if not use_triton(cache):
         return gather_suffix_ref(cache, ancestors, length)
     view = _as_6d(cache)
@@ -612,16 +561,14 @@ def gather_suffix(cache, ancestors, length):
     block_p, block_d = triton.next_power_of_2(N), triton.next_power_of_2(D)
     block_s = max(1, min(triton.next_power_of_2(S), 8192 // (block_p * block_d)))  # bounded registers
     blocks = max(1, min(triton.cdiv(S, block_s), triton.cdiv(4096, L * R * H)))  # ~4096 programs fill a GPU
-    _gather_kernel[(L * R * H, blocks)](
-        view, ancestors.contiguous(), length, N, R, H, D, *view.stride()[:5],
-        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
+    _gather_kernel[(L * R * H, blocks)](view, ancestors.contiguous(), length, N, R, H, D, *view.stride()[:5],
+                                        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
     return cache
 
 
 def compact(cache, base, path):
-    """Move the suffix K/V of an accepted tree path down to consecutive positions: node path[r, d] of the tree
-    written from base[r] (int [R]) to base[r] + d; path [R, D]. Parents come before children, so path[r, d] >= d
-    and one gather then one scatter do it."""
+    """Move the suffix K/V of an accepted tree path to consecutive positions: node path[r, d] of the tree written from
+    base[r] (int [R]) to base[r] + d; path [R, D]. Parents precede children (path[r, d] >= d): a gather, a scatter."""
     for kv in (cache.suffix_k, cache.suffix_v):  # [L, R, N, H, S, D]
         L, R, N, H, S, D = kv.shape
         at = lambda i: (base.long()[:, None] + i)[None, :, None, None, :, None].expand(L, R, N, H, i.shape[-1], D)
@@ -709,10 +656,9 @@ def probs(logits, temperature):
 
 
 def power_bonus(logits, temperature, power):
-    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the
-    SMC-SD paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is
-    Z, log Z = logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. At alpha = 1
-    the target's own logits, weight 0."""
+    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the SMC-SD
+    paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is Z, log Z =
+    logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. alpha = 1: logits, weight 0."""
     if power == 1:
         return logits, logits.new_zeros(logits.shape[:-1])
     scaled = logits / per_request(temperature, logits)
@@ -720,11 +666,10 @@ def power_bonus(logits, temperature, power):
 
 
 def easd_trigger(p, q, t, rule):
-    """EASD's rule (arXiv 2512.23765; its code was not available, so defined here): draft token t_k is rejected,
-    and replaced by a draw from the target's p_k itself, where both models are uncertain (the entropies of p_k and
-    q_k reach `entropy` nats) while their top-`top` tokens mostly agree (at least share x top in common) and t_k is
-    one of those shared tokens: agreement in low confidence, which would otherwise pass through. p, q [R, K, V],
-    t [R, K] -> bool [R, K]."""
+    """EASD's rule (arXiv 2512.23765; its code was not available, so defined here): draft token t_k is rejected, and
+    replaced by a draw from the target's p_k itself, where both models are uncertain (the entropies of p_k and q_k
+    reach `entropy` nats) while their top-`top` tokens mostly agree (at least share x top in common) and t_k is one of
+    those: agreement in low confidence, which would otherwise pass through. p, q [R, K, V], t [R, K] -> bool [R, K]."""
     entropy, top, share = rule
     uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
     top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
