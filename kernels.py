@@ -587,7 +587,7 @@ def quantize_int8(w):
     q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype)
     n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
     for i in range(0, len(w), n):
-        wf = w[i:i + n].float()
+        wf = w[i:i + n].to(torch.float32, copy=True)  # float() would alias a float32 w, and div_ write into it
         scale[i:i + n] = (wf.abs().amax(1) / 127).clamp(min=1e-30)  # clamp: an all-zero row
         q[i:i + n] = wf.div_(scale[i:i + n, None].float()).round_().clamp_(-127, 127)
     return q, scale
@@ -602,7 +602,7 @@ def quantize_int4(w):
     q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype)
     n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
     for i in range(0, len(w), n):
-        wg = w[i:i + n].float().unflatten(1, (-1, INT4_GROUP))  # [n, in / 32, 32]
+        wg = w[i:i + n].to(torch.float32, copy=True).unflatten(1, (-1, INT4_GROUP))  # [n, in / 32, 32], written below
         lo, hi = wg.amin(-1), wg.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-30).to(w.dtype)  # [n, in / 32]
         zero = (lo + 8 * scale.float()).to(w.dtype)

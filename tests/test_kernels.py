@@ -578,6 +578,15 @@ def test_quantized_matmul_equals_its_reference(fmt, rows):
     torch.testing.assert_close(out, ref(x, q, scale), atol=0.05, rtol=1e-2)
 
 
+
+def test_quantizers_leave_a_float32_weight_unchanged():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    for quantize, _ in QUANTIZERS.values():
+        before = w.clone()
+        quantize(w)
+        assert torch.equal(w, before)
+
+
 # ---------------------------------------------------------------- CUDA graphs
 
 
