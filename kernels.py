@@ -575,10 +575,11 @@ def compact(cache, base, path):
         kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
 
 
-# ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU)
-# Weights in few bits, multiplied by torch's own CPU kernels: int8 per output row, symmetric (w ~ q * scale); int4 in
-# groups of 32 inputs, asymmetric (w ~ (q - 8) * scale + zero). Scales in the activations' dtype, as the kernels take
-# them, and q rounded from the rounded scales. QUANT_BLOCK values at a time: the float32 temporaries stay in cache.
+# ---------------------------------------------------------------- weight-only int8 / int4 matmuls
+# Weights in few bits: int8 per output row, symmetric (w ~ q * scale); int4 in groups of 32 inputs, asymmetric
+# (w ~ (q - 8) * scale + zero). Scales in the activations' dtype, as torch's CPU kernels take them, and q rounded from
+# the rounded scales. QUANT_BLOCK values at a time: the float32 temporaries stay in cache. The weight's device picks the
+# kernel: on the CPU torch's, int4 packed their way; elsewhere Triton's, dequantizing in registers, int4 by `pack_int4`.
 INT4_GROUP, QUANT_BLOCK = 32, 2**22  # 16 MB of float32: fits a last-level cache, few ops on a busy machine
 
 
@@ -618,12 +619,63 @@ def int4_linear_ref(x, q, scale_zero):
     return F.linear(x.float(), w.flatten(1)).to(x.dtype)
 
 
+def pack_int4(q):
+    """quantize_int4's q int32 [out, in] -> uint8 [out, in / 2] for the Triton kernel: column 2j in byte j's low nibble,
+    2j + 1 in its high one."""
+    return (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
+
+
+@jit
+def _quantized_matmul_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, INT4: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of out = x @ w.T, the weight dequantized a [BLOCK_K, BLOCK_N] tile at a time in
+    registers and cast to x's dtype: int4 (nibble k of q[n, k // 2] - 8) * scale + zero of group k // 32; int8 q[n, k]
+    as is (exact in any float dtype), its row's scale applied once to the float32 sums."""
+    n, m = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dot_type = tl.float32 if PRECISION == "ieee" else x_ptr.dtype.element_ty  # ieee: x float32, or the interpreter
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + _offset(m, K)[:, None] + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+        live = (k < K)[:, None] & (n < N)[None, :]  # [BLOCK_K, BLOCK_N]
+        if INT4:  # scale_zero [in / 32, out, 2]
+            byte = tl.load(q_ptr + _offset(n, K // 2)[None, :] + (k // 2)[:, None], mask=live, other=0).to(tl.int32)
+            nibble = byte >> (k % 2 * 4)[:, None] & 15  # low nibble: even k
+            at = s_ptr + ((k // 32)[:, None] * N + n[None, :]) * 2
+            w = (nibble - 8).to(tl.float32) * tl.load(at, mask=live, other=0.0) + tl.load(at + 1, mask=live, other=0.0)
+        else:
+            w = tl.load(q_ptr + _offset(n, K)[None, :] + k[:, None], mask=live, other=0)
+        acc += tl.dot(x.to(dot_type), w.to(dot_type), input_precision=PRECISION)
+    if not INT4:
+        acc *= tl.load(s_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + _offset(m, N)[:, None] + n[None, :], acc, mask=(m < M)[:, None] & (n < N)[None, :])
+
+
+def quantized_matmul(x, q, scale):
+    """x [M, in] @ w.T -> [M, out] in x's dtype, in Triton: q int8 [out, in] with scale [out], or q uint8 [out, in / 2]
+    (pack_int4) with scale_zero [in / 32, out, 2]. Tiles by M: decoding's few rows only read the weight (narrow column
+    blocks give many programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows."""
+    (M, K), N, int4 = x.shape, q.shape[0], q.dtype == torch.uint8
+    assert q.shape[1] * (1 + int4) == K and K % (INT4_GROUP if int4 else 1) == 0 and scale.is_contiguous()
+    block_m, block_n, block_k, warps, stages = (16, 16, 256, 4, 4) if M <= 16 else \
+        (min(64, triton.next_power_of_2(M)), 64, 64, 4, 3) if M <= 64 else (128, 128, 64, 8, 3)
+    out = x.new_empty(M, N)
+    precision = "ieee" if INTERPRET or x.dtype == torch.float32 else "tf32"  # the interpreter's half tl.dot is broken
+    _quantized_matmul_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        x.contiguous(), q.contiguous(), scale, out, M, N, K, INT4=int4, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
+    return out
+
+
 def quantized_linear(x, q, scale):
-    """x [..., in] @ w.T for w quantized by quantize_int8 (q int8) or quantize_int4 (q packed for the kernel by
-    torch._convert_weight_to_int4pack_for_cpu(q, 1): uint8 [out, in / 2]); the kernels take 2-D activations."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = torch._weight_int8pack_mm(x2, q, scale) if q.dtype == torch.int8 else \
-        torch._weight_int4pack_mm_for_cpu(x2, q, INT4_GROUP, scale)
+    """x [..., in] @ w.T for w quantized by quantize_int8 (q int8) or quantize_int4, in the layout of q's device: on the
+    CPU torch's, int4 q packed by torch._convert_weight_to_int4pack_for_cpu(q, 1); elsewhere quantized_matmul's."""
+    x2 = x.reshape(-1, x.shape[-1])  # the kernels take 2-D activations
+    if q.device.type != "cpu":
+        y = quantized_matmul(x2, q, scale)
+    else:
+        y = torch._weight_int8pack_mm(x2, q, scale) if q.dtype == torch.int8 else \
+            torch._weight_int4pack_mm_for_cpu(x2, q, INT4_GROUP, scale)
     return y.reshape(*x.shape[:-1], -1)
 
 

@@ -545,7 +545,7 @@ def test_resample_then_gather_moves_only_childless_particles():
     assert torch.equal(ancestors[0, [0, 1, 3, 5]].cpu(), torch.tensor([0, 1, 3, 5]))
 
 
-# ---------------------------------------------------------------- weight-only int8 / int4 matmuls (CPU kernels)
+# ---------------------------------------------------------------- weight-only int8 / int4 matmuls
 
 QUANTIZERS = {"int8": (kernels.quantize_int8, kernels.int8_linear_ref),
               "int4": (kernels.quantize_int4, kernels.int4_linear_ref)}
@@ -585,6 +585,34 @@ def test_quantizers_leave_a_float32_weight_unchanged():
         before = w.clone()
         quantize(w)
         assert torch.equal(w, before)
+
+
+def test_pack_int4_round_trip():
+    q = torch.randint(0, 16, (6, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = kernels.pack_int4(q)
+    assert packed.shape == (6, 32) and packed.dtype == torch.uint8
+    assert torch.equal(torch.stack([packed & 15, packed >> 4], -1).flatten(1).int(), q)  # low nibble: even column
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 96), (80, 288)])  # (out, in): in not a multiple of the in-tiles, 256 and 64
+@pytest.mark.parametrize("rows", [1, 3, 16, 40, 130])  # every tile class: decoding's, verifying's, a prefill's
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_triton_quantized_matmul_equals_its_reference(fmt, rows, shape, dtype):
+    """The Triton kernel on its layout (int4 packed by pack_int4) = dequantize-then-F.linear, up to summation order
+    and the output's rounding (and on a GPU int4's weights rounded to bf16). On CUDA through quantized_linear, whose
+    CPU path takes torch's layout instead."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(*shape, generator=g).to(dtype), torch.randn(rows, shape[1], generator=g).to(dtype)
+    quantize, ref = QUANTIZERS[fmt]
+    q, scale = quantize(w)
+    packed = q if fmt == "int8" else kernels.pack_int4(q)
+    linear = kernels.quantized_linear if DEVICE == "cuda" else kernels.quantized_matmul
+    out = linear(x.to(DEVICE), packed.to(DEVICE), scale.to(DEVICE)).cpu()
+    assert out.shape == (rows, shape[0]) and out.dtype == dtype
+    tol = dict(atol=0.1, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref(x, q, scale), **tol)
 
 
 # ---------------------------------------------------------------- CUDA graphs
