@@ -584,8 +584,8 @@ INT4_GROUP, QUANT_BLOCK = 32, 2**22  # 16 MB of float32: fits a last-level cache
 
 
 def quantize_int8(w):
-    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype."""
-    q, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype)
+    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype, on w's device."""
+    q, scale = torch.empty_like(w, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype, device=w.device)
     n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
     for i in range(0, len(w), n):
         wf = w[i:i + n].to(torch.float32, copy=True)  # float() would alias a float32 w, and div_ write into it
@@ -599,8 +599,9 @@ def int8_linear_ref(x, q, scale):
 
 
 def quantize_int4(w):
-    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernel's layout)."""
-    q, scale_zero = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype)
+    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernels' layout)."""
+    q = torch.empty_like(w, dtype=torch.int32)
+    scale_zero = torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype, device=w.device)
     n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
     for i in range(0, len(w), n):
         wg = w[i:i + n].to(torch.float32, copy=True).unflatten(1, (-1, INT4_GROUP))  # [n, in / 32, 32], written below

@@ -245,8 +245,8 @@ def weight_format(fmt, device="cpu"):
     """-> weight format fmt's activations dtype on device, or a one-line LoadError, before any weight is read."""
     if fmt not in FORMATS:
         raise LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
-    if fmt in ("int8", "int4") and torch.device(device).type != "cpu":
-        raise LoadError(f"{fmt} weights run on the CPU only so far; use bf16 on {torch.device(device).type}")
+    if fmt[:3] == "int" and not ((kind := torch.device(device).type) == "cpu" or kind == "cuda" and kernels.triton):
+        raise LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
     return FORMATS[fmt]
 
 
@@ -255,10 +255,11 @@ class Quantized(torch.nn.Module):
 
     def __init__(self, fmt, w):
         super().__init__()
-        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the kernel's tiles
+        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
             raise LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
         q, scale = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
-        q = q if fmt == "int8" else torch._convert_weight_to_int4pack_for_cpu(q, 1)  # uint8 [out, in / 2]
+        if fmt == "int4":  # uint8 [out, in / 2], packed for the device's kernel
+            q = torch._convert_weight_to_int4pack_for_cpu(q, 1) if w.is_cpu else kernels.pack_int4(q)
         self.q, self.scale = (torch.nn.Parameter(t, requires_grad=False) for t in (q, scale))
 
 

@@ -266,6 +266,22 @@ def test_quantized_logits_are_their_dequantized_weights_logits(tiny, fmt):
     assert (dq - ref).abs().max() < 2 * tol * STEP[fmt]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the Triton int8 / int4 matmul")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
+    """On CUDA the quantized weights (int4 in the Triton kernel's own packing) take kernels.quantized_matmul: the
+    float32 forward of the dequantized weights again, within twice the CPU test's bf16 tolerance."""
+    hf, path = tiny
+    m, _ = model.load(path, "cuda", weights=fmt)
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_logits(hf, ids)
+    tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
+    dq = dequantized_copy(path, fmt).prefill(torch.tensor(ids), model.KVCache(m.config, 1, 32, 8, "cpu",
+                                                                               torch.float32), logits="all")
+    cache = model.KVCache(m.config, 1, 32, 8, "cuda", torch.bfloat16)
+    assert (m.prefill(torch.tensor(ids, device="cuda"), cache, logits="all").cpu() - dq).abs().max() < 2 * tol
+
+
 def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
     lookup excluded), int8's bf16 scale a row and int4's bf16 scale and zero a group of 32, and its norms and
@@ -327,7 +343,7 @@ def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
         with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
                                                    r"float32, int8, int4$"):
             call()
-    with pytest.raises(model.LoadError, match="int4 weights run on the CPU only so far; use bf16 on meta"):
+    with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
         model.load(path, device="meta", weights="int4")
 
 
