@@ -391,7 +391,7 @@ def frontier(report, out):
             fid.errorbar(r["tokens_per_s"], shift, yerr=err, **style)
     some = next(iter(q.values()))
     acc.set_ylabel("pass@1")
-    acc.set_title(f"pass@1: {some['problems']} problems x {some['samples']} samples", fontsize=10, loc="left")
+    acc.set_title(f"pass@1 on {some['problems']} problems, {some['samples']} sample(s) each", fontsize=10, loc="left")
     fid.axhline(0.0, color="k", ls="--", lw=1)
     fid.set_ylabel("target log-prob per token, minus ar's (paired)")
     fid.set_title("fidelity to the target (0: exact)", fontsize=10, loc="left")
