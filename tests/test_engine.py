@@ -312,10 +312,10 @@ def test_racer_trees_grow_best_first():
 
 def test_smc_with_draft_equal_to_target():
     """Zero weight increments (the target log-prob is taken at the target temperature, 0.7 here, as the draft's
-    is), hence no resampling, and the target distribution. Several cycles: a draft missing the K/V of t_K and
-    the bonus token would see another context than the target and weigh it."""
+    is), hence no resampling (without a lag), and the target distribution. Several cycles: a draft missing the K/V
+    of t_K and the bonus token would see another context than the target and weigh it."""
     e = engine.Engine(TARGET, TARGET)
-    long = e.generate(PROMPT, method="smc", particles=8, draft_len=3, max_new_tokens=30, temperature=0.7)
+    long = e.generate(PROMPT, method="smc", particles=8, draft_len=3, max_new_tokens=30, temperature=0.7, lag=0)
     assert long.stats["resamples"] == 0 and long.stats["mean_ess"] == 8
     assert abs(long.stats["log_z"]) < 1e-4
     target = exact(TARGET, 2 * K, 0.7)
@@ -452,11 +452,11 @@ def test_same_seed_same_output_other_seeds_other_outputs():
 
 
 def test_final_particle_by_argmax_and_statistics():
-    """select="argmax" returns the particle of the largest weight after the last cycle (never resampled: the
-    weights of the whole run); 20 tokens at K = 3 take 5 cycles; the ESS lies in [1, N]."""
+    """select="argmax" returns the particle of the largest weight after the last cycle (never resampled nor
+    collapsed: the weights of the whole run); 20 tokens at K = 3 take 5 cycles; the ESS lies in [1, N]."""
     e, last = engine.Engine(TARGET, DRAFT), []
     req = e.request(PROMPT, method="smc", particles=6, draft_len=3, max_new_tokens=20, select="argmax",
-                    ess_threshold=0.0, on_cycle=lambda b, r: last.append((b.st.logw[r].tolist(),
+                    ess_threshold=0.0, lag=0, on_cycle=lambda b, r: last.append((b.st.logw[r].tolist(),
                                                                           b.st.hist[r, :, 1:21].tolist())))
     r = e.run([req])[0]
     logw, hist = last[-1]
@@ -515,16 +515,18 @@ def test_default_shapes_resample():
 
 def test_streamed_counts_what_settled_before_the_last_cycle():
     """ar and smc with one particle settle every token at once: streamed is all but the last cycle's tokens (the
-    prefill's, then K + 1 a cycle). Four particles never resampled agree only where their independent draws do,
-    so nearly nothing can be shown while generating; resampled at every cycle they coalesce (over 64 seeds:
-    more than ten times as many tokens streamed), and never more than had been generated before the last cycle."""
+    prefill's, then K + 1 a cycle). Four particles never resampled (nor collapsed: no lag) agree only where their
+    independent draws do, so nearly nothing can be shown while generating; resampled at every cycle they coalesce
+    (over 64 seeds: more than ten times as many tokens streamed), and never more than had been generated before the
+    last cycle."""
     e = engine.Engine(TARGET, DRAFT)
     assert e.generate(PROMPT, method="ar", max_new_tokens=10).stats["streamed"] == 9
     one = e.generate(PROMPT, method="smc", particles=1, draft_len=2, max_new_tokens=30).stats
     assert one["streamed"] == 1 + 3 * (one["cycles"] - 1) == 28
     requests = [dict(prompt=PROMPT, seed=seed) for seed in range(64)]
     streamed = {threshold: [r.stats["streamed"] for r in e.generate(
-        requests, slots=64, method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=threshold)]
+        requests, slots=64, method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=threshold,
+        lag=0)]
         for threshold in (0.0, 1.0)}
     assert sum(streamed[1.0]) > 10 * sum(streamed[0.0]) and max(streamed[1.0]) <= 28
 
@@ -915,11 +917,12 @@ def test_idle_batches_are_dropped():
 
 
 def test_smc_particles_end_at_a_stop_string(tmp_path):
-    """Without resampling smc's particles rarely agree, so little settles: the request still ends after the first
+    """Without resampling (nor a lag) smc's particles rarely agree, so little settles: the request ends after the first
     cycle after which every particle's text holds the stop string (each then ends there, as at an EOS; the others'
     draws are those of the run without it), while the text they share does not, long before its budget."""
     e = engine.Engine(save(TARGET, str(tmp_path / "t")), save(DRAFT, str(tmp_path / "d")), weights="float32")
-    options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=45, temperature=1.0, ess_threshold=0.0)
+    options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=45, temperature=1.0, ess_threshold=0.0,
+                   lag=0)
     for seed in range(3):
         texts = []  # after each cycle of the run without a stop string, every particle's text
 
