@@ -34,6 +34,7 @@ import torch
 
 import decode
 import engine
+import kernels
 import model
 import quality
 
@@ -714,8 +715,8 @@ def target_logprobs(m, prompt, continuations, temperature=TEMPERATURE):
         cache.suffix_len.zero_()
         ids = torch.tensor(tokens, device=m.device)
         rest = m.step(ids[None, None, :-1], cache)[0, 0] if len(tokens) > 1 else first[:0]  # [T-1, V]
-        logits = torch.cat([first[None], rest]) / temperature  # [T, V]: the logits that predicted each token
-        out.append(logits.log_softmax(-1).gather(1, ids[:, None]).mean().item())
+        logits = torch.cat([first[None], rest])  # [T, V]: the logits that predicted each token
+        out.append(kernels.token_logprobs(logits, ids, temperature).mean().item())
     return out
 
 
