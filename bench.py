@@ -791,6 +791,52 @@ def summarize(out):
                                                     draft["logprob_vs_ar_stderr"]) / abs(draft["logprob_vs_ar"])
 
 
+# ---------------------------------------------------------------- weight formats: what each costs in text
+FORMAT_PROMPTS = 20
+
+
+def first_difference(a, b):
+    """The number of tokens two texts share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def format_report(target, prompts, formats, new_tokens, device):
+    """Each weight format of the target alone (ar), on the prompts (4 at a time, EOS the only stop): its greedy
+    text's tokens before the first difference from bf16's; its sampling speed; and the mean log-probability per
+    token of its samples (temperature 0.7, one seed a prompt) under the unquantized target (the checkpoint's
+    weights in float32, scoring every format's samples) and under itself: their mean difference estimates
+    KL(format || unquantized) per token, which is 0 for an exact copy."""
+    out, samples, slots = {}, {}, min(QUALITY_SLOTS, len(prompts))
+    for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
+        e = engine.Engine(target, None, device, fmt).load()
+        ids = [e.encode(p) for p in prompts]
+        greedy = [r.tokens for r in e.generate(ids, slots=slots, method="ar", max_new_tokens=new_tokens,
+                                                  temperature=0.0)]
+        begin = time.perf_counter()
+        sampled = e.generate([{"prompt": p, "seed": quality_seed(i, 0)} for i, p in enumerate(ids)], slots=slots,
+                             method="ar", max_new_tokens=new_tokens, temperature=TEMPERATURE)
+        seconds = time.perf_counter() - begin
+        samples[fmt] = [r.tokens for r in sampled]
+        out[fmt] = {"greedy": greedy, "samples": samples[fmt], "tokens_per_s": sum(map(len, samples[fmt])) / seconds,
+                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[fmt])]}
+        if fmt == "float32":
+            reference = e.target
+        del e
+    reference = reference if "float32" in out else model.load(target, device, weights="float32")[0]
+    for i, p in enumerate(ids):  # each prompt read once for every format's sample
+        for fmt, score in zip(out, target_logprobs(reference, p, [samples[fmt][i] for fmt in out])):
+            out[fmt].setdefault("logprobs", []).append(score)
+    for fmt, f in out.items():
+        f["first_difference"] = [first_difference(a, b) for a, b in zip(f["greedy"], out["bf16"]["greedy"])]
+        f["identical"] = sum(a == b for a, b in zip(f["greedy"], out["bf16"]["greedy"]))
+        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(per_problem([[v] for v in f["logprobs"]]))
+        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(
+            per_problem([[v] for v in f["logprobs"]]), per_problem([[v] for v in out["bf16"]["logprobs"]]))
+        f["kl"], f["kl_stderr"] = quality.pass_at_1([[s - r] for s, r in zip(f["self_logprobs"], f["logprobs"])
+                                                      if s is not None and r is not None] or [[math.nan]])
+    return out
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -899,6 +945,16 @@ def quality_table(scores):
     return "\n".join(lines)
 
 
+def format_table(formats):
+    head = ("| weights | tokens before greedy differs from bf16's (mean; identical texts) | tok/s (4 at a time) | "
+            "log-prob under the unquantized target | minus bf16's | KL to the unquantized, per token |\n"
+            "|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {fmt} | {statistics.fmean(f['first_difference']):.1f}; {f['identical']} of {len(f['greedy'])} | "
+        f"{f['tokens_per_s']:.2f} | {f['logprob']:.3f} ± {f['logprob_stderr']:.3f} | "
+        f"{f['logprob_vs_bf16']:+.3f} ± {f['logprob_vs_bf16_stderr']:.3f} | {f['kl']:.4f} ± {f['kl_stderr']:.4f} |"
+        for fmt, f in formats.items())
+
 # ---------------------------------------------------------------- command line
 
 
@@ -910,6 +966,13 @@ def grid(text):
 def numbers(text):
     """"100,1000" -> [100, 1000]; "" -> []."""
     return [int(v) for v in text.split(",") if v.strip()]
+
+
+def formats(text):
+    """"int8,int4" -> ["int8", "int4"], each one of model.FORMATS."""
+    if unknown := [f for f in text.split(",") if f and f not in model.FORMATS]:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(model.FORMATS)})")
+    return [f for f in text.split(",") if f]
 
 
 def parse(argv):
@@ -957,6 +1020,11 @@ def parse(argv):
                    help="sd with racer's retrieval drafts, no draft model: a chain of --sd-draft-len (0) and trees "
                         "of these sizes at most that deep, beside ar and sd with the draft model, on a refactor "
                         "request and on fresh code (needs a tokenizer: not with --random; empty: skip)")
+    p.add_argument("--formats", type=formats, default=[], metavar="FORMAT,...",
+                   help=f"the target alone in each of these weight formats ({','.join(model.FORMATS)}) on the first "
+                        f"--problems ({FORMAT_PROMPTS}) prompts of --problem-set, at --quality-tokens: greedy text "
+                        "against bf16's, speed, and its samples' log-probability under the unquantized target (a "
+                        "weights/ pair or --target; default: none)")
     p.add_argument("--skip-speed", action="store_true", help="skip every speed section (the batches too)")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
@@ -973,6 +1041,8 @@ def parse(argv):
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
     known = ["ar", "sd", "mdsd", "easd", "smc", "draft", "sd+overlap", "mdsd+overlap", "easd+overlap", "smc+overlap"]
+    if args.formats and args.random:
+        p.error("--formats needs model files (a weights/ pair or --target), not --random")
     if unknown := set(args.methods) - set(known):
         p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from {','.join(known)})")
     return args
@@ -1052,6 +1122,12 @@ def main(argv=None):
                         for role, m in (("draft", e.draft), ("target", e.target))}
     ids_by_prompt = prompts(args, e)
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
+    if args.formats and paths:
+        problems = quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems()
+        texts = [p["prompt"] for p in problems[:args.problems or FORMAT_PROMPTS]]
+        report["formats"] = format_report(paths[1], texts, args.formats, args.quality_tokens, device)
+        print(format_table(report["formats"]), "\n", flush=True)
+        write(report, args.out, rank)
     if not args.skip_speed:
         report |= speed_report(e, ids_by_prompt, args, device, paths)
     batched = args.concurrency and not args.skip_speed

@@ -671,7 +671,7 @@ def quantized_matmul(x, q, scale):
 def quantized_linear(x, q, scale):
     """x [..., in] @ w.T for w quantized by quantize_int8 (q int8) or quantize_int4, in the layout of q's device: on the
     CPU torch's, int4 q packed by torch._convert_weight_to_int4pack_for_cpu(q, 1); elsewhere quantized_matmul's."""
-    x2 = x.reshape(-1, x.shape[-1])  # the kernels take 2-D activations
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels take 2-D rows in order (torch's int4 one checks)
     if q.device.type != "cpu":
         y = quantized_matmul(x2, q, scale)
     else:

@@ -309,3 +309,27 @@ def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
         bench.resumed(bench.parse(flags[:2] + ["--samples", "2"] + flags[4:] + ["--resume"]))
     with pytest.raises(SystemExit, match="--resume needs a quality run's report in --out"):
         bench.resumed(bench.parse(["--out", str(tmp_path / "missing.json"), "--resume"]))
+
+
+def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
+    """Greedy texts against bf16's, and samples scored by the float32 target and by their own format: float32 is
+    the unquantized target itself (no divergence), and bf16's greedy text is its own reference."""
+    from test_model import save_tiny
+    save_tiny("qwen2", str(tmp_path))
+    prompts, tokens = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 6
+    out = bench.format_report(str(tmp_path), prompts, ["float32", "int8", "int4"], tokens, "cpu")
+    assert list(out) == ["bf16", "float32", "int8", "int4"]
+    assert out["bf16"]["first_difference"] == [len(t) for t in out["bf16"]["greedy"]] and out["bf16"]["identical"] == 3
+    assert out["float32"]["kl"] == pytest.approx(0, abs=1e-5)
+    unquantized = bench.model.load(str(tmp_path), weights="float32")[0]
+    for fmt, f in out.items():
+        assert all(len(t) == tokens for t in f["samples"]) and f["tokens_per_s"] > 0
+        want = [bench.target_logprobs(unquantized, p, [t])[0] for p, t in zip(prompts, f["samples"])]
+        assert f["logprobs"] == pytest.approx(want, abs=1e-5)
+        assert f["kl"] == pytest.approx(sum(s - r for s, r in zip(f["self_logprobs"], want)) / 3, abs=1e-5)
+        assert all(0 <= d <= tokens for d in f["first_difference"])
+    assert "| int4 |" in bench.format_table(out)
+    with pytest.raises(SystemExit):
+        bench.parse(["--formats", "int9"])
+    with pytest.raises(SystemExit):
+        bench.parse(["--formats", "int8", "--random", "tiny:tiny"])

@@ -63,17 +63,18 @@ DRAFT = perturbed(TARGET, 1, 0.3)  # total variation to the target: 0.98 at temp
 
 def exact(m, length, temperature):
     """Probability of every continuation of PROMPT of `length` tokens at `temperature`, [V ** length], indexed by
-    the continuation read as a base-V number."""
-    contexts = torch.cartesian_prod(*[torch.arange(V)] * (length - 1))  # [M, length-1], lexicographic
-    cache = model.KVCache(m.config, len(contexts), len(PROMPT), length, "cpu", torch.float32)
-    first = (m.prefill(torch.tensor(PROMPT), cache) / temperature).log_softmax(-1)  # [V]
-    rest = (m.step(contexts[None], cache)[0] / temperature).log_softmax(-1)  # [M, length-1, V]
+    the continuation read as a base-V number (V: m's vocabulary), computed in m's own weights and activations."""
+    vocab = m.config.vocab_size
+    contexts = torch.cartesian_prod(*[torch.arange(vocab)] * (length - 1))  # [M, length-1], lexicographic
+    cache = model.KVCache(m.config, len(contexts), len(PROMPT), length, "cpu", m.embed.dtype)
+    first = (m.prefill(torch.tensor(PROMPT), cache).float() / temperature).log_softmax(-1)  # [V]
+    rest = (m.step(contexts[None], cache)[0].float() / temperature).log_softmax(-1)  # [M, length-1, V]
     logp = first[contexts[:, 0]] + rest[:, :-1].gather(2, contexts[:, 1:, None])[..., 0].sum(-1)
     return (logp[:, None] + rest[:, -1]).exp().flatten()
 
 
-def outcome(tokens):
-    return sum(t * V ** i for i, t in enumerate(reversed(tokens)))
+def outcome(tokens, vocab=V):
+    return sum(t * vocab ** i for i, t in enumerate(reversed(tokens)))
 
 
 def forked(fn):
@@ -102,7 +103,8 @@ def empirical(e, samples, length, **options):
     rest = forked(lambda: tokens(range(samples // 2, samples)))
     found = tokens(range(samples // 2)) + rest()
     assert len(found) == samples and all(len(t) == length for t in found)
-    return torch.bincount(torch.tensor([outcome(t) for t in found]), minlength=V ** length) / samples
+    vocab = e.target.config.vocab_size
+    return torch.bincount(torch.tensor([outcome(t, vocab) for t in found]), minlength=vocab ** length) / samples
 
 
 def tv(p, q):
@@ -139,6 +141,28 @@ def test_mdsd_samples_the_target_distribution(particles, draft_len):
     found = empirical(engine.Engine(TARGET, DRAFT), SAMPLES, 4, method="mdsd", particles=particles,
                       draft_len=draft_len, temperature=1.0)
     assert tv(found, target) < noise_floor(target, SAMPLES)
+
+
+def in_format(m, fmt):
+    """A copy of m with its matmul weights in weight format fmt and its activations in that format's dtype."""
+    out = model.Transformer(m.config, "cpu", model.FORMATS[fmt])
+    out.load_state_dict(m.state_dict())
+    model.convert_weights(out, fmt)
+    return out
+
+
+WIDE = tiny(2, 0.8, vocab=16, head_dim=16)  # int4 packs 16 output rows (the head's: the vocabulary) and 32 inputs
+
+
+@pytest.mark.parametrize("fmt, method", [("bf16", "sd"), ("int8", "mdsd"), ("int4", "sd"), ("int4", "mdsd")])
+def test_exact_methods_sample_the_target_in_every_weight_format(fmt, method):
+    """sd and mdsd sample the target's distribution in the weights it has (3 tokens: x0 and one cycle at K = 1):
+    the quantized or bf16 target's own exact distribution, computed in its own weights and activations."""
+    target, draft = in_format(WIDE, fmt), in_format(perturbed(WIDE, 3, 0.3), fmt)
+    p = exact(target, 3, 1.0)
+    shape = dict(particles=3) if method == "mdsd" else {}
+    found = empirical(engine.Engine(target, draft), SAMPLES, 3, method=method, draft_len=1, temperature=1.0, **shape)
+    assert tv(found, p) < noise_floor(p, SAMPLES)
 
 
 def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
