@@ -276,12 +276,15 @@ def converted(w, fmt):
 
 
 def linear(x, w, bias=None):
-    """x [..., in] @ w.T + bias [out]; w plain, oneDNN-packed or Quantized (`converted`)."""
+    """x [..., in] @ w.T + bias [out]; w plain, oneDNN-packed or Quantized (`converted`). bf16 that oneDNN cannot pack
+    costs F.linear as much a row at any row count (no bf16 arithmetic): at 64 rows or more, float32 is faster."""
     if isinstance(w, Quantized):
         y = kernels.quantized_linear(x, w.q, w.scale)
         return y if bias is None else y + bias
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if w.is_cpu and w.dtype == torch.bfloat16 and x.numel() >= 64 * x.shape[-1]:
+        return F.linear(x.float(), w.float(), bias if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, w, bias)
 
 

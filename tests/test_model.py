@@ -111,14 +111,15 @@ def test_cached_decoding_matches_transformers_float32(tiny):
 
 def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     """Tolerance: our bf16 logits sit no further from the float32 reference than 1.5x transformers' own bf16
-    logits do (measured here: about 3% of the logit range for both)."""
+    logits do (measured here: about 3% of the logit range for both), in a prefill of 72 rows and a step of 64: at
+    the row counts where a CPU without bf16 arithmetic computes in float32."""
     hf, path = tiny
     m, _ = model.load(path)
     assert m.embed.dtype == torch.bfloat16
-    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = torch.randint(0, 96, (72,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
     tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
-    cache = model.KVCache(m.config, 1, 32, 32, "cpu", torch.bfloat16)
+    cache = model.KVCache(m.config, 1, 80, 80, "cpu", torch.bfloat16)
     full = m.prefill(torch.tensor(ids), cache, logits="all")
     assert (full - ref).abs().max() < tol
     m.prefill(torch.tensor(ids[:8]), cache)
