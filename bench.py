@@ -806,7 +806,7 @@ def format_report(target, prompts, formats, new_tokens, device):
     token of its samples (temperature 0.7, one seed a prompt) under the unquantized target (the checkpoint's
     weights in float32, scoring every format's samples) and under itself: their mean difference estimates
     KL(format || unquantized) per token, which is 0 for an exact copy."""
-    out, samples, slots = {}, {}, min(QUALITY_SLOTS, len(prompts))
+    out, samples, slots, reference = {}, {}, min(QUALITY_SLOTS, len(prompts)), None
     for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
         e = engine.Engine(target, None, device, fmt).load()
         ids = [e.encode(p) for p in prompts]
@@ -822,16 +822,17 @@ def format_report(target, prompts, formats, new_tokens, device):
         if fmt == "float32":
             reference = e.target
         del e
-    reference = reference if "float32" in out else model.load(target, device, weights="float32")[0]
+    if reference is None:
+        reference = model.load(target, device, weights="float32")[0]
     for i, p in enumerate(ids):  # each prompt read once for every format's sample
         for fmt, score in zip(out, target_logprobs(reference, p, [samples[fmt][i] for fmt in out])):
             out[fmt].setdefault("logprobs", []).append(score)
+    scores = {fmt: per_problem([[v] for v in f["logprobs"]]) for fmt, f in out.items()}
     for fmt, f in out.items():
         f["first_difference"] = [first_difference(a, b) for a, b in zip(f["greedy"], out["bf16"]["greedy"])]
         f["identical"] = sum(a == b for a, b in zip(f["greedy"], out["bf16"]["greedy"]))
-        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(per_problem([[v] for v in f["logprobs"]]))
-        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(
-            per_problem([[v] for v in f["logprobs"]]), per_problem([[v] for v in out["bf16"]["logprobs"]]))
+        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(scores[fmt])
+        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(scores[fmt], scores["bf16"])
         f["kl"], f["kl_stderr"] = quality.pass_at_1([[s - r] for s, r in zip(f["self_logprobs"], f["logprobs"])
                                                       if s is not None and r is not None] or [[math.nan]])
     return out
@@ -1122,7 +1123,7 @@ def main(argv=None):
                         for role, m in (("draft", e.draft), ("target", e.target))}
     ids_by_prompt = prompts(args, e)
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
-    if args.formats and paths:
+    if args.formats:  # parse refused it with --random, so paths are files
         problems = quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems()
         texts = [p["prompt"] for p in problems[:args.problems or FORMAT_PROMPTS]]
         report["formats"] = format_report(paths[1], texts, args.formats, args.quality_tokens, device)
