@@ -251,13 +251,15 @@ def weight_format(fmt, device="cpu"):
 
 
 class Quantized(torch.nn.Module):
-    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it."""
+    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it.
+    blocks: int4's (q, scale_zero) as read from a file (then w gives only the shape, device and dtype)."""
 
-    def __init__(self, fmt, w):
+    def __init__(self, fmt, w, blocks=None):
         super().__init__()
         if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
             raise LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
-        q, scale = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
+        q, scale = blocks or (kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w))
+        q, scale = q.to(w.device), scale.to(w.device, w.dtype)
         if fmt == "int4":  # uint8 [out, in / 2], packed for the device's kernel
             q = torch._convert_weight_to_int4pack_for_cpu(q, 1) if w.is_cpu else kernels.pack_int4(q)
         self.q, self.scale = (torch.nn.Parameter(t, requires_grad=False) for t in (q, scale))
@@ -288,15 +290,24 @@ def linear(x, w, bias=None):
     return F.linear(x, w, bias)
 
 
+MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")
+
+
+def replace(m, name, w):
+    delattr(m, name)  # a module's parameter cannot be replaced by a module by assignment
+    setattr(m, name, w)
+
+
 @torch.no_grad()
-def convert_weights(model, fmt=None):
-    """Every matmul weight of model into weight format fmt (None: that of its dtype, bf16 or float32), in place.
-    A tied head gets a copy of its own: the embedding lookup needs the plain rows."""
+def convert_weights(model, fmt=None, held={}):
+    """Every matmul weight of model not yet Quantized into weight format fmt (None: that of its dtype, bf16 or
+    float32), or into held's format for it ({'layers.3.w2': 'int8'}: fill_weights'), in place. A tied head gets a
+    copy of its own: the embedding lookup needs the plain rows."""
     fmt = fmt or ("float32" if model.embed.dtype == torch.float32 else "bf16")
-    for m, name in [(b, n) for b in model.layers for n in ("wqkv", "wo", "w13", "w2")] + [(model, "lm_head")]:
-        w = converted(getattr(m, name), fmt)
-        delattr(m, name)  # a module's parameter cannot be replaced by a module by assignment
-        setattr(m, name, w)
+    for at, m, name in [(f"layers.{i}.", b, n) for i, b in enumerate(model.layers) for n in MATMULS[:4]] + \
+            [("", model, "lm_head")]:
+        if not isinstance(w := getattr(m, name), Quantized):
+            replace(m, name, converted(w, held.get(at + name, fmt)))
 
 
 def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
@@ -469,8 +480,10 @@ def expected_shapes(c):
 def checked_getter(c, tensors, where):
     """Wrap tensors {name: (shape, fetch(index, dtype) -> tensor)} as get(name, part=(dim, k, n), dtype=None) -> the
     k-th of n equal chunks along dim of the tensor (default: all of it) in dtype (None: the file's), fetching only
-    that chunk (a tuple of slices). Every tensor's presence and shape is checked here, from the headers: a missing
-    or misshapen one is a one-line LoadError before any weight is read."""
+    that chunk (a tuple of slices). dtype "format": the weight format that holds the chunk as the file quantized it
+    (int4 for 4-bit blocks, int8 for more bits, None for floats); "int4": those 4-bit blocks as int4's (q,
+    scale_zero). Every tensor's presence and shape is checked here, from the headers: a missing or misshapen one is
+    a one-line LoadError before any weight is read."""
     shapes = expected_shapes(c)
     for name, shape in shapes.items():
         if name not in tensors:
@@ -486,21 +499,34 @@ def checked_getter(c, tensors, where):
 
 
 @torch.no_grad()
-def fill_weights(model, get, rank=0):
+def fill_weights(model, get, rank=0, fmt=None):
     """Copy every tensor into the model (materialised in RAM, never left memory-mapped), in the model's dtype and
     straight into its rows of the fused q/k/v and gate/up weights, so that no tensor is ever held twice in full
     (a GGUF file's float32 dequantization of the embedding alone is 0.9 GB for Qwen2.5-1.5B). A tensor-parallel
-    rank's model reads only its chunks (layout's). A progress bar on a terminal: a big model takes a minute."""
+    rank's model reads only its chunks (layout's). A progress bar on a terminal: a big model takes a minute.
+    With fmt int4, a matmul weight the file holds in 4-bit blocks (get's "format" of each of its tensors) is made
+    int4 from them as they are; one that the file quantized in more bits is held in int8, not cut to 4 bits: the
+    returned {parameter name: format} for convert_weights."""
     from tqdm import tqdm
-    total = sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
+    total, held = sum(p.numel() for p in model.parameters()), {}  # a tied head is the embedding: counted once
     with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
         for param, tensors, dim in layout(model.config):
-            dst, at = model.get_parameter(param), 0
+            dst, at, part = model.get_parameter(param), 0, (0, 0, 1) if dim is None else (dim, rank, model.config.tp)
+            kept = {get(name, part, "format") for name, _ in tensors} if fmt == "int4" else set()
+            if param.endswith(MATMULS) and kept == {"int4"}:
+                q, scale_zero = zip(*(get(name, part, "int4") for name, _ in tensors))
+                owner, _, name = param.rpartition(".")
+                replace(model.get_submodule(owner), name, Quantized(fmt, dst, (torch.cat(q), torch.cat(scale_zero, 1))))
+                bar.update(dst.numel())
+                continue
+            if "int8" in kept and (param.endswith(MATMULS) or param == "embed" and model.lm_head is dst):
+                held["lm_head" if param == "embed" else param] = "int8"
             for name, _ in tensors:
-                t = get(name, (0, 0, 1) if dim is None else (dim, rank, model.config.tp), dst.dtype)
+                t = get(name, part, dst.dtype)
                 dst[at:at + len(t)] = t
                 at += len(t)
                 bar.update(t.numel())
+    return held
 
 
 # ---------------------------------------------------------------- weights: Hugging Face directories
@@ -551,7 +577,7 @@ def open_hf_dir(path):
         # A handle per read, dropped at once: one kept open keeps its file mapped, and every page once read stays
         # in the process's resident set beside the model's own copy (twice the weights' memory). get_slice reads
         # only the chunk asked for, as a view of the mapping that lives as long as the tensor does.
-        return safe_open(file, "pt").get_slice(name)[index].to(dtype)
+        return None if dtype == "format" else safe_open(file, "pt").get_slice(name)[index].to(dtype)
     tensors = {}
     for file in (os.path.join(path, f) for f in files):
         try:
@@ -573,6 +599,8 @@ GGUF_NAMES = {"blk": "model.layers", "token_embd": "model.embed_tokens", "output
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGUF_STRING, GGUF_ARRAY = 8, 9
 GGUF_BLOCK = 2**22  # values dequantized at a time (16 MB of float32): the temporaries of a big tensor stay small
+GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # each group of 32 values a 4-bit code times a scale plus a low value: int4's
+GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 # Config field -> its GGUF metadata key, "{}" the architecture
 GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
              "n_kv_heads": "{}.attention.head_count_kv", "head_dim": "{}.attention.key_length",
@@ -589,6 +617,24 @@ def unpermute_rope(w, heads):
     """llama.cpp interleaves the two rotary halves of each llama-arch Q/K head; undo it so one
     half-split RoPE serves every format. w [heads * D, ...]."""
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def q4_groups(raw, kind):
+    """Rows of Q4_0, Q4_1 or Q4_K blocks, uint8 [n, bytes a row] -> (codes [n, columns] in 0..15, scale and low
+    [n, columns / 32]): each group of 32 values is code x scale + low. As ggml lays them out: a block's codes are
+    its last values / 2 bytes, runs of 16 (Q4_K: 32) low nibbles, then their high nibbles; before them its f16 d
+    (the scale; Q4_K: d x each group's 6-bit sc), then Q4_1's f16 low m, Q4_K's dmin (low: -dmin x its 6-bit m)."""
+    import gguf
+    values, size = gguf.GGML_QUANT_SIZES[kind]
+    b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
+    qs = b[..., size - values // 2:].unflatten(-1, (-1, 16 if values == 32 else 32))  # [n, blocks, runs, 16 | 32]
+    codes = torch.stack([qs & 15, qs >> 4], -2).flatten(1)
+    d, d2 = (b[..., i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))  # [n, blocks, 1] each
+    if kind.name == "Q4_K":
+        sc, m = (torch.from_numpy(x).view(len(b), -1, 8).float()
+                 for x in gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
+        return codes, (d * sc).flatten(1), (-d2 * m).flatten(1)
+    return codes, d.flatten(1), (-8 * d if kind.name == "Q4_0" else d2).flatten(1)
 
 
 def read_gguf_header(path):
@@ -715,29 +761,39 @@ def open_gguf(path):
         except NotImplementedError:
             raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; upgrade it") from None
 
-    def dequantized(name, first, n):  # float32 [n, columns]: rows first .. first + n - 1
+    def read(name, first, n):  # the blocks of rows first .. first + n - 1: uint8 [n, bytes a row]
         _, kind, offset, row_bytes = found[name]
-        raw = np.fromfile(path, np.uint8, n * row_bytes, offset=offset + first * row_bytes).reshape(n, row_bytes)
-        return torch.from_numpy(gguf.quants.dequantize(raw, kind))
+        return np.fromfile(path, np.uint8, n * row_bytes, offset=offset + first * row_bytes).reshape(n, row_bytes)
 
     def fetch(name, index, dtype=None):
         """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
         only those rows, a chunk of columns (o, down) every row, then keeps its columns. GGUF_BLOCK values at a
-        time go into the result, so a big tensor is never held whole in float32, or twice."""
+        time go into the result, so a big tensor is never held whole in float32, or twice. dtype "int4" (Q4 blocks
+        only): (q [rows, columns], scale_zero [columns / 32, rows, 2]) as kernels.quantize_int4 gives them."""
         from tqdm import tqdm
-        shape = found[name][0]
+        shape, kind = found[name][:2]
+        if dtype == "format":
+            return None if kind.name in GGUF_FLOATS else "int4" if kind.name in GGUF_INT4 else "int8"
         if len(shape) == 1:  # a norm or a bias: one short row
-            return dequantized(name, 0, 1)[0][index].to(dtype)
-        out = torch.empty(torch.empty(shape, device="meta")[index].shape, dtype=dtype or torch.float32)
-        rows = range(shape[0])[index[0]]
+            return torch.from_numpy(gguf.quants.dequantize(read(name, 0, 1), kind))[0][index].to(dtype)
+        four, rows, g = dtype == "int4", range(shape[0])[index[0]], kernels.INT4_GROUP
+        out = torch.empty(torch.empty(shape, device="meta")[index].shape,
+                          dtype=torch.int32 if four else dtype or torch.float32)
+        groups = torch.empty(len(out), out.shape[1] // g, 2) if four else None  # [rows, columns / 32, (scale, zero)]
         step = c.head_dim * max(1, GGUF_BLOCK // (c.head_dim * shape[1]))  # whole heads: each block un-permutes alone
+        permuted = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        at_groups = (slice(None), *(slice(i.start // g, i.stop // g) for i in index[1:]))
         blocks = range(rows.start, rows.stop, step)
         for s in tqdm(blocks, desc=name, leave=False, disable=True if len(blocks) < 8 else None):
-            w = dequantized(name, s, min(step, rows.stop - s))
-            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                w = unpermute_rope(w, len(w) // c.head_dim)
-            out[s - rows.start:s - rows.start + len(w)] = w[(slice(None), *index[1:])]
-        return out
+            raw, at = read(name, s, n := min(step, rows.stop - s)), slice(s - rows.start, s - rows.start + n)
+            if four:  # the kernels' int4 value is (code - 8) x scale + zero
+                w, scale, low = q4_groups(raw, kind)
+                sz = torch.stack([scale, low + 8 * scale], -1)  # [n, columns / 32, 2]
+                groups[at] = (unpermute_rope(sz, n // c.head_dim) if permuted else sz)[at_groups]
+            else:
+                w = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+            out[at] = (unpermute_rope(w, n // c.head_dim) if permuted else w)[(slice(None), *index[1:])]
+        return (out, groups.transpose(0, 1)) if four else out
     tok = Tokenizer.from_gguf(meta, path)
     return c, checked_getter(c, {name: (t[0], partial(fetch, name)) for name, t in found.items()}, path), tok
 
@@ -841,8 +897,7 @@ def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None):
     tp = (rank, world), the rank's tensor-parallel shard of it (shard_config), reading only the rank's chunks."""
     weights = weights or ("float32" if dtype == torch.float32 else "bf16")
     model = Transformer(shard_config(c, tp[1]), device, weight_format(weights, device))
-    fill_weights(model, get, tp[0])
-    convert_weights(model, weights)
+    convert_weights(model, weights, fill_weights(model, get, tp[0], weights))
     return model
 
 

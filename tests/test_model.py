@@ -283,6 +283,84 @@ def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
     assert (m.prefill(torch.tensor(ids, device="cuda"), cache, logits="all").cpu() - dq).abs().max() < 2 * tol
 
 
+def q4_blocks(kind, rows, columns, rng, codes=(2, 14)):
+    """Random Q4 blocks uint8 [rows, bytes a row]: small f16 scales (Q4_K's d and dmin) and codes in [2, 14), so
+    that no group spans all 16 codes and quantizing its values again would need another grid."""
+    import gguf
+    import numpy as np
+    values, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, columns // values, size), dtype=np.uint8)
+    head = 4 if kind.name != "Q4_0" else 2
+    raw[..., :head] = np.float16(rng.uniform(0.01, 0.1, (rows, columns // values, head // 2))).view(np.uint8)
+    raw[..., size - values // 2:] = rng.integers(*codes, raw[..., size - values // 2:].shape) * 0x11
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_q4_groups_are_ggufs_dequantization(kind):
+    """q4_groups' codes x scale + low are the gguf package's dequantization of the same blocks, exactly."""
+    import gguf
+    import numpy as np
+    kind = gguf.GGMLQuantizationType[kind]
+    raw = q4_blocks(kind, 3, 512, np.random.default_rng(0), codes=(0, 16))
+    codes, scale, low = model.q4_groups(raw, kind)
+    values = codes.unflatten(1, (-1, 32)) * scale[..., None] + low[..., None]
+    assert codes.min() == 0 and codes.max() == 15 and (scale > 0).any()
+    assert torch.equal(values.flatten(1), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
+
+
+def write_mixed_gguf(path, arch):
+    """A one-layer GGUF model of 16 tokens and width 256 whose matmul weights are in Q4_K (q, gate, up), Q4_0 (k,
+    down), Q4_1 (o) and Q8_0 (v), its tied embedding in F32, as llama.cpp's Q4_K_M mixes 4-bit and wider blocks."""
+    import gguf
+    import numpy as np
+    rng, w = np.random.default_rng(1), gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(256), w.add_feed_forward_length(512)
+    w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("qwen2"), w.add_token_merges(["a b"])
+    w.add_token_list(["a", "b", "ab"] + [chr(ord("c") + i) for i in range(13)]), w.add_token_types([1] * 16)
+    w.add_tensor("token_embd.weight", rng.standard_normal((16, 256), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    for name, kind, rows, columns in [("attn_q", "Q4_K", 256, 256), ("attn_k", "Q4_0", 128, 256),
+                                      ("attn_output", "Q4_1", 256, 256), ("ffn_gate", "Q4_K", 512, 256),
+                                      ("ffn_up", "Q4_K", 512, 256), ("ffn_down", "Q4_0", 256, 512)]:
+        kind = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(f"blk.0.{name}.weight", q4_blocks(kind, rows, columns, rng), raw_dtype=kind)
+    v = rng.standard_normal((128, 256), np.float32) / 16
+    w.add_tensor("blk.0.attn_v.weight", gguf.quants.quantize(v, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for name in ["attn_norm", "ffn_norm"] + ["attn_q.bias", "attn_k.bias", "attn_v.bias"] * (arch == "qwen2"):
+        size = 256 if "norm" in name else 128 if name[5] != "q" else 256
+        w.add_tensor(f"blk.0.{name}" + ".weight" * ("." not in name), rng.standard_normal(size).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
+    """int4 from a GGUF file: a matmul weight in Q4_0, Q4_1 or Q4_K blocks is those blocks (codes, scales and lows;
+    llama's q/k rows un-permuted; a tensor-parallel rank's rows or columns), not a requantization of their values,
+    so each weight is the file's within bf16's rounding of its scale and zero, 8 times closer than quantizing the
+    values again (their groups do not span all 16 codes: another grid). A fused weight with a wider part (v in
+    Q8_0) is held in int8, and the head of an F32 embedding quantized to int4."""
+    c, get, _ = model.open_weights(write_mixed_gguf(tmp_path / "m.gguf", arch))
+    exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
+    model.fill_weights(exact, get, tp[0])
+    m = model.build(c, get, tp=tp, weights="int4")
+    assert m.layers[0].wqkv.q.dtype == torch.int8 and m.lm_head.q.dtype == torch.uint8
+    for name in ("wo", "w13", "w2"):
+        want, w = getattr(exact.layers[0], name), getattr(m.layers[0], name)
+        got = kernels.quantized_linear(torch.eye(want.shape[1]), w.q, w.scale.float()).T  # float32: no rounding
+        again = kernels.int4_linear_ref(torch.eye(want.shape[1]), *kernels.quantize_int4(want.bfloat16())).T
+        assert w.q.dtype == torch.uint8 and (got - want).abs().max() < (again - want).abs().max() / 8, name
+    q, scale_zero = get("model.layers.0.self_attn.q_proj.weight", (0, tp[0], tp[1]), "int4")
+    scale, zero = scale_zero.transpose(0, 1).unbind(-1)
+    values = (q.unflatten(1, (-1, 32)) - 8) * scale[..., None] + zero[..., None]
+    rows = len(q)
+    assert torch.allclose(values.flatten(1), exact.layers[0].wqkv[:rows], rtol=0, atol=1e-5)
+
+
 def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
     lookup excluded), int8's bf16 scale a row and int4's bf16 scale and zero a group of 32, and its norms and
