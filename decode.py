@@ -1,6 +1,7 @@
 """The device side of decoding: the State a batch's cycles update in place, and one cycle function per method
 (ar, sd and easd, racer's tree, smc with its resampling), each over (engine, state, shape) with fixed shapes and
-no host sync, so that a CUDA graph can record it; a slot's prefill; recording graphs; what a batch's memory takes.
+no host sync, so that a CUDA graph can record it; a slot's prefill; recording graphs; what a batch's memory takes;
+the weight format that this machine's matmuls run fastest.
 
     cycle(e, st, shape)  =  draft_block (K draft steps for every particle)  +  verify_cycle (one target forward,
                              the method's rule, the flags the host reads)
@@ -8,6 +9,7 @@ no host sync, so that a CUDA graph can record it; a slot's prefill; recording gr
 e is the Engine (its target, draft, is_eos [V + 1], pad, config, dtype); shape its batch's Shape."""
 import copy
 import math
+import timeit
 from dataclasses import dataclass, fields
 
 import torch
@@ -440,6 +442,54 @@ def batch_bytes(e, shape, slots, caps):
     return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
 
 
+# ---------------------------------------------------------------- the weight format this machine runs fastest
+
+
+def measure_formats(c, rows, formats=tuple(model.FORMATS), threads=None, share=8):
+    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
+    R x N x (K + 1) for a verify): c's layer count times one layer's q/k/v, o, gate/up and down, plus the LM head, in
+    each format that can hold c's shapes. Quick (0.3 s for a 1.5B at two row counts): 1/share of each layer weight's
+    rows and 1/(8 share) of the head's are timed, scaled up by size (a matmul's cost is about proportional to its
+    rows); each the best of two after a warm call, after reading 64 MiB so that the weights come from memory."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
+    sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
+               for (o, i), p in zip(shapes, [share] * 4 + [8 * share])]
+    layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
+    head_scale = c.vocab_size / len(sampled[4])
+    threads_before, flush, costs = torch.get_num_threads(), torch.ones(2**24), {}  # ones: pages written
+
+    def seconds(f):
+        f()
+        return min(timeit.repeat(f, flush.sum, repeat=2, number=1))
+    torch.set_num_threads(threads or threads_before)
+    try:
+        for fmt in formats:
+            try:
+                ws = [model.converted(w.to(model.FORMATS[fmt]), fmt) for w in sampled]
+            except model.LoadError:  # int4 on sizes it cannot pack
+                continue
+            costs[fmt] = {}
+            for r in rows:
+                xs = [torch.randn(r, w.shape[1], dtype=model.FORMATS[fmt]) for w in sampled]
+                layer = seconds(lambda: [model.linear(x, w) for x, w in zip(xs[:4], ws[:4])])
+                costs[fmt][r] = 1e3 * (layer * layer_scale + seconds(lambda: model.linear(xs[4], ws[4])) * head_scale)
+    finally:
+        torch.set_num_threads(threads_before)
+    return costs
+
+
+def choose_format(costs, mix):
+    """The format in costs (measure_formats') cheapest for mix {rows: forwards of that many rows}, e.g. {1: 1}."""
+    return min(costs, key=lambda fmt: sum(n * costs[fmt][r] for r, n in mix.items()))
+
+
+def costs_line(costs, chosen):
+    """'weights: int8 (measured ms per forward at 1 / 9 rows: bf16 160/1240, float32 250/560, ...)'"""
+    return (f"weights: {chosen} (measured ms per forward at {' / '.join(map(str, next(iter(costs.values()))))} rows: "
+            + ", ".join(f"{f} {'/'.join(f'{ms:.0f}' for ms in c.values())}" for f, c in costs.items()) + ")")
+
+
 def choose_weights(e, shape):
     """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if it beats bf16
     by a fifth and 5 ms (a scheduler's time slice; else bf16, so that noise does not change the tokens) -> (format,
@@ -449,11 +499,11 @@ def choose_weights(e, shape):
     rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else N * (K + 1)
     fits = [f for f in ("bf16", "float32", "int8")  # int4 changes the model more: on request only
             if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)]  # int8: bf16's
-    costs = {f: {rows: ms[rows]} for f, ms in model.measure_formats(e.config, [rows], tuple(fits)).items()}
+    costs = {f: {rows: ms[rows]} for f, ms in measure_formats(e.config, [rows], tuple(fits)).items()}
     if e.draft_config and shape.method != "ar" and not shape.tree:
-        steps = model.measure_formats(e.draft_config, [N], tuple(costs))
+        steps = measure_formats(e.draft_config, [N], tuple(costs))
         costs = {f: {rows: ms[rows] + K * steps[f][N]} for f, ms in costs.items() if f in steps}
-    best = model.choose_format(costs, {rows: 1})
+    best = choose_format(costs, {rows: 1})
     gain = costs["bf16"][rows] - costs[best][rows]
     chosen = best if gain > 0.2 * costs["bf16"][rows] and gain > 5 else "bf16"  # a clear win, beyond timing noise
-    return chosen, model.costs_line(costs, chosen).replace(" per forward at", f" per {shape.method} cycle at")
+    return chosen, costs_line(costs, chosen).replace(" per forward at", f" per {shape.method} cycle at")

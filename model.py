@@ -7,7 +7,6 @@ import math
 import mmap
 import os
 import struct
-import timeit
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -236,7 +235,7 @@ class KVCache:
 # Every matmul weight (each block's wqkv, wo, w13, w2, and the head) is in one format; the activations, embeddings
 # and norms run in the dtype its kernels are fast with. No format is fastest everywhere (on AVX2 without native
 # bf16, oneDNN cannot pack bf16 and bf16 F.linear's cost grows with the rows; torch's int8 and int4 kernels are fast
-# only with bf16 activations, 5-20x slower with float32 ones): measure_formats times them on the machine.
+# only with bf16 activations, 5-20x slower with float32 ones): decode.measure_formats times them on the machine.
 
 FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
 
@@ -308,51 +307,6 @@ def convert_weights(model, fmt=None, held={}):
             [("", model, "lm_head")]:
         if not isinstance(w := getattr(m, name), Quantized):
             replace(m, name, converted(w, held.get(at + name, fmt)))
-
-
-def measure_formats(c, rows, formats=tuple(FORMATS), threads=None, share=8):
-    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
-    R x N x (K + 1) for a verify): c's layer count times one layer's q/k/v, o, gate/up and down, plus the LM head, in
-    each format that can hold c's shapes. Quick (0.3 s for a 1.5B at two row counts): 1/share of each layer weight's
-    rows and 1/(8 share) of the head's are timed, scaled up by size (a matmul's cost is about proportional to its
-    rows); each the best of two after a warm call, after reading 64 MiB so that the weights come from memory."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
-    sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
-               for (o, i), p in zip(shapes, [share] * 4 + [8 * share])]
-    layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
-    head_scale = c.vocab_size / len(sampled[4])
-    threads_before, flush, costs = torch.get_num_threads(), torch.ones(2**24), {}  # ones: pages written
-
-    def seconds(f):
-        f()
-        return min(timeit.repeat(f, flush.sum, repeat=2, number=1))
-    torch.set_num_threads(threads or threads_before)
-    try:
-        for fmt in formats:
-            try:
-                ws = [converted(w.to(FORMATS[fmt]), fmt) for w in sampled]
-            except LoadError:  # int4 on sizes it cannot pack
-                continue
-            costs[fmt] = {}
-            for r in rows:
-                xs = [torch.randn(r, w.shape[1], dtype=FORMATS[fmt]) for w in sampled]
-                layer = seconds(lambda: [linear(x, w) for x, w in zip(xs[:4], ws[:4])])
-                costs[fmt][r] = 1e3 * (layer * layer_scale + seconds(lambda: linear(xs[4], ws[4])) * head_scale)
-    finally:
-        torch.set_num_threads(threads_before)
-    return costs
-
-
-def choose_format(costs, mix):
-    """The format in costs (measure_formats') cheapest for mix {rows: forwards of that many rows}, e.g. {1: 1}."""
-    return min(costs, key=lambda fmt: sum(n * costs[fmt][r] for r, n in mix.items()))
-
-
-def costs_line(costs, chosen):
-    """'weights: int8 (measured ms per forward at 1 / 9 rows: bf16 160/1240, float32 250/560, ...)'"""
-    return (f"weights: {chosen} (measured ms per forward at {' / '.join(map(str, next(iter(costs.values()))))} rows: "
-            + ", ".join(f"{f} {'/'.join(f'{ms:.0f}' for ms in c.values())}" for f, c in costs.items()) + ")")
 
 
 # ---------------------------------------------------------------- transformer

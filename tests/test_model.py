@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import decode
 import kernels
 import model
 
@@ -400,19 +401,19 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
 def test_measured_costs_are_positive():
     """One forward's matmuls, estimated from a sample of one layer's and the head's, for every format and row count
     (how long it takes is a benchmark's figure, in the README); `auto`'s pick and its line."""
-    costs = model.measure_formats(QWEN_1_5B, [1, 9])
+    costs = decode.measure_formats(QWEN_1_5B, [1, 9])
     assert list(costs) == list(model.FORMATS) and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
-    best = model.choose_format(costs, {9: 1})
+    best = decode.choose_format(costs, {9: 1})
     assert all(costs[best][9] <= c[9] for c in costs.values())
-    line = model.costs_line(costs, best)
+    line = decode.costs_line(costs, best)
     assert line.startswith(f"weights: {best} (measured ms per forward at 1 / 9 rows: bf16 ") and "int4" in line
 
 
 def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
-    assert list(model.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8"]
+    assert list(decode.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8"]
 
 
 def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
