@@ -204,8 +204,15 @@ def configs(args, cells, overlap=False):
 
 
 def run_engine(e, ids, method, N, K, new_tokens, seed):
-    return e.generate(ids, method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
-                      draft_len=K, seed=seed).stats
+    """One request's stats, and first_token_s: from the call to the first settled token (what streams first)."""
+    begin, first = time.perf_counter(), []
+
+    def settled(tokens):
+        if tokens and not first:
+            first.append(time.perf_counter() - begin)
+    stats = e.generate(ids, on_tokens=settled, method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE,
+                       particles=N, draft_len=K, seed=seed).stats
+    return stats | {"first_token_s": first[0] if first else stats["seconds"]}
 
 
 def speed(e, ids_by_prompt, args):
@@ -243,6 +250,7 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth):
             r["resample_rate"] = s["resamples"] / max(s["cycles"], 1)
             r["mean_ess"] = s["mean_ess"]
         r["streamed"] = s["streamed"] / max(s["new_tokens"], 1)  # shown while generating, not at the end
+        r["first_token_s"] = s["first_token_s"]
         r |= roofline(e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens, bandwidth)
 
 
@@ -854,14 +862,15 @@ def cells_nk(r):
 def speed_table(rows, bandwidth):
     lines = [f"copy bandwidth {bandwidth:.1f} GB/s (read + write)", "",
              "| prompt | method | N | K | tok/s | x ar | tokens/cycle | SD accepted/cycle | resample rate | "
-             "mean ESS | streamed | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean ESS | streamed | first token s | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
+             "|---" * 16 + "|"]
     for r in rows:
         N, K = cells_nk(r)
         cells = [r["prompt"], r["method"], N, K, fmt(r["tokens_per_s"]), fmt(r.get("speedup")),
                  fmt(r.get("tokens_per_cycle")),
                  fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
-                 fmt(r.get("streamed")), fmt(r.get("cycle_ms"), ".0f"), fmt(r.get("gb_per_cycle")),
+                 fmt(r.get("streamed")), fmt(r.get("first_token_s")), fmt(r.get("cycle_ms"), ".0f"),
+                 fmt(r.get("gb_per_cycle")),
                  fmt(r.get("achieved_gbs"), ".1f"), fmt(r.get("ideal_tokens_per_s"), ".1f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

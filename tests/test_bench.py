@@ -32,7 +32,8 @@ def test_quick_run_on_random_models(tmp_path, capsys):
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and len(r["runs"]) == 2 and r["achieved_gbs"] > 0
         assert r["stats"]["new_tokens"] == 32  # random models have no EOS
-        assert 0 <= r["streamed"] <= 1
+        assert 0 <= r["streamed"] <= 1 and r["first_token_s"] > 0
+    assert rows["ar", 1, 1]["first_token_s"] < rows["ar", 1, 1]["stats"]["seconds"]  # ar streams every token
     assert 0 <= rows["sd", 1, 4]["accepted_per_cycle"] <= 4
     assert rows["smc", 4, 4]["tokens_per_cycle"] > 4 and 0 < rows["smc", 4, 4]["mean_ess"] <= 4
     for phase in report["phases"]:
