@@ -813,8 +813,10 @@ def format_report(target, prompts, formats, new_tokens, device):
     text's tokens before the first difference from bf16's; its sampling speed; and the mean log-probability per
     token of its samples (temperature 0.7, one seed a prompt) under the unquantized target (the checkpoint's
     weights in float32, scoring every format's samples) and under itself: their mean difference estimates
-    KL(format || unquantized) per token, which is 0 for an exact copy."""
-    out, samples, slots, reference = {}, {}, min(QUALITY_SLOTS, len(prompts)), None
+    KL(format || unquantized) per token, which is 0 for an exact copy. Also that KL exactly, on fixed text: of
+    the next-token distributions (T = 1) at every position of the prompts themselves."""
+    out, samples, slots = {}, {}, min(QUALITY_SLOTS, len(prompts))
+    reference = model.load(target, device, weights="float32")[0]
     for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
         e = engine.Engine(target, None, device, fmt).load()
         ids = [e.encode(p) for p in prompts]
@@ -826,12 +828,9 @@ def format_report(target, prompts, formats, new_tokens, device):
         seconds = time.perf_counter() - begin
         samples[fmt] = [r.tokens for r in sampled]
         out[fmt] = {"greedy": greedy, "samples": samples[fmt], "tokens_per_s": sum(map(len, samples[fmt])) / seconds,
-                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[fmt])]}
-        if fmt == "float32":
-            reference = e.target
+                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[fmt])],
+                    "prompt_kl": [next_token_kl(e.target, reference, p) for p in ids]}
         del e
-    if reference is None:
-        reference = model.load(target, device, weights="float32")[0]
     for i, p in enumerate(ids):  # each prompt read once for every format's sample
         for fmt, score in zip(out, target_logprobs(reference, p, [samples[fmt][i] for fmt in out])):
             out[fmt].setdefault("logprobs", []).append(score)
@@ -843,7 +842,16 @@ def format_report(target, prompts, formats, new_tokens, device):
         f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(scores[fmt], scores["bf16"])
         f["kl"], f["kl_stderr"] = quality.pass_at_1([[s - r] for s, r in zip(f["self_logprobs"], f["logprobs"])
                                                       if s is not None and r is not None] or [[math.nan]])
+        f["prompt_kl_mean"] = statistics.fmean(f["prompt_kl"])
     return out
+
+
+def next_token_kl(m, reference, ids):
+    """KL(m || reference) per position of ids, of the two models' next-token distributions at T = 1 (exact)."""
+    p, r = (x.prefill(torch.tensor(ids, device=x.device), model.KVCache(x.config, 1, len(ids), 1, x.device,
+                                                                         x.embed.dtype), logits="all").float()
+            .log_softmax(-1) for x in (m, reference))
+    return (p.exp() * (p - r)).sum(-1).mean().item()
 
 
 # ---------------------------------------------------------------- report
@@ -957,12 +965,13 @@ def quality_table(scores):
 
 def format_table(formats):
     head = ("| weights | tokens before greedy differs from bf16's (mean; identical texts) | tok/s (4 at a time) | "
-            "log-prob under the unquantized target | minus bf16's | KL to the unquantized, per token |\n"
-            "|---|---|---|---|---|---|\n")
+            "log-prob under the unquantized target | minus bf16's | KL to the unquantized, per token | "
+            "the same on the prompts' text, exact |\n" + "|---" * 7 + "|\n")
     return head + "\n".join(
         f"| {fmt} | {statistics.fmean(f['first_difference']):.1f}; {f['identical']} of {len(f['greedy'])} | "
         f"{f['tokens_per_s']:.2f} | {f['logprob']:.3f} ± {f['logprob_stderr']:.3f} | "
-        f"{f['logprob_vs_bf16']:+.3f} ± {f['logprob_vs_bf16_stderr']:.3f} | {f['kl']:.4f} ± {f['kl_stderr']:.4f} |"
+        f"{f['logprob_vs_bf16']:+.3f} ± {f['logprob_vs_bf16_stderr']:.3f} | {f['kl']:.4f} ± {f['kl_stderr']:.4f} | "
+        f"{f['prompt_kl_mean']:.5f} |"
         for fmt, f in formats.items())
 
 # ---------------------------------------------------------------- command line

@@ -321,7 +321,8 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
     out = bench.format_report(str(tmp_path), prompts, ["float32", "int8", "int4"], tokens, "cpu")
     assert list(out) == ["bf16", "float32", "int8", "int4"]
     assert out["bf16"]["first_difference"] == [len(t) for t in out["bf16"]["greedy"]] and out["bf16"]["identical"] == 3
-    assert out["float32"]["kl"] == pytest.approx(0, abs=1e-5)
+    assert out["float32"]["kl"] == pytest.approx(0, abs=1e-5) and out["float32"]["prompt_kl_mean"] < 1e-6
+    assert all(f["prompt_kl_mean"] > 1e-6 and len(f["prompt_kl"]) == 3 for fmt, f in out.items() if fmt != "float32")
     unquantized = bench.model.load(str(tmp_path), weights="float32")[0]
     for fmt, f in out.items():
         assert all(len(t) == tokens for t in f["samples"]) and f["tokens_per_s"] > 0
