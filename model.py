@@ -298,7 +298,7 @@ def replace(m, name, w):
 
 
 @torch.no_grad()
-def convert_weights(model, fmt=None, held={}):
+def convert_weights(model, fmt=None, held=None):
     """Every matmul weight of model not yet Quantized into weight format fmt (None: that of its dtype, bf16 or
     float32), or into held's format for it ({'layers.3.w2': 'int8'}: fill_weights'), in place. A tied head gets a
     copy of its own: the embedding lookup needs the plain rows."""
@@ -306,7 +306,7 @@ def convert_weights(model, fmt=None, held={}):
     for at, m, name in [(f"layers.{i}.", b, n) for i, b in enumerate(model.layers) for n in MATMULS[:4]] + \
             [("", model, "lm_head")]:
         if not isinstance(w := getattr(m, name), Quantized):
-            replace(m, name, converted(w, held.get(at + name, fmt)))
+            replace(m, name, converted(w, (held or {}).get(at + name, fmt)))
 
 
 # ---------------------------------------------------------------- transformer
