@@ -815,11 +815,11 @@ def format_report(target, prompts, formats, new_tokens, device):
     weights in float32, scoring every format's samples) and under itself: their mean difference estimates
     KL(format || unquantized) per token, which is 0 for an exact copy. Also that KL exactly, on fixed text: of
     the next-token distributions (T = 1) at every position of the prompts themselves."""
-    out, samples, slots = {}, {}, min(QUALITY_SLOTS, len(prompts))
-    reference = model.load(target, device, weights="float32")[0]
+    out, samples, slots, ids = {}, {}, min(QUALITY_SLOTS, len(prompts)), None
+    reference = model.load(target, device, weights="float32")[0]  # also the float32 format's model
     for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
-        e = engine.Engine(target, None, device, fmt).load()
-        ids = [e.encode(p) for p in prompts]
+        e = engine.Engine(reference if fmt == "float32" else target, None, device, fmt).load()
+        ids = ids or [e.encode(p) for p in prompts]  # by bf16's engine, which has the tokenizer
         greedy = [r.tokens for r in e.generate(ids, slots=slots, method="ar", max_new_tokens=new_tokens,
                                                   temperature=0.0)]
         begin = time.perf_counter()

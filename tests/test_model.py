@@ -358,8 +358,7 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
     q, scale_zero = get("model.layers.0.self_attn.q_proj.weight", (0, tp[0], tp[1]), "int4")
     scale, zero = scale_zero.transpose(0, 1).unbind(-1)
     values = (q.unflatten(1, (-1, 32)) - 8) * scale[..., None] + zero[..., None]
-    rows = len(q)
-    assert torch.allclose(values.flatten(1), exact.layers[0].wqkv[:rows], rtol=0, atol=1e-5)
+    assert torch.allclose(values.flatten(1), exact.layers[0].wqkv[:len(q)], rtol=0, atol=1e-5)
 
 
 def test_weight_bytes_follow_the_format(tiny):
