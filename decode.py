@@ -490,20 +490,38 @@ def costs_line(costs, chosen):
             + ", ".join(f"{f} {'/'.join(f'{ms:.0f}' for ms in c.values())}" for f, c in costs.items()) + ")")
 
 
+def file_format(opened):
+    """int4 when most of a model file's matmul values are 4-bit blocks (a Q4_K_M GGUF file, which int4 holds as they
+    are: nearer the file than int8, README), else bf16: the format auto keeps unless another is clearly faster."""
+    c, get, _ = opened
+    sizes = {name: math.prod(s) for name, s in model.expected_shapes(c).items() if len(s) == 2}
+    four = sum(n for name, n in sizes.items() if get(name, (0, 0, 1), "format") == "int4")
+    return "int4" if 2 * four > sum(sizes.values()) else "bf16"
+
+
+def clear_winner(costs, home):
+    """The cheapest format in costs ({format: ms}) if it beats home by a fifth and 5 ms (a scheduler's time slice),
+    else home: so that timing noise does not change the format, and with it the tokens of a fixed seed."""
+    best = min(costs, key=costs.get)
+    gain = costs[home] - costs[best]
+    return best if gain > 0.2 * costs[home] and gain > 5 else home
+
+
 def choose_weights(e, shape):
-    """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if it beats bf16
-    by a fifth and 5 ms (a scheduler's time slice; else bf16, so that noise does not change the tokens) -> (format,
-    the line that says so). A cycle is K draft steps of N rows and a target forward of N x (K + 1) rows (ar: one
-    row; racer: the tree's), each model's matmuls timed on its own shapes in bf16, float32 and int8 where they fit."""
+    """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if clearly
+    (clear_winner), else the target file's own (file_format) -> (format, the line that says so). A cycle is K draft
+    steps of N rows and a target forward of N x (K + 1) rows (ar: one row; racer: the tree's), each model's matmuls
+    timed on its own shapes in bf16, float32 and int8 where they fit, and int4 for a 4-bit file (elsewhere int4
+    changes the model more: on request only; its cost here counts every weight as int4, though a Q4_K_M file's
+    wider-quantized ones load in int8, which cost about the same on the AVX2 CPU measured, README)."""
     N, K = shape.particles, shape.draft_len
     rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else N * (K + 1)
-    fits = [f for f in ("bf16", "float32", "int8")  # int4 changes the model more: on request only
+    home = file_format(e.opened[0])
+    fits = [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
             if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)]  # int8: bf16's
     costs = {f: {rows: ms[rows]} for f, ms in measure_formats(e.config, [rows], tuple(fits)).items()}
     if e.draft_config and shape.method != "ar" and not shape.tree:
         steps = measure_formats(e.draft_config, [N], tuple(costs))
         costs = {f: {rows: ms[rows] + K * steps[f][N]} for f, ms in costs.items() if f in steps}
-    best = choose_format(costs, {rows: 1})
-    gain = costs["bf16"][rows] - costs[best][rows]
-    chosen = best if gain > 0.2 * costs["bf16"][rows] and gain > 5 else "bf16"  # a clear win, beyond timing noise
+    chosen = clear_winner({f: ms[rows] for f, ms in costs.items()}, home if home in costs else "bf16")
     return chosen, costs_line(costs, chosen).replace(" per forward at", f" per {shape.method} cycle at")

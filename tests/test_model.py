@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -413,6 +414,23 @@ def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
     assert list(decode.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8"]
+
+
+def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_path, capsys):
+    """auto's home format is int4 for a file of mostly 4-bit blocks and bf16 for a float one; another format is
+    chosen only if it is faster by a fifth and 5 ms, so that noise does not change the tokens."""
+    import engine
+    gguf_path = write_mixed_gguf(tmp_path / "m.gguf", "qwen2")
+    assert decode.file_format(model.open_weights(gguf_path)) == "int4"
+    assert decode.file_format(model.open_weights(tiny[1])) == "bf16"
+    assert decode.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
+    assert decode.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
+    assert decode.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
+    assert decode.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
+    e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto").load()  # smc 3x2 by default
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"weights: (bf16|float32|int8|int4) \(measured ms per smc cycle at 9 rows: bf16 \d+, "
+                        r"float32 \d+, int8 \d+, int4 \d+\)", line) and line.split()[1] == e.weights
 
 
 def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
