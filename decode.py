@@ -507,21 +507,49 @@ def clear_winner(costs, home):
     return best if gain > 0.2 * costs[home] and gain > 5 else home
 
 
+def candidates(e):
+    """-> (the formats auto times: bf16, float32 and int8 where they fit, and int4 for a 4-bit file (elsewhere int4
+    changes the model more: on request only), the target file's own format (file_format))."""
+    home = file_format(e.opened[0])
+    return [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
+            if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)], home
+
+
+def cycle_costs(e, shapes, formats):
+    """-> {format: {(N, K): ms}}: the matmuls of an (N, K) cycle, K draft steps of N rows and a target forward of
+    N x (K + 1) rows (K = 0: the target's alone, at N rows), each model's timed on its own shapes (measure_formats)."""
+    target = measure_formats(e.config, sorted({n * (k + 1) for n, k in shapes}), tuple(formats))
+    drafts = {n for n, k in shapes if k}
+    steps = measure_formats(e.draft_config, sorted(drafts), tuple(target)) if drafts else {f: {} for f in target}
+    return {f: {(n, k): target[f][n * (k + 1)] + k * steps[f].get(n, 0) for n, k in shapes}
+            for f in target if f in steps}
+
+
 def choose_weights(e, shape):
     """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if clearly
-    (clear_winner), else the target file's own (file_format) -> (format, the line that says so). A cycle is K draft
-    steps of N rows and a target forward of N x (K + 1) rows (ar: one row; racer: the tree's), each model's matmuls
-    timed on its own shapes in bf16, float32 and int8 where they fit, and int4 for a 4-bit file (elsewhere int4
-    changes the model more: on request only; its cost here counts every weight as int4, though a Q4_K_M file's
-    wider-quantized ones load in int8, which cost about the same on the AVX2 CPU measured, README)."""
-    N, K = shape.particles, shape.draft_len
-    rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else N * (K + 1)
-    home = file_format(e.opened[0])
-    fits = [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
-            if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)]  # int8: bf16's
-    costs = {f: {rows: ms[rows]} for f, ms in measure_formats(e.config, [rows], tuple(fits)).items()}
-    if e.draft_config and shape.method != "ar" and not shape.tree:
-        steps = measure_formats(e.draft_config, [N], tuple(costs))
-        costs = {f: {rows: ms[rows] + K * steps[f][N]} for f, ms in costs.items() if f in steps}
+    (clear_winner), else the target file's own (file_format) -> (format, the line that says so). A cycle's cost:
+    cycle_costs' (ar: one row; racer: the tree's rows, no draft model). A Q4_K_M file's int4 cost counts every
+    weight as int4, though its wider-quantized ones load in int8, which cost about the same on the AVX2 CPU
+    measured (README)."""
+    rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else shape.particles * (shape.draft_len + 1)
+    drafted = e.draft_config and shape.method != "ar" and not shape.tree
+    cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
+    formats, home = candidates(e)
+    costs = {f: {rows: ms[cell]} for f, ms in cycle_costs(e, [cell], formats).items()}
     chosen = clear_winner({f: ms[rows] for f, ms in costs.items()}, home if home in costs else "bf16")
     return chosen, costs_line(costs, chosen).replace(" per forward at", f" per {shape.method} cycle at")
+
+
+SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3; README, Results)
+
+
+def choose_smc_shape(e):
+    """--weights auto, smc without --particles or --draft-len: the (N, K) of SMC_SHAPES whose cycle (it always
+    emits K + 1 tokens) costs least per token, in its cheapest format, if clearly (clear_winner) below 3x2's, the
+    default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows with the
+    rows too, so a wider cycle gains less than predicted."""
+    costs = cycle_costs(e, SMC_SHAPES, candidates(e)[0] if e.weights == "auto" else [e.weights])  # loaded: its own
+    per_token = {(n, k): min(ms[n, k] for ms in costs.values()) / (k + 1) for n, k in SMC_SHAPES}
+    n, k = clear_winner(per_token, (3, 2))
+    return (n, k), (f"smc shape: {n}x{k} (measured ms per token, a cycle's matmuls in its cheapest format: "
+                    + ", ".join(f"{a}x{b} {ms:.0f}" for (a, b), ms in per_token.items()) + ")")

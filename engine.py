@@ -5,10 +5,9 @@ Monte Carlo speculative decoding (smc), for one prompt or many, from the command
     python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
     Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
 
-Top to bottom: Settings (a request's options, checked once) and Shape (a batch's key); Request; Batch (slots of
-one shape) and Pair (MineDraft's halves); the Scheduler; Engine (the models and the API); the command line.
-decode.py is the device side. Each round cycles every busy batch, reads each slot's flags once, passes settled
-text on, and refills the slots of finished requests (continuous batching)."""
+Top to bottom: Settings (a request's options) and Shape (a batch's key); Request; Batch and Pair (MineDraft's
+halves); the Scheduler; Engine (the models, the API); the CLI. decode.py is the device side. Each round cycles
+every busy batch, reads each slot's flags once, passes settled text on, refills finished slots (continuous batching)."""
 import argparse
 import json
 import math
@@ -90,12 +89,11 @@ class Settings:
     tree: int = 0  # racer: draft tokens per cycle, a tree at most draft_len deep (0: a chain of draft_len)
     overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
 
-    def resolve(self, device):
-        """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc and mdsd from the bench grid's cells that resample
-        (README, Results): N=3, K=2 on a CPU, where every verify row costs compute; N=4, K=4 on a GPU, where a
-        verify of N x (K+1) rows reads the weights once."""
+    def resolve(self, device, smc=None):
+        """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc and mdsd 3 x 2 on a CPU, where every verify row
+        costs compute, 4 x 4 on a GPU, where it reads the weights once (the bench grid); smc's: smc, if given."""
         many, t = (3, 2) if torch.device(device).type == "cpu" else (4, 4), self.temperature
-        n, k = {"ar": (1, 1), "smc": many, "mdsd": many}.get(self.method, (1, 4))
+        n, k = {"ar": (1, 1), "smc": smc or many, "mdsd": many}.get(self.method, (1, 4))
         n = self.particles if self.method in ("smc", "mdsd") and self.particles is not None else n
         return replace(self, particles=n,
                        draft_len=k if self.method == "ar" or self.draft_len is None else self.draft_len,
@@ -513,8 +511,8 @@ class Scheduler:
 
     def end(self, requests, why, error=None):
         """End requests with what they made so far, stats["stop"] = why (an error's message in stats["error"])."""
+        error = {"error": " ".join(str(error).split())} if error else {}
         for req in requests:
-            error = {"error": " ".join(str(error).split())} if error else {}
             req.finish(req.settled, req.stats(req.settled, why) | error)
 
     def stop(self, why, error=None):
@@ -582,6 +580,7 @@ class Engine:
         self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
         auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1  # ranks must not differ
         self.weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
+        self.auto, self.smc = auto, None  # smc's default (N, K) under auto, once measured
         dtype = torch.bfloat16 if auto else model.weight_format(self.weights, device)
         self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
         self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
@@ -629,7 +628,10 @@ class Engine:
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context."""
         s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
-        s, stop = s.resolve(self.device), [stop] if isinstance(stop, str) else stop
+        if s.method == "smc" and not (s.particles and s.draft_len) and self.draft_config and self.auto and not self.smc:
+            self.smc, line = decode.choose_smc_shape(self)  # measured once, at smc's first request
+            print(line, file=sys.stderr)
+        s, stop = s.resolve(self.device, self.smc), [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise UsageError("stop must be a string or a list of non-empty strings", "stop")
         if stop and self.tokenizer is None:
@@ -841,8 +843,7 @@ def prepare(args, batch, world):
                          (args.trace and batch, "--trace follows one prompt; give --prompt or a text --prompt-file")):
         if bad:
             raise UsageError(message)
-    prompt = read_jsonl(args.prompt_file) if batch else read_prompt(args.prompt_file) if args.prompt_file \
-        else args.prompt
+    prompt = (read_jsonl if batch else read_prompt)(args.prompt_file) if args.prompt_file else args.prompt
     if not batch and not prompt.strip():
         raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
     draft, target = (args.draft, args.target) if args.target else default_pair()
@@ -865,8 +866,7 @@ def main(argv=None):
         sys.exit(f"error: unknown device {args.device!r}; use cpu or cuda")
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     rank, world = model.init_distributed(args.device)  # under torchrun; only rank 0 speaks
-    if rank:
-        sys.stdout = open(os.devnull, "w")
+    sys.stdout = open(os.devnull, "w") if rank else sys.stdout
     try:
         e, requests, prompt = prepare(args, batch, world)
         if not (batch or args.json):

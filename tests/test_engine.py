@@ -1221,6 +1221,26 @@ def test_cli_streams_text_then_a_summary(pair):
     assert run.stdout.startswith("w1 w2 w3") and summary.startswith("[sd: ")
 
 
+def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, monkeypatch, capsys):
+    """Under weights auto, smc's default (N, K) is measured at its first request: the bench grid's cell whose cycle
+    costs least per token, if clearly (a fifth and 5 ms: not on these tiny models), else 3 x 2; given N or K stay."""
+    e = engine.Engine(*pair, weights="auto")
+    first, again = e.request("w1 w2", max_new_tokens=8), e.request("w3", draft_len=3, max_new_tokens=8)
+    chose = capsys.readouterr().err.splitlines()
+    assert len(chose) == 1 and re.fullmatch(r"smc shape: 3x2 \(measured ms per token, a cycle's matmuls in its "
+                                             r"cheapest format: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[0])
+    assert (first.shape.particles, first.shape.draft_len, again.shape.particles, again.shape.draft_len) == (3, 2, 3, 3)
+    picked = engine.Engine(*pair, weights="auto")
+    monkeypatch.setattr(decode, "choose_smc_shape", lambda e: ((4, 4), "smc shape: 4x4"))
+    wide, given = (picked.request("w1", max_new_tokens=8, **k) for k in ({"method": "smc"}, {"particles": 2}))
+    assert (wide.shape.particles, wide.shape.draft_len, given.shape.particles, given.shape.draft_len) == (4, 4, 2, 4)
+    assert picked.generate("w1 w2", max_new_tokens=6, seed=1).stats["particles"] == 4
+    assert "weights: bf16 (measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
+    fixed = engine.Engine(*pair, weights="bf16").request("w1", max_new_tokens=8)  # a format given: no measuring
+    assert (fixed.shape.particles, fixed.shape.draft_len) == (3, 2) and "smc shape" not in capsys.readouterr().err
+    assert decode.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
+
+
 CLI_ERRORS = [
     (["--temperature", "0"], "error: smc needs temperatures > 0"),
     (["--target", "/no/such/model"], "error: /no/such/model: no such file or directory"),
