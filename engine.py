@@ -566,8 +566,8 @@ def capacity(e, prompt_len, s, shape, context=None):
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer
     (then prompts are ids and results have no text); draft "racer" drafts without a model. Paths are opened at
-    once, so a bad request is refused before `load()` reads a weight; weights: model.FORMATS' or "auto". Under
-    torchrun each rank holds its shard of the target and decodes the same requests with the same logits and rng."""
+    once, so a bad request is refused before `load()` reads a weight; weights: model.FORMATS' or "auto" (a path on
+    a CPU; else bf16: torchrun's ranks hold shards of the target and must agree, with the same logits and rng)."""
 
     def __init__(self, target, draft=None, device=None, weights=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -578,7 +578,7 @@ class Engine:
         self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
                        for m in (target, draft)]
         self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
-        auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1  # ranks must not differ
+        auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(self.opened[0])
         self.weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
         self.auto, self.smc = auto, None  # smc's default (N, K) under auto, once measured
         dtype = torch.bfloat16 if auto else model.weight_format(self.weights, device)
