@@ -909,6 +909,62 @@ def short_table(rows):
     return "\n".join(lines)
 
 
+def gguf_of(path):
+    """The GGUF file of a model: itself, or the file a weights/ directory was converted from, beside it; or None."""
+    gguf = path if path.endswith(".gguf") else os.path.normpath(path) + ".gguf"
+    return gguf if os.path.isfile(gguf) else None
+
+
+def llama_cpp_peer(paths, ids_by_prompt, args):
+    """llama.cpp itself: ar on each model's GGUF file (paths: draft, target), the same prompt ids, temperature,
+    new tokens (EOS ignored) and threads, the median of args.repeats, each from its prefill; through llama-cpp-cffi
+    (`pip install llama-cpp-cffi`: a prebuilt llama.cpp, its bindings of llama.h), where that is installed -> rows
+    as peer's, none without it (llama-cpp-python compiles llama.cpp at install, so it is not used here)."""
+    os.environ.setdefault("LLAMA_CPP_BACKEND", "cpu")  # not its CUDA build on a GPU machine
+    try:
+        from llama.llama_cpp import ffi, lib
+    except ImportError:
+        return []
+
+    def check(status):
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+
+    def run(m, ids, new, seed):  # -> tok/s, from the prefill on
+        cp = lib.llama_context_default_params()
+        cp.n_ctx, cp.n_batch = len(ids) + new + 1, max(len(ids), 1)
+        cp.n_threads = cp.n_threads_batch = torch.get_num_threads()
+        ctx, sampler = lib.llama_init_from_model(m, cp), lib.llama_sampler_chain_init(
+            lib.llama_sampler_chain_default_params())
+        lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_temp(TEMPERATURE))
+        lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_dist(seed))
+        tokens, start = ffi.new("llama_token[]", ids), time.perf_counter()
+        check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, len(ids))))
+        for _ in range(new):
+            tokens[0] = lib.llama_sampler_sample(sampler, ctx, -1)
+            check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 1)))
+        seconds = time.perf_counter() - start
+        lib.llama_sampler_free(sampler)
+        lib.llama_free(ctx)
+        return new / seconds
+
+    lib.llama_backend_init()
+    rows = []
+    for role, path in [(role, gguf_of(p)) for role, p in zip(("draft", "target"), paths)]:
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        m = lib.llama_model_load_from_file(path.encode(), params) if path else ffi.NULL
+        if m == ffi.NULL:
+            continue
+        for name, ids in ids_by_prompt.items():
+            run(m, ids, 4, 0)  # warm-up
+            rates = [run(m, ids, args.new_tokens, seed) for seed in range(args.repeats)]
+            rows.append({"prompt": name, "method": f"llama.cpp ar, the {role} ({os.path.basename(path)})",
+                         "tokens_per_s": statistics.median(rates), "runs": rates})
+        lib.llama_model_free(m)
+    return rows
+
+
 def peer_table(rows):
     lines = ["| prompt | peer | tok/s |", "|---|---|---|"]
     return "\n".join(lines + [f"| {r['prompt']} | {r['method']} | {r['tokens_per_s']:.2f} |" for r in rows])
@@ -1152,9 +1208,12 @@ def main(argv=None):
     batched = args.concurrency and not args.skip_speed
     with_peer = paths and world == 1 and not args.skip_peer and importlib.util.find_spec("transformers")
     hf = peer_models(paths, args) if with_peer and (args.grid or batched) else None  # (target, draft)
-    if hf and args.grid:
-        report["peer"] = peer(hf, ids_by_prompt, pad_id(e), args)
-        print(peer_table(report["peer"]), "\n", flush=True)
+    rows = (peer(hf, ids_by_prompt, pad_id(e), args) if hf and args.grid else []) + \
+        (llama_cpp_peer(paths, ids_by_prompt, args) if paths and world == 1 and not args.skip_peer and args.grid and
+         device.type == "cpu" else [])
+    if rows:
+        report["peer"] = rows
+        print(peer_table(rows), "\n", flush=True)
     if batched:
         report["batch"] = batch_report(e, hf[0] if hf else None, args)
         print(batch_table(report["batch"]), "\n", flush=True)

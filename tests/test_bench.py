@@ -186,6 +186,23 @@ def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
         assert r["mean_latency_s"] == r["max_latency_s"] == r["seconds"]
 
 
+def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
+    """The llama.cpp peer runs a model's GGUF file: the path itself, or the file a weights/ directory came from,
+    beside it; a model without one has no row. Its runs need llama-cpp-cffi, which is not a test requirement."""
+    (tmp_path / "converted").mkdir(), (tmp_path / "converted.gguf").write_bytes(b""), (tmp_path / "alone").mkdir()
+    assert bench.gguf_of(str(tmp_path / "converted") + "/") == str(tmp_path / "converted.gguf")
+    assert bench.gguf_of(str(tmp_path / "alone")) is None and bench.gguf_of(str(tmp_path / "x.gguf")) is None
+    pytest.importorskip("llama.llama_cpp")
+    sys.path.insert(0, os.path.join(os.path.dirname(bench.__file__), "weights"))
+    import fetch
+    gguf = fetch.fetch_gguf("smollm2-135m-instruct")
+    args = bench.parse(["--new-tokens", "5", "--repeats", "2"])
+    rows = bench.llama_cpp_peer((str(tmp_path / "alone"), gguf), {"code": [1, 2, 3], "prose": [4]}, args)
+    assert [(r["prompt"], r["method"]) for r in rows] == \
+        [(p, "llama.cpp ar, the target (smollm2-135m-instruct.gguf)") for p in ("code", "prose")]
+    assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
+
+
 def test_long_prompts_are_real_code_cut_to_length():
     class Engine:  # a character-level tokenizer
         tokenizer = True
