@@ -479,11 +479,6 @@ def measure_formats(c, rows, formats=tuple(model.FORMATS), threads=None, share=8
     return costs
 
 
-def choose_format(costs, mix):
-    """The format in costs (measure_formats') cheapest for mix {rows: forwards of that many rows}, e.g. {1: 1}."""
-    return min(costs, key=lambda fmt: sum(n * costs[fmt][r] for r, n in mix.items()))
-
-
 def costs_line(costs, chosen):
     """'weights: int8 (measured ms per forward at 1 / 9 rows: bf16 160/1240, float32 250/560, ...)'"""
     return (f"weights: {chosen} (measured ms per forward at {' / '.join(map(str, next(iter(costs.values()))))} rows: "
@@ -549,6 +544,7 @@ def choose_smc_shape(e):
     default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows with the
     rows too, so a wider cycle gains less than predicted."""
     costs = cycle_costs(e, SMC_SHAPES, candidates(e)[0] if e.weights == "auto" else [e.weights])  # loaded: its own
+    costs = costs or cycle_costs(e, SMC_SHAPES, ["bf16"])  # int4 that cannot pack the draft's shapes
     per_token = {(n, k): min(ms[n, k] for ms in costs.values()) / (k + 1) for n, k in SMC_SHAPES}
     n, k = clear_winner(per_token, (3, 2))
     return (n, k), (f"smc shape: {n}x{k} (measured ms per token, a cycle's matmuls in its cheapest format: "

@@ -400,12 +400,11 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
 
 def test_measured_costs_are_positive():
     """One forward's matmuls, estimated from a sample of one layer's and the head's, for every format and row count
-    (how long it takes is a benchmark's figure, in the README); `auto`'s pick and its line."""
+    (how long it takes is a benchmark's figure, in the README), and the line that reports them."""
     costs = decode.measure_formats(QWEN_1_5B, [1, 9])
     assert list(costs) == list(model.FORMATS) and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
-    best = decode.choose_format(costs, {9: 1})
-    assert all(costs[best][9] <= c[9] for c in costs.values())
+    best = min(costs, key=lambda f: costs[f][9])
     line = decode.costs_line(costs, best)
     assert line.startswith(f"weights: {best} (measured ms per forward at 1 / 9 rows: bf16 ") and "int4" in line
 
