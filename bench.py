@@ -2,7 +2,8 @@
 memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
 code-completion requests, sd with racer's retrieval drafts (no draft model) on a refactor request and on fresh
 code, throughput and latency of R requests decoded together (continuous batching; also with MineDraft's overlap),
-the transformers peer baseline, and pass@1 and the target's log-probability on HumanEval.
+the peers (transformers; llama.cpp on the GGUF files where llama-cpp-cffi is installed), and pass@1 and the
+target's log-probability on HumanEval.
 
     python bench.py                                  # default pair, code and prose prompts, 128 new tokens
     python bench.py --quick                          # one-prompt smoke run
@@ -1102,7 +1103,7 @@ def parse(argv):
                         "weights/ pair or --target; default: none)")
     p.add_argument("--skip-speed", action="store_true", help="skip every speed section (the batches too)")
     p.add_argument("--skip-quality", action="store_true")
-    p.add_argument("--skip-peer", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--skip-peer", action="store_true", help="skip the peers (transformers; llama.cpp)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="random models and the peers")
     p.add_argument("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format "
