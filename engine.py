@@ -564,10 +564,10 @@ def capacity(e, prompt_len, s, shape, context=None):
 
 
 class Engine:
-    """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer
-    (then prompts are ids and results have no text); draft "racer" drafts without a model. Paths are opened at
-    once, so a bad request is refused before `load()` reads a weight; weights: model.FORMATS' or "auto" (a path on
-    a CPU; else bf16: torchrun's ranks hold shards of the target and must agree, with the same logits and rng)."""
+    """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer (then
+    prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
+    is refused before `load()` reads a weight. weights: model.FORMATS' or "auto" (paths on a CPU). Under torchrun
+    each rank holds its shard of the target and decodes the same requests with the same logits and rng."""
 
     def __init__(self, target, draft=None, device=None, weights=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -580,8 +580,7 @@ class Engine:
         self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
         auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(self.opened[0])
         self.weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
-        self.auto, self.smc = auto, None  # smc's default (N, K) under auto, once measured
-        dtype = torch.bfloat16 if auto else model.weight_format(self.weights, device)
+        self.auto, self.smc, dtype = auto, None, torch.bfloat16 if auto else model.weight_format(self.weights, device)
         self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
         self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
@@ -600,11 +599,9 @@ class Engine:
             self.weights, line = decode.choose_weights(self, shape or Settings().resolve(self.device).shape(self.racer))
             self.dtype = model.FORMATS[self.weights]
             print(line, file=sys.stderr)
-        if self.target is None:
-            self.target = model.build(*self.opened[0][:2], self.device, self.dtype, (self.rank, self.world),
-                                      self.weights)
-        if self.draft is None and self.opened[1]:
-            self.draft = model.build(*self.opened[1][:2], self.device, self.dtype, weights=self.weights)
+        build = lambda o, tp=(0, 1): o and model.build(*o[:2], self.device, self.dtype, tp, self.weights)  # noqa: E731
+        self.target = self.target or build(self.opened[0], (self.rank, self.world))
+        self.draft = self.draft or build(self.opened[1])
         self.opened = [None, None]
         return self
 
@@ -681,9 +678,8 @@ class Engine:
 
     def serve(self, inbox, slots=4, context=2048, idle_s=IDLE_S):
         """Decode the Requests put in inbox (a queue.Queue) until None arrives (what still runs ends "cancelled").
-        context: the tokens a slot holds (a pair (prompt, the rest) for each apart); check requests against it
-        (`request(context=)`). A failing batch ends its requests "error" and serving goes on; a failed device
-        ends them all and raises DeviceFailed."""
+        context: the tokens a slot holds (a pair (prompt, rest) for each apart; check requests with request(context=)).
+        A failing batch ends its requests "error" and serving goes on; a failed device ends them all: DeviceFailed."""
         for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, idle_s):
             pass
 
