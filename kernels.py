@@ -1,19 +1,18 @@
-"""Kernels: each Triton kernel beside the few-line PyTorch reference that documents it; then the tensor rules the
-decoding methods share (restricted, tempered and power distributions, easd's trigger, smc's EOS-absorbing weights),
-plain PyTorch that runs on every device.
+"""Triton kernels, each beside the few-line PyTorch reference that documents it; then the rules the decoding methods
+share (restricted, tempered and power distributions, easd's trigger, smc's EOS-absorbing weights), plain PyTorch.
 
-Dispatch (`use_triton`): the Triton kernel on CUDA tensors, the reference on CPU tensors (attention:
-`particle_attention_cpu`, the same math arranged for speed), and the Triton kernel on CPU when TRITON_INTERPRET=1 was
-set before this module was imported (the tests). Without triton (macOS has no wheels) the references serve everywhere.
+Dispatch (`use_triton`): Triton for CUDA tensors, and for CPU if TRITON_INTERPRET=1 was set before import (the tests);
+else, or without triton (no macOS wheels), the reference (attention: `particle_attention_cpu`, the same math, faster).
 
-Randomness: `rng` is an int64 tensor [R, 2] on the data's device, one (seed, counter) row per request (`make_rng`); the
-rows of the data are grouped by request, request r owning rows [r*M, (r+1)*M) of B = R*M. Each call that draws noise
-(`sample`, `resample`) keys request r's numbers on its own (seed, counter) and the row's index within the request, then
-adds 1 to every counter in place on the device: batching never changes a request's draws, a CUDA-graph replay draws
-fresh noise, the same seed replays the same run. Triton draws Philox numbers and the references draw from torch
-generators, so the two paths agree in distribution, not draw for draw."""
+Randomness: `rng` is int64 [R, 2] on the data's device, one (seed, counter) row per request (`make_rng`); request r owns
+data rows [r*M, (r+1)*M) of B = R*M. Each call that draws noise (`sample`, `resample`) keys request r's numbers on its
+own (seed, counter) and the row's index in the request, then adds 1 to every counter in place on the device: batching
+never changes a request's draws, a CUDA-graph replay draws fresh noise, the same seed replays the same run. Triton draws
+Philox numbers and the references draw from torch generators: they agree in distribution, not draw for draw."""
 import functools
+import math
 import os
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -38,23 +37,20 @@ def use_triton(t):
 
 
 def make_rng(seed, device):
-    """The device-side random state every sampling call takes: int64 [R, 2], row r = (seed_r, counter 0),
-    from a seed per request (a list) or one seed (an int: R = 1)."""
+    """The device-side rng of sampling calls: int64 [R, 2], row r = (seed_r, counter 0), from a seed list or an int."""
     seeds = [seed] if isinstance(seed, int) else seed
     return torch.tensor([[s, 0] for s in seeds], dtype=torch.int64, device=device)
 
 
 def _uniforms(rng, M):
     """float32 [R * M, 1] for the references: request r's M rows from a generator keyed on rng[r]; counters + 1."""
-    keys = rng.tolist()
+    gens = [torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64) for s, c in rng.tolist()]
     rng[:, 1] += 1
-    gens = [torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64) for s, c in keys]
     return torch.cat([torch.rand(M, 1, generator=g, device=rng.device) for g in gens])
 
 
 def _temperatures(temperature, device, R=None):
-    """Temperature per request, float32 [R]: a tensor [R] as is, a Python float for all R requests
-    (R = None: the tensor's length, or 1)."""
+    """Temperature per request, float32 [R]: a tensor as is, a float for all R (R = None: the tensor's length, or 1)."""
     if torch.is_tensor(temperature):
         assert R in (None, len(temperature)), "one temperature per request"
         return temperature.float().contiguous()
@@ -75,8 +71,6 @@ def _offset(i, stride):
 
 
 # ---------------------------------------------------------------- attention
-
-
 def prefill_attention(q, k, v, scale):
     """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CPU: in blocks of query tokens,
     a KV group's rows of a block one matrix against the keys up to the block's end (5-8x torch's fused CPU attention
@@ -102,13 +96,12 @@ def prefill_attention(q, k, v, scale):
 
 
 def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """Attention for R requests x N particles x T new tokens. q [R, N, T, Hq, D]; prefix_k/v [R, Hkv, P, D] (the
-    prompt, shared by all particles); suffix_k/v [R, N, Hkv, S, D] (each particle's generated tokens, the T new ones
-    already written at suffix_len .. suffix_len+T-1); prefix_len, suffix_len: int32 [R]. -> [R, N, T, Hq, D].
-    Query t sees prefix keys [0, prefix_len) and suffix keys [0, suffix_len + t]. tree: None (causal), or bool
-    [R, T, T] for a draft tree verified in one pass (RACER): query t sees the prefix, the committed suffix keys
-    [0, suffix_len) and new token j iff tree[r, t, j] (its ancestors and itself), for every particle (lower-triangular
-    = causal). The math, not the speed: the broadcast matmuls copy the prefix per particle and head."""
+    """Attention for R requests x N particles x T new tokens. q [R, N, T, Hq, D]; prefix_k/v [R, Hkv, P, D] (the prompt,
+    shared by all particles); suffix_k/v [R, N, Hkv, S, D] (each particle's generated tokens, the T new ones already at
+    suffix_len ..); prefix_len, suffix_len: int32 [R]. -> [R, N, T, Hq, D]. Query t sees prefix keys [0, prefix_len) and
+    suffix keys [0, suffix_len + t]; given tree (bool [R, T, T], a draft tree verified in one pass: RACER), the prefix,
+    the committed suffix keys [0, suffix_len) and new token j iff tree[r, t, j] (its ancestors and itself), for every
+    particle (lower-triangular = causal). The math, not the speed: broadcasts copy the prefix per particle and head."""
     (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
     out = torch.empty_like(q)
     for r in range(R):
@@ -127,10 +120,9 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
 
 
 def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """`particle_attention_ref`'s contract, fast on the CPU: two calls of torch's fused CPU attention, which also
-    returns each row's log-sum-exp. Prefix pass: every particle's rows of a KV group form one query matrix against the
-    prompt, read once. Suffix pass: each particle's rows against its own suffix, causal (or by the tree) in the T new
-    tokens. The prefix holds a share sigmoid(lse_prefix - lse_suffix) of each row's softmax mass."""
+    """`particle_attention_ref`'s contract, fast on CPU: two calls of torch's fused CPU attention (with each row's
+    log-sum-exp). Prefix pass: a KV group's rows of all particles as one matrix, the prompt read once. Suffix pass: each
+    particle against its own suffix, causal or by the tree. Prefix mass share: sigmoid(lse_prefix - lse_suffix)."""
     (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
     G = Hq // Hkv
     token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
@@ -160,11 +152,10 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
                             sk_r, sk_n, sk_h, sk_s, so_r, so_n, so_t, so_h, N, T, G, Hkv, split0, CAUSAL: tl.constexpr,
                             TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One KV split of one (request, KV head[, particle]) against a block of its query rows. Prefix pass (CAUSAL=False):
-    the rows are every particle x token x head of the KV group, so each K/V tile is loaded once for all of them. Suffix
-    pass: one particle's rows, causal in the T new tokens, or with TREE as the request's tree (bytes [R, T, T]) says.
-    The grid's splits share the live keys, not the capacity, so a short cache still spreads over them. Writes the
-    split's normalised output and log-sum-exp; an empty split loads nothing and writes lse = -inf, out = 0."""
+    """One KV split of a (request, KV head[, particle]) against a block of query rows. Prefix pass (CAUSAL=False): every
+    particle x token x head of the KV group, each K/V tile loaded once for all. Suffix pass: one particle's rows, causal
+    in the T new tokens, or by the tree (TREE: bytes [R, T, T]). Splits share the live keys, not the capacity: short
+    caches spread too. Writes the split's normalised output and log-sum-exp (empty: no loads, lse = -inf, out = 0)."""
     pid = tl.program_id(0)
     h = pid % Hkv
     if CAUSAL:
@@ -189,17 +180,15 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
     q = tl.load(q_ptr + _offset(r, sq_r) + _offset(n, sq_n)[:, None] + q_rows,  # an empty split loads nothing
                 mask=(m < tl.where(lo < hi, rows, 0))[:, None], other=0.0)  # [BLOCK_M, D]
     head = _offset(r, sk_r) + _offset(n0, sk_n) + _offset(h, sk_h)
-    k_head, v_head = k_ptr + head, v_ptr + head
     if UPCAST:  # the interpreter's half-precision tl.dot is broken
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite, so fully masked rows give 0, not NaN
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    l_i, acc = tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         kv = j[:, None] * sk_s + d[None, :]  # int32 is enough within one head's keys
-        k = tl.load(k_head + kv, mask=(j < hi)[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_head + kv, mask=(j < hi)[:, None], other=0.0)
+        k = tl.load(k_ptr + head + kv, mask=(j < hi)[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + head + kv, mask=(j < hi)[:, None], other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -222,9 +211,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
 
 
 def _split_len(capacity, rows, block_n):
-    """Keys per split of a full cache: at most MAX_SPLITS splits, to fill the GPU when the cache is long, and at least
-    `rows` keys each, so the fp32 partials written (rows x D) weigh no more than the K/V read. The grid has one split
-    per this many keys of capacity; the kernel applies the same rule to the live keys over those splits."""
+    """Keys per split of a full cache: at most MAX_SPLITS splits (to fill the GPU), at least `rows` keys each (the fp32
+    partials, rows x D, weigh <= the K/V read). The grid splits capacity by this; the kernel applies it to live keys."""
     tiles = triton.cdiv(max(capacity, 1), block_n)
     return block_n * max(triton.cdiv(tiles, MAX_SPLITS), triton.cdiv(rows, block_n))
 
@@ -265,17 +253,15 @@ def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree
     sk_n = k.stride(1) if causal else 0  # the prefix is shared: every particle reads the same rows
     precision = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # only fp32 operands care
     bits = lengths if tree is None else tree.contiguous().view(torch.uint8)  # [R, T, T] bytes; a view, no copy
-    _attention_split_kernel[grid](
-        q, k, v, lengths, bits, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n, *k.stride()[-3:-1],
-        *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal, TREE=tree is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, D=D, UPCAST=INTERPRET, PRECISION=precision, num_warps=8 if block_m * D >= 16384 else 4,
-        num_stages=stages)
+    _attention_split_kernel[grid](q, k, v, lengths, bits, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n,
+                                  *k.stride()[-3:-1], *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal,
+                                  TREE=tree is not None, BLOCK_M=block_m, BLOCK_N=block_n, D=D, UPCAST=INTERPRET,
+                                  PRECISION=precision, num_warps=8 if block_m * D >= 16384 else 4, num_stages=stages)
 
 
 def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """`particle_attention_ref`'s contract (tree: None = causal, or bool [R, T, T], a device tensor). Triton: a prefix
-    pass and a per-particle suffix pass each write one partial softmax per KV split, merged here by log-sum-exp. The
-    grid depends on shapes only, the lengths and tree stay on the device: the call can be captured in a CUDA graph."""
+    """`particle_attention_ref`'s contract. Triton: a prefix and a per-particle suffix pass write a partial softmax per
+    KV split, merged by log-sum-exp. The grid depends on shapes only, lengths and tree on device: CUDA-graph safe."""
     if not use_triton(q):
         fn = particle_attention_cpu if q.device.type == "cpu" else particle_attention_ref
         return fn(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree)
@@ -290,18 +276,14 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
     _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix, scale, False)
     _attend_splits(q, suffix_k, suffix_v, suffix_len, out, lse, prefix[0], suffix, scale, True, tree)
-    share = lse.softmax(-1)  # [R, N, T, Hq, splits]: each split's part of the mass; the own token keeps one finite
-    # a batched matmul reads the partials once and makes no temporary of their size; empty splits weigh 0
-    return (share[..., None, :] @ out)[..., 0, :].to(q.dtype)  # [R, N, T, Hq, D]
+    share = lse.softmax(-1)  # each split's part of the mass, 0 if empty; the own token keeps one finite
+    return (share[..., None, :] @ out)[..., 0, :].to(q.dtype)  # a matmul reads the partials once, makes no temporary
 
 
 # ---------------------------------------------------------------- sampling
-
-
 def sample_ref(logits, temperature, rng):
-    """Inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform draw times the total.
-    -> tokens int64 [B], log-probs float32 [B]; T = 0 is greedy, log-prob 0. (On CPU this is ~10x cheaper than Gumbel
-    noise for every vocabulary entry; the kernel's one streaming pass needs Gumbel.)"""
+    """`sample`'s contract by inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform
+    times the total. On CPU ~10x cheaper than Gumbel noise per vocabulary entry, which the kernel's one pass needs."""
     B, R = logits.shape[0], rng.shape[0]
     t = _per_row(_temperatures(temperature, logits.device, R), B)[:, None]  # [B, 1]
     x = logits.float() / t.where(t > 0, 1.0)  # [B, V]
@@ -325,9 +307,8 @@ def token_logprobs_ref(logits, tokens, temperature):
 @jit
 def _vocab_chunk_kernel(logits_ptr, stride_b, V, M, temp_ptr, rng_ptr, max_ptr, sum_ptr, key_ptr, x_ptr, at_ptr,
                         CHUNK: tl.constexpr, SAMPLE: tl.constexpr, NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One vocabulary chunk of one row, streamed once: the max of the tempered logits x and the sum of exp(x - max);
-    with SAMPLE also the chunk's Gumbel-max winner (key, x, index). The row belongs to request b // M, whose temperature
-    (0 = greedy: no noise) and (seed, counter) it reads; NOISE off = all greedy."""
+    """One vocabulary chunk of row b, streamed once: the max of the tempered logits x and the sum of exp(x - max); with
+    SAMPLE its Gumbel-max winner (key, x, index), noise keyed on request b // M's rng unless NOISE is off or T = 0."""
     b, c = tl.program_id(0), tl.program_id(1)
     row, r = logits_ptr + b.to(tl.int64) * stride_b, b // M
     temp = tl.load(temp_ptr + r)
@@ -381,16 +362,14 @@ def _vocab_chunks(logits, temperature, rng, noise):
 
 
 def _logprob(picked, chunk_max, chunk_sum, t):
-    """log-prob of the tempered logit `picked` [B] given each chunk's max and sum(exp(x - max)) [B, C];
-    t: the row's temperature [B], greedy where 0."""
+    """log-prob of tempered logit `picked` [B] from the chunks' max and sum(exp(x - max)) [B, C]; t [B]: 0 = greedy."""
     greedy = torch.where(picked >= chunk_max.amax(-1), 0.0, float("-inf"))
     return (picked - (chunk_max + chunk_sum.log()).logsumexp(-1)).where(t > 0, greedy)
 
 
 def sample(logits, temperature, rng):
-    """Draw one token per row of logits [B, V], grouped by request, from softmax(logits / temperature) -> (tokens
-    int64 [B], their log-probs float32 [B], 0 when greedy). temperature: a Python float, or float32 [R] per request;
-    0 = greedy. Noise from rng [R, 2] as the module docstring says (every counter + 1 in place). No host sync."""
+    """One token per row of logits [B, V], grouped by request, from softmax(logits / temperature), temperature a float
+    or float32 [R] -> tokens int64 [B], log-probs float32 [B] (T = 0: greedy, 0). rng: see module doc. No host sync."""
     if not use_triton(logits):
         return sample_ref(logits, temperature, rng)
     t = _temperatures(temperature, logits.device, rng.shape[0])  # [R]
@@ -414,8 +393,6 @@ def token_logprobs(logits, tokens, temperature):
 
 
 # ---------------------------------------------------------------- resampling
-
-
 # An ESS within this relative distance below threshold * N counts as at it: compiled exp and division are approximate
 # (k equal weights may give an ESS some 1e-7 under k), while ESS < N (1 - 1e-5) takes log-weights ~0.003 nats RMS apart.
 ESS_RTOL = 1e-5
@@ -427,15 +404,13 @@ def _ess_limit(threshold, N):
 
 
 def resample_ref(logw, threshold, rng):
-    """Systematic resampling of logw [R, N] float32 where ESS < threshold * N * (1 - ESS_RTOL).
-    -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R]."""
+    """`resample`'s contract: systematic resampling of logw [R, N] where ESS < threshold * N * (1 - ESS_RTOL)."""
     R, N = logw.shape
     assert rng.shape == (R, 2), "one (seed, counter) per request"
     i = torch.arange(N, device=logw.device)
     nan = logw.isnan()
-    x = logw.masked_fill(nan, float("-inf"))
-    empty = (x == float("-inf")).all(-1, keepdim=True)
-    x = x.masked_fill(empty, 0.0)
+    empty = (nan | (logw == float("-inf"))).all(-1, keepdim=True)
+    x = logw.masked_fill(nan, float("-inf")).masked_fill(empty, 0.0)
     u = (x - x.amax(-1, keepdim=True)).exp()  # [R, N]; exactly 1 for the largest weights, 0 for -inf
     w = u / u.sum(-1, keepdim=True)
     ess = (u.sum(-1) ** 2 / (u * u).sum(-1)).clamp(1, N)  # [R]; k equal weights give k here, ~k compiled
@@ -469,8 +444,7 @@ def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, d
     w = u / total
     ess = tl.minimum(tl.maximum(total * total / tl.sum(u * u, 0), 1.0), N)
     resampled = ess < ess_limit
-    u = tl.rand(tl.load(rng_ptr + 2 * r), tl.load(rng_ptr + 2 * r + 1) << 32)  # keyed on request r's rng only
-    pos = (i + u) / N
+    pos = (i + tl.rand(tl.load(rng_ptr + 2 * r), tl.load(rng_ptr + 2 * r + 1) << 32)) / N  # keyed on r's rng only
     last = tl.max(tl.where(w > 0, i, 0), 0)
     hit = (tl.cumsum(w, 0)[None, :] > pos[:, None]) & (w[None, :] > 0)  # [slot, particle]
     systematic = tl.min(tl.where(hit, i[None, :], last), 1)  # [BLOCK]
@@ -486,15 +460,13 @@ def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, d
 
 
 def resample(logw, threshold, rng):
-    """Systematic resampling, per request, of the particles' log-weights logw [R, N] float32. Weights are softmax(logw)
-    with NaN read as -inf (zero weight); an all -inf row counts as uniform. ESS = 1 / sum(w^2), clamped to [1, N]. A row
-    is resampled iff ESS < threshold * N (strict, as in the paper) by more than a relative ESS_RTOL, so float rounding
-    never decides: threshold 0 never resamples, 1 whenever the weights are not all equal (equal weights would give every
-    particle itself anyway). Ancestors put each particle with k >= 1 offspring (k is floor or ceil of N w) in its own
-    slot and its k - 1 spare copies in the slots of particles with none, so only childless particles are overwritten;
-    rows not resampled get the identity. Noise from rng [R, 2] as the module docstring says. No host sync. The caller
-    resets logw where resampled (e.g. logw.masked_fill_(resampled[:, None], 0)). -> ancestors int64 [R, N], ess
-    float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all -inf row)."""
+    """Systematic resampling per request by log-weights logw [R, N] float32. Weights: softmax(logw), NaN read as -inf
+    (weight 0), an all -inf row as uniform. ESS = clamp(1 / sum(w^2), 1, N). A row resamples iff ESS < threshold * N
+    (strict, as in the paper) by over a relative ESS_RTOL, so rounding never decides: threshold 0 never resamples, 1
+    unless all weights are equal (which would change nothing). A particle with k >= 1 offspring (floor or ceil of N w)
+    keeps its slot, its k-1 spares fill childless ones' (the only slots overwritten); rows not resampled get the
+    identity. rng [R, 2]: see the module docstring; no host sync. The caller resets logw to 0 where resampled.
+    -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all -inf row)."""
     if not use_triton(logw):
         return resample_ref(logw, threshold, rng)
     R, N = logw.shape
@@ -508,16 +480,13 @@ def resample(logw, threshold, rng):
 
 
 # ---------------------------------------------------------------- gather
-
-
 def _as_6d(cache):
     """A token history [R, N, S] as a cache [1, R, N, 1, S, 1]; a cache [L, R, N, H, S, D] as is."""
     return cache[None, :, :, None, :, None] if cache.dim() == 3 else cache
 
 
 def gather_suffix_ref(cache, ancestors, length):
-    """In place: particle i's rows [0, length[r]) become its ancestor's, for every layer and head.
-    The right-hand side is an advanced-indexing copy, so every read sees the old values."""
+    """`gather_suffix`'s contract; the right-hand side is an advanced-indexing copy, so every read sees old values."""
     view, N = _as_6d(cache), ancestors.shape[1]
     for r, n in enumerate(length.tolist()):
         moved = (ancestors[r] != torch.arange(N, device=cache.device)).nonzero()[:, 0]
@@ -528,10 +497,9 @@ def gather_suffix_ref(cache, ancestors, length):
 @jit
 def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st_n, st_h, st_s,
                    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (layer, request, head) per program, all N particles' rows at once; the row blocks below the live length
-    are dealt round-robin over the grid's second axis, so the work follows the length, not the capacity, and a
-    request where no particle moved loads no cache row. Programs touch disjoint rows, and in each block every load
-    precedes the barrier and every store follows it: each read sees the old values, whatever the ancestors."""
+    """One (layer, request, head) per program, all N particles at once; row blocks below the live length go round-robin
+    over grid axis 1, so work follows the length, not the capacity, and a request where none moved loads no row. Rows
+    are disjoint across programs; in each block loads precede the barrier, stores follow it: reads see old values."""
     pid = tl.program_id(0)
     h, r, layer = pid % H, pid // H % R, pid // (H * R)
     p, d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
@@ -621,8 +589,7 @@ def int4_linear_ref(x, q, scale_zero):
 
 
 def pack_int4(q):
-    """quantize_int4's q int32 [out, in] -> uint8 [out, in / 2] for the Triton kernel: column 2j in byte j's low nibble,
-    2j + 1 in its high one."""
+    """quantize_int4's q int32 [out, in] -> uint8 [out, in / 2] for Triton: byte j = col 2j | (col 2j + 1) << 4."""
     return (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
 
 
@@ -680,9 +647,46 @@ def quantized_linear(x, q, scale):
     return y.reshape(*x.shape[:-1], -1)
 
 
+# ---------------------------------------------------------------- int8 x int8 matmuls (w8a8, CPU)
+# quantize_int8's weights times int8 activations, by FBGEMM (torch.ops.quantized): int32 sums of products, where
+# weight-only int8 converts every weight to floats. Each activation row is scaled to [-1, 1] and rounded to 7 bits
+# (FBGEMM's reduce_range, a step of 2/127 about a zero point of 64: AVX2's pairwise 16-bit sums of 8-bit products
+# would saturate at 8); a fixed last row [1, -1, 0, ...] pins FBGEMM's per-tensor range to [-1, 1], so that no row's
+# result depends on the rows beside it. The W8A8_OUTLIERS input channels whose activations calibration found largest
+# stay in float32 (LLM.int8()'s outliers): rounded, they alone would set every row's step.
+W8A8_OUTLIERS = 8
+
+
+def quantize_w8a8(w, amax):
+    """w [out, in], amax [in] (each input channel's largest |activation| in calibration) -> (FBGEMM's packed int8
+    weight, the outlier channels int64 [8], their float32 weight columns [out, 8])."""
+    outliers = amax.float().topk(min(W8A8_OUTLIERS, len(amax))).indices.sort().values
+    q, scale = quantize_int8(w.float().index_fill(1, outliers, 0))
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors, which FBGEMM's packing takes
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(w), dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None), outliers, w.float()[:, outliers].contiguous()
+
+
+def w8a8_linear_ref(x, q, scale, outliers, w_outliers):
+    xi, xo = x.float().index_fill(-1, outliers, 0), x.float()[..., outliers]
+    s = xi.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # [..., 1]
+    xq = (xi / s * 63.5).round() / 63.5  # -64 .. 64 steps: FBGEMM clamps to 8 bits, not to 7
+    return F.linear(xq, q.float() * scale.float()[:, None]) * s + F.linear(xo, w_outliers)
+
+
+def w8a8_linear(x, packed, outliers, w_outliers):
+    """x [..., in] float32 @ w.T for w quantized by quantize_w8a8, as w8a8_linear_ref computes it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xi = x2.index_fill(1, outliers, 0)  # [M, in]
+    s = torch.linalg.vector_norm(xi, math.inf, 1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
+    pin = torch.zeros(1, x2.shape[1])
+    pin[0, :2] = torch.tensor([1.0, -1.0])
+    y = torch.ops.quantized.linear_dynamic(torch.cat([xi / s, pin]), packed, True)[:-1]
+    return torch.addmm(y * s, x2[:, outliers], w_outliers.T).reshape(*x.shape[:-1], -1)
+
+
 # ---------------------------------------------------------------- the methods' rules (settings per request: [R])
-
-
 def per_request(x, like):
     """x [R] viewed to broadcast against like [R, ..., V]."""
     return x.view(-1, *[1] * (like.dim() - 1))
@@ -701,8 +705,7 @@ def restrict(logits, temperature, top_k, top_p):
 
 
 def probs(logits, temperature):
-    """The distribution sampled at request r's temperature (temperature [R], logits [R, ..., V]):
-    softmax(logits / T), one-hot on the argmax where T = 0."""
+    """Sampled distribution at temperature [R] (logits [R, ..., V]): softmax(logits / T), one-hot argmax where T = 0."""
     t = per_request(temperature, logits)
     soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
     return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
@@ -719,10 +722,9 @@ def power_bonus(logits, temperature, power):
 
 
 def easd_trigger(p, q, t, rule):
-    """EASD's rule (arXiv 2512.23765; its code was not available, so defined here): draft token t_k is rejected, and
-    replaced by a draw from the target's p_k itself, where both models are uncertain (the entropies of p_k and q_k
-    reach `entropy` nats) while their top-`top` tokens mostly agree (at least share x top in common) and t_k is one of
-    those: agreement in low confidence, which would otherwise pass through. p, q [R, K, V], t [R, K] -> bool [R, K]."""
+    """EASD's rule (arXiv 2512.23765; code unavailable, so defined here): draft token t_k is rejected, replaced by a
+    draw from p_k, where both models are uncertain (entropies of p_k, q_k >= `entropy` nats) yet their top-`top` tokens
+    mostly agree (>= share x top in common) and include t_k: else it passes. p, q [R, K, V], t [R, K] -> bool [R, K]."""
     entropy, top, share = rule
     uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
     top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
@@ -738,10 +740,9 @@ def bernoulli(p, rng):
 
 
 def settle(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
-    """smc's weights with EOS absorbing: draft token t_k [R, N, K] weighs log p - log q unless an EOS came before
-    it (in x0 [R, N], t_<k, or the particle had finished), the bonus b log_bonus [R, N] likewise; after a
-    particle's first EOS its tokens become `pad`. -> weight increments [R, N], the K + 1 new tokens [R, N, K+1].
-    is_eos [V + 1] is a table: a lookup costs the same for any number of EOS ids (torch.isin sorts, and syncs)."""
+    """smc's weights, EOS absorbing: draft token t_k [R, N, K] weighs log p - log q unless an EOS came before it (in
+    x0 [R, N], t_<k, or the particle finished), the bonus b log_bonus [R, N] likewise; after its first EOS a particle's
+    tokens become `pad`. -> increments [R, N], tokens [R, N, K+1]. is_eos [V + 1]: a table (torch.isin sorts, syncs)."""
     K = t.shape[-1]
     block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
     ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position

@@ -7,7 +7,6 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -24,9 +23,7 @@ class LoadError(Exception):
 
 
 # ---------------------------------------------------------------- config
-
-
-@dataclass
+@dataclasses.dataclass
 class Config:
     arch: str  # "llama" | "qwen2" | "mistral" (Hugging Face model_type)
     vocab_size: int
@@ -43,7 +40,7 @@ class Config:
     qkv_bias: bool = False
     max_seq_len: int = 4096
     bos_id: int | None = None
-    eos_ids: list = field(default_factory=list)
+    eos_ids: list = dataclasses.field(default_factory=list)
     tp: int = 1  # tensor-parallel ranks: n_heads, n_kv_heads and ffn_dim are one rank's share (shard_config)
 
 
@@ -59,8 +56,7 @@ ROPE_KEYS = {"linear": ("factor",),
 
 def config_from_hf(hf, path, more_eos=()):
     """The Config of a config.json (more_eos: generation_config.json's end ids, which generation also stops at)."""
-    arch = hf.get("model_type")
-    if arch not in ARCHS:
+    if (arch := hf.get("model_type")) not in ARCHS:
         raise LoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
@@ -73,8 +69,7 @@ def config_from_hf(hf, path, more_eos=()):
         raise LoadError(f"{path}: rope_parameters/rope_scaling is {rope!r}, expected an object")
     rope = dict(rope)
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
+    if (rope_type := rope.get("rope_type", rope.get("type", "default"))) not in ("default", "llama3", "linear"):
         raise LoadError(f"{path}: rope type {rope_type!r} is not supported (default, llama3, linear)")
     sizes = {f: hf.get(key, {"norm_eps": 1e-6, "max_seq_len": 4096}.get(f)) for f, key in HF_FIELDS.items()}
     kv_heads = sizes["n_heads"] if sizes["n_kv_heads"] is None else sizes["n_kv_heads"]
@@ -94,9 +89,8 @@ def token_ids(eos, where):
 
 
 def checked_config(c, names, where):
-    """c with every size a positive integer (head_dim derived when the file leaves it out) and the heads grouping
-    evenly, else a LoadError naming the field as the file spells it: a damaged or hostile file must not become a
-    ZeroDivisionError or a tensor of negative size."""
+    """c with every size a positive integer (head_dim derived if absent) and the heads grouping evenly, else a LoadError
+    naming the field as the file spells it: no ZeroDivisionError or negative size from a damaged or hostile file."""
     def positive(x, integer, name):  # else a LoadError; integer false: a positive finite number
         if not (type(x) is int if integer else type(x) in (int, float) and math.isfinite(x)) or x <= 0:
             raise LoadError(f"{where}: {name} is {x!r}, expected a positive {'integer' if integer else 'number'}")
@@ -144,16 +138,13 @@ def config_to_hf(c):
 # step (gloo-bound: 116-134 vs 125-136 ms) and would need an all-gather and a vocabulary the ranks divide. A draft
 # stays whole: K one-row steps a cycle, each would pay two all-reduces a layer to save little reading.
 
-
 def init_distributed(device):
     """-> (rank, world). Under torchrun (WORLD_SIZE > 1) joins the default process group, once: gloo for a CPU
     device, nccl for CUDA (None: CUDA when there is one). The timeout ends the other ranks when one dies."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1:
+    if (world := int(os.environ.get("WORLD_SIZE", 1))) == 1:
         return 0, 1
     if not torch.distributed.is_initialized():
-        cuda = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
-        if cuda:
+        if (cuda := torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=60))
     return torch.distributed.get_rank(), world
@@ -170,8 +161,6 @@ def shard_config(c, world):
 
 
 # ---------------------------------------------------------------- rotary embeddings
-
-
 def rope_tables(c, device):
     """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout."""
     inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
@@ -180,8 +169,7 @@ def rope_tables(c, device):
         inv = inv / s["factor"]
     elif s.get("rope_type") == "llama3":  # long wavelengths slowed by `factor`, short kept, a smooth ramp between
         old_ctx, lo, hi = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
-        wavelen = 2 * math.pi / inv
-        ramp = ((old_ctx / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        ramp = ((old_ctx / (2 * math.pi / inv) - lo) / (hi - lo)).clamp(0, 1)  # 2 pi / inv: the wavelength
         inv = (1 - ramp) * inv / s["factor"] + ramp * inv
     angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)  # [T, D]: both halves
     return angles.cos().float().to(device), angles.sin().float().to(device)
@@ -194,13 +182,10 @@ def apply_rope(x, cos, sin):
 
 
 # ---------------------------------------------------------------- KV cache
-
-
 class KVCache:
-    """Static cache for R requests x N particles, all particles of a request at one position: prefix_k/v
-    [L, R, Hkv, P, D] hold each prompt once, suffix_k/v [L, R, N, Hkv, S, D] each particle's generated tokens.
-    prefix_len/suffix_len [R] live on the device so that a decoding step needs no host sync; the model writes new
-    K/V at suffix_len, the caller advances suffix_len."""
+    """Static cache for R requests x N particles, a request's particles at one position: prefix_k/v [L, R, Hkv, P, D]
+    hold each prompt once, suffix_k/v [L, R, N, Hkv, S, D] each particle's generated tokens. prefix_len/suffix_len [R]
+    live on the device (decoding needs no host sync); the model writes new K/V at suffix_len, the caller advances it."""
 
     def __init__(self, c, particles, prefix_cap, suffix_cap, device, dtype, requests=1):
         shape_p = (c.n_layers, requests, c.n_kv_heads, prefix_cap, c.head_dim)
@@ -223,21 +208,20 @@ class KVCache:
         """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1; tree bool
         [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]."""
         R, N, T, H, D = k.shape
-        idx = (self.suffix_len.long()[:, None] + torch.arange(T, device=k.device))  # [R, T]
-        idx = idx[:, None, None, :, None].expand(R, N, H, T, D)
-        self.suffix_k[layer].scatter_(3, idx, k.transpose(2, 3))
-        self.suffix_v[layer].scatter_(3, idx, v.transpose(2, 3))
+        idx = (self.suffix_len.long()[:, None] + torch.arange(T, device=k.device))[:, None, None, :, None]
+        self.suffix_k[layer].scatter_(3, idx.expand(R, N, H, T, D), k.transpose(2, 3))
+        self.suffix_v[layer].scatter_(3, idx.expand(R, N, H, T, D), v.transpose(2, 3))
         return kernels.particle_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
                                           self.suffix_v[layer], self.prefix_len, self.suffix_len, scale, tree)
 
 
 # ---------------------------------------------------------------- weight formats
-# Every matmul weight (each block's wqkv, wo, w13, w2, and the head) is in one format; the activations, embeddings
-# and norms run in the dtype its kernels are fast with. No format is fastest everywhere (on AVX2 without native
-# bf16, oneDNN cannot pack bf16 and bf16 F.linear's cost grows with the rows; torch's int8 and int4 kernels are fast
-# only with bf16 activations, 5-20x slower with float32 ones): decode.measure_formats times them on the machine.
-
-FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16}
+# One format holds every matmul weight (each block's wqkv, wo, w13, w2 and the head); activations, embeddings and norms
+# are in the dtype its kernels are fast with. None is fastest everywhere (on AVX2 without native bf16, oneDNN cannot
+# pack bf16, whose F.linear cost grows with rows; torch's int8 and int4 kernels want bf16 activations, 5-20x slower with
+# float32; w8a8's int8 products need float32 ones, calibrated): decode.measure_formats times them on the machine.
+FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16,
+           "w8a8": torch.float32}
 
 
 def weight_format(fmt, device="cpu"):
@@ -246,15 +230,25 @@ def weight_format(fmt, device="cpu"):
         raise LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
     if fmt[:3] == "int" and not ((kind := torch.device(device).type) == "cpu" or kind == "cuda" and kernels.triton):
         raise LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
+    if fmt == "w8a8" and torch.device(device).type != "cpu":
+        raise LoadError(f"w8a8 weights run on the CPU only (FBGEMM's int8 products); use int8 on {device}")
     return FORMATS[fmt]
 
 
 class Quantized(torch.nn.Module):
     """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it.
-    blocks: int4's (q, scale_zero) as read from a file (then w gives only the shape, device and dtype)."""
+    blocks: int4's (q, scale_zero) as read from a file (then w gives only the shape, device and dtype). w8a8: FBGEMM's
+    packed int8 (`packed_bytes` of it) and float32 outlier columns (kernels.w8a8_linear), amax [in] calibration's."""
 
-    def __init__(self, fmt, w, blocks=None):
+    def __init__(self, fmt, w, blocks=None, amax=None):
         super().__init__()
+        self.fmt, self.packed_bytes = fmt, 0
+        if fmt == "w8a8":
+            self.packed, self.outliers, w_outliers = kernels.quantize_w8a8(w, w.new_ones(w.shape[1]) if amax is None
+                                                                           else amax)
+            self.w_outliers = torch.nn.Parameter(w_outliers, requires_grad=False)
+            self.packed_bytes = w.numel() + 4 * len(w)  # int8 values, a float32 scale a row
+            return
         if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
             raise LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
         q, scale = blocks or (kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w))
@@ -264,12 +258,12 @@ class Quantized(torch.nn.Module):
         self.q, self.scale = (torch.nn.Parameter(t, requires_grad=False) for t in (q, scale))
 
 
-def converted(w, fmt):
-    """w [out, in] (plain, in the activations' dtype) in weight format fmt, as `linear` takes it: int8 and int4
-    quantized; on the CPU, bf16 and float32 handed to oneDNN once in its blocked layout (1.4-2x F.linear's speed at
-    decoding's few rows, measured on AVX-512) where it packs the dtype (bf16: AVX-512 or AVX-NE-CONVERT only)."""
-    if fmt in ("int8", "int4"):
-        return Quantized(fmt, w)
+def converted(w, fmt, amax=None):
+    """w [out, in] (plain, activations' dtype) in weight format fmt for `linear`: int8, int4, w8a8 quantized (amax:
+    w8a8's calibration; None: no outliers known, as for timing); on the CPU, bf16 and float32 in oneDNN's blocked layout
+    if it packs the dtype (bf16: AVX-512, AVX-NE-CONVERT), 1.4-2x F.linear's speed at decoding's few rows (AVX-512)."""
+    if fmt in ("int8", "int4", "w8a8"):
+        return Quantized(fmt, w, amax=amax)
     packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and packs:
         return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
@@ -279,8 +273,12 @@ def converted(w, fmt):
 def linear(x, w, bias=None):
     """x [..., in] @ w.T + bias [out]; w plain, oneDNN-packed or Quantized (`converted`). bf16 that oneDNN cannot pack
     costs F.linear as much a row at any row count (no bf16 arithmetic): at 64 rows or more, float32 is faster."""
+    if isinstance(w, Probe):
+        w.amax = torch.maximum(w.amax, x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float())
+        w = w.w
     if isinstance(w, Quantized):
-        y = kernels.quantized_linear(x, w.q, w.scale)
+        y = kernels.w8a8_linear(x, w.packed, w.outliers, w.w_outliers) if w.fmt == "w8a8" else \
+            kernels.quantized_linear(x, w.q, w.scale)
         return y if bias is None else y + bias
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
@@ -297,21 +295,46 @@ def replace(m, name, w):
     setattr(m, name, w)
 
 
+def matmuls(model):
+    """-> [(name, module, attribute)] of every matmul weight: ('layers.3.w2', model.layers[3], 'w2'), ..."""
+    return [(f"layers.{i}.{n}", b, n) for i, b in enumerate(model.layers) for n in MATMULS[:4]] + \
+        [("lm_head", model, "lm_head")]
+
+
+class Probe:
+    """A matmul weight w in calibration: `linear` keeps amax [in], the largest |input| per channel it has seen."""
+
+    def __init__(self, w):
+        self.w, self.amax = w, torch.zeros(w.shape[1], device=w.device)
+
+
+@torch.no_grad()
+def calibrated(model, length=64):
+    """-> {matmul name: amax [in]} over a prefill of `length` seeded random tokens: the model alone decides where w8a8
+    keeps floats (its large channels are much the same for any text: README, Model formats)."""
+    probes = {name: (m, attr, Probe(getattr(m, attr))) for name, m, attr in matmuls(model)}
+    for m, attr, p in probes.values():
+        replace(m, attr, p)
+    tokens = torch.randint(model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(0))
+    model.prefill(tokens.to(model.device), KVCache(model.config, 1, length, 1, model.device, model.embed.dtype),
+                  logits="all")
+    for m, attr, p in probes.values():
+        replace(m, attr, p.w)
+    return {name: p.amax for name, (_, _, p) in probes.items()}
+
+
 @torch.no_grad()
 def convert_weights(model, fmt=None, held=None):
-    """Every matmul weight of model not yet Quantized into weight format fmt (None: that of its dtype, bf16 or
-    float32), or into held's format for it ({'layers.3.w2': 'int8'}: fill_weights'), in place. A tied head gets a
-    copy of its own: the embedding lookup needs the plain rows."""
+    """Every matmul weight not yet Quantized into format fmt (None: its dtype's) or held's for it, in place (held:
+    fill_weights' {'layers.3.w2': 'int8'}); w8a8 calibrated first, a tied head copied (lookups need plain rows)."""
     fmt = fmt or ("float32" if model.embed.dtype == torch.float32 else "bf16")
-    for at, m, name in [(f"layers.{i}.", b, n) for i, b in enumerate(model.layers) for n in MATMULS[:4]] + \
-            [("", model, "lm_head")]:
-        if not isinstance(w := getattr(m, name), Quantized):
-            replace(m, name, converted(w, (held or {}).get(at + name, fmt)))
+    amax = calibrated(model) if fmt == "w8a8" else {}
+    for name, m, attr in matmuls(model):
+        if not isinstance(w := getattr(m, attr), Quantized):
+            replace(m, attr, converted(w, (held or {}).get(name, fmt), amax.get(name)))
 
 
 # ---------------------------------------------------------------- transformer
-
-
 def rms_norm(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -320,13 +343,11 @@ def rms_norm(x, w, eps):
 class Block(torch.nn.Module):
     def __init__(self, c, empty):  # empty(*shape): an uninitialised parameter
         super().__init__()
-        qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # wqkv: q, k and v fused, one matmul reads them all
         self.attn_norm, self.ffn_norm = empty(c.dim), empty(c.dim)
-        self.wqkv = empty(qkv_rows, c.dim)  # q, k and v projections fused: one matmul reads them all
-        self.bqkv = empty(qkv_rows) if c.qkv_bias else None
+        self.wqkv, self.bqkv = empty(qkv_rows, c.dim), empty(qkv_rows) if c.qkv_bias else None
         self.wo = empty(c.dim, c.n_heads * c.head_dim)
-        self.w13 = empty(2 * c.ffn_dim, c.dim)  # gate and up projections fused
-        self.w2 = empty(c.dim, c.ffn_dim)
+        self.w13, self.w2 = empty(2 * c.ffn_dim, c.dim), empty(c.dim, c.ffn_dim)  # w13: gate and up projections fused
         self.c = c
 
     def attention(self, x, cos, sin, attend, layer):
@@ -350,8 +371,7 @@ class Transformer(torch.nn.Module):
         empty = lambda *s: torch.nn.Parameter(torch.empty(s, device=device, dtype=dtype), requires_grad=False)
         self.embed = empty(c.vocab_size, c.dim)
         self.layers = torch.nn.ModuleList(Block(c, empty) for _ in range(c.n_layers))
-        self.norm = empty(c.dim)
-        self.lm_head = self.embed if c.tie_embeddings else empty(c.vocab_size, c.dim)
+        self.norm, self.lm_head = empty(c.dim), self.embed if c.tie_embeddings else empty(c.vocab_size, c.dim)
         for name, table in zip(("cos", "sin"), rope_tables(c, device)):
             self.register_buffer(name, table, persistent=False)
 
@@ -365,7 +385,8 @@ class Transformer(torch.nn.Module):
     def weight_bytes(self):
         """Bytes one full forward reads from weights (a tensor-parallel rank's: its shard's), all but the embedding
         table's (a few rows read) unless that is also the head: the memory-bandwidth roofline's numerator."""
-        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not self.embed or p is self.lm_head)
+        return sum(m.packed_bytes for m in self.modules() if isinstance(m, Quantized)) + sum(
+            p.numel() * p.element_size() for p in self.parameters() if p is not self.embed or p is self.lm_head)
 
     def _hidden(self, x, cos, sin, attend):
         for i, b in enumerate(self.layers):
@@ -405,8 +426,6 @@ class Transformer(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- weights: Hugging Face names
-
-
 def layout(c):
     """[(a model parameter's name, its Hugging Face tensors [(name, shape)] one after another along its rows, the
     dim along which a tensor-parallel rank takes its chunk of each: None for all of it)] for every tensor c needs."""
@@ -433,11 +452,10 @@ def expected_shapes(c):
 
 def checked_getter(c, tensors, where):
     """Wrap tensors {name: (shape, fetch(index, dtype) -> tensor)} as get(name, part=(dim, k, n), dtype=None) -> the
-    k-th of n equal chunks along dim of the tensor (default: all of it) in dtype (None: the file's), fetching only
-    that chunk (a tuple of slices). dtype "format": the weight format that holds the chunk as the file quantized it
-    (int4 for 4-bit blocks, int8 for more bits, None for floats); "int4": those 4-bit blocks as int4's (q,
-    scale_zero). Every tensor's presence and shape is checked here, from the headers: a missing or misshapen one is
-    a one-line LoadError before any weight is read."""
+    k-th of n equal chunks along dim of the tensor (default: all) in dtype (None: the file's), fetching only that chunk
+    (a tuple of slices). dtype "format": the weight format holding the chunk as the file quantized it (int4 for 4-bit
+    blocks, int8 for more bits, None for floats); "int4": those 4-bit blocks as int4's (q, scale_zero). Each tensor's
+    presence and shape is checked first, from the headers, else a one-line LoadError before any weight is read."""
     shapes = expected_shapes(c)
     for name, shape in shapes.items():
         if name not in tensors:
@@ -454,13 +472,11 @@ def checked_getter(c, tensors, where):
 
 @torch.no_grad()
 def fill_weights(model, get, rank=0, fmt=None):
-    """Copy every tensor into the model (materialised in RAM, never left memory-mapped), in the model's dtype and
-    straight into its rows of the fused q/k/v and gate/up weights, so that no tensor is ever held twice in full
-    (a GGUF file's float32 dequantization of the embedding alone is 0.9 GB for Qwen2.5-1.5B). A tensor-parallel
-    rank's model reads only its chunks (layout's). A progress bar on a terminal: a big model takes a minute.
-    With fmt int4, a matmul weight the file holds in 4-bit blocks (get's "format" of each of its tensors) is made
-    int4 from them as they are; one that the file quantized in more bits is held in int8, not cut to 4 bits: the
-    returned {parameter name: format} for convert_weights."""
+    """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
+    fused q/k/v and gate/up weights: no tensor is held twice in full (Qwen2.5-1.5B's GGUF embedding alone is 0.9 GB
+    dequantized to float32). A tensor-parallel rank reads only its chunks (layout's); a terminal shows a progress bar (a
+    big model takes a minute). With fmt int4, a matmul weight in 4-bit blocks in the file (get's "format") becomes int4
+    as it is, one in more bits int8, not cut to 4 bits: the returned {parameter name: format}, for convert_weights."""
     from tqdm import tqdm
     total, held = sum(p.numel() for p in model.parameters()), {}  # a tied head is the embedding: counted once
     with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
@@ -484,8 +500,6 @@ def fill_weights(model, get, rank=0, fmt=None):
 
 
 # ---------------------------------------------------------------- weights: Hugging Face directories
-
-
 def read_json(path):
     """The JSON object in path (each JSON file of a model directory holds one)."""
     try:
@@ -499,11 +513,9 @@ def read_json(path):
 
 
 def shard_files(path):
-    """The *.safetensors files of a model directory, by the index when there is one. An index may name only
-    relative paths that stay inside the directory: a hostile one must not open files elsewhere by absolute path
-    or '..'. Symlinks inside the directory are followed (the Hugging Face cache links its snapshots to blobs)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.isfile(index):
+    """A model directory's *.safetensors files, by its index if any: only relative paths inside it (no hostile absolute
+    path or '..' opens files elsewhere); symlinks in it are followed (Hugging Face's cache links snapshots to blobs)."""
+    if not os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
         return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
@@ -523,14 +535,12 @@ def open_hf_dir(path):
     gen = os.path.join(path, "generation_config.json")
     more_eos = token_ids(read_json(gen).get("eos_token_id"), gen) if os.path.isfile(gen) else []
     c = config_from_hf(read_json(os.path.join(path, "config.json")), path, more_eos)
-    files = shard_files(path)
-    if not files:
+    if not (files := shard_files(path)):
         raise LoadError(f"{path}: no *.safetensors weights (pickled .bin/.pt checkpoints are not loaded)")
 
     def fetch(file, name, index, dtype=None):
-        # A handle per read, dropped at once: one kept open keeps its file mapped, and every page once read stays
-        # in the process's resident set beside the model's own copy (twice the weights' memory). get_slice reads
-        # only the chunk asked for, as a view of the mapping that lives as long as the tensor does.
+        # A handle per read, dropped at once: one kept open keeps each page read resident beside the model's copy (twice
+        # the weights' memory). get_slice reads only the chunk, a view of the mapping alive as long as the tensor.
         return None if dtype == "format" else safe_open(file, "pt").get_slice(name)[index].to(dtype)
     tensors = {}
     for file in (os.path.join(path, f) for f in files):
@@ -543,7 +553,6 @@ def open_hf_dir(path):
 
 
 # ---------------------------------------------------------------- weights: GGUF files
-
 GGUF_NAMES = {"blk": "model.layers", "token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
@@ -593,10 +602,9 @@ def q4_groups(raw, kind):
 
 def read_gguf_header(path):
     """-> (metadata {key: value}, tensors {GGUF name: (shape, GGML type, file offset, bytes a row)}) from the header
-    alone. Parsed here, not by gguf.GGUFReader: that builds a numpy view of every vocabulary string (13 s for
-    Qwen2.5's 150k tokens and merges, so a draft and a target took 18 s to open) and trusts every count, failing
-    on a damaged one with 'index 0 is out of bounds'. Raises ValueError naming the first count, length or offset
-    that the file's size makes impossible."""
+    alone. Parsed here, not by gguf.GGUFReader: that builds a numpy view of every vocabulary string (13 s for Qwen2.5's
+    150k tokens and merges: 18 s to open a draft and a target) and trusts every count, failing on a damaged one with
+    'index 0 is out of bounds'. ValueError names the first count, length or offset the file's size makes impossible."""
     import gguf
     size = os.path.getsize(path)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -643,8 +651,7 @@ def read_gguf_header(path):
             meta[key] = value(unpack("I", f"the type of metadata {key!r}")[0], f"metadata {key!r}")
         for i in range(n_tensors):
             name = value(GGUF_STRING, f"tensor name {i}")
-            n_dims = unpack("I", f"tensor {name!r} n_dims")[0]
-            if n_dims > 4:
+            if (n_dims := unpack("I", f"tensor {name!r} n_dims")[0]) > 4:
                 raise ValueError(f"tensor {name!r} n_dims is {n_dims}, more than GGUF's 4")
             *dims, kind, offset = unpack(f"{n_dims}QIQ", f"tensor {name!r} dimensions, type and offset")
             if name in infos:
@@ -681,14 +688,12 @@ def open_gguf(path):
     except ValueError as e:
         raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt? ({e})") from None
     meta, found = Metadata(values), {hf_name(n): t for n, t in infos.items()}
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if (arch := meta.get("general.architecture")) not in ("llama", "qwen2"):
         raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
     if "rope_freqs.weight" in found:
         raise LoadError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; load the "
                         "Hugging Face directory instead")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
+    if (scaling := meta.get(f"{arch}.rope.scaling.type", "none")) not in ("none", "linear"):
         raise LoadError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear)")
     keys = {f: key.format(arch) for f, key in GGUF_KEYS.items()}
     defaults = {"n_kv_heads": meta[keys["n_heads"]], "head_dim": None, "rope_theta": 10000.0}
@@ -705,8 +710,7 @@ def open_gguf(path):
                qkv_bias=arch == "qwen2", bos_id=meta.get("tokenizer.ggml.bos_token_id"),
                eos_ids=list(dict.fromkeys(token_ids(eos, path))))
     c = checked_config(c, {"vocab_size": "token_embd.weight's row count", **keys}, path)
-    rotary = meta.get(f"{arch}.rope.dimension_count", c.head_dim)
-    if rotary != c.head_dim:
+    if (rotary := meta.get(f"{arch}.rope.dimension_count", c.head_dim)) != c.head_dim:
         raise LoadError(f"{path}: {arch}.rope.dimension_count is {rotary!r}, not the head size {c.head_dim}: "
                         "partial rotary embeddings are not supported")
     for kind in {t[1] for t in found.values()}:  # one zero block of each type, so that none fails mid-load
@@ -753,7 +757,6 @@ def open_gguf(path):
 
 
 # ---------------------------------------------------------------- tokenizer
-
 # Pre-tokenizer regexes by llama.cpp's `tokenizer.ggml.pre` name, as in each model's own tokenizer.json.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -779,16 +782,14 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path):
         from tokenizers import Tokenizer as HFTokenizer
-        file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
+        if not os.path.isfile(file := os.path.join(path, "tokenizer.json")):
             raise LoadError(f"{path}: no tokenizer.json")
         try:
             tok = HFTokenizer.from_file(file)
         except Exception as e:
             raise LoadError(f"{file}: cannot read tokenizer ({e})") from None
-        template_file = os.path.join(path, "chat_template.jinja")
-        if os.path.isfile(template_file):
-            with open(template_file) as f:
+        if os.path.isfile(template := os.path.join(path, "chat_template.jinja")):
+            with open(template) as f:
                 return cls(tok, f.read())
         config = os.path.join(path, "tokenizer_config.json")
         return cls(tok, read_json(config).get("chat_template") if os.path.isfile(config) else None)
@@ -831,12 +832,9 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------- loading
-
-
 def open_weights(path):
     """-> (Config, get (checked_getter's), Tokenizer) for a Hugging Face directory or a .gguf file."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
+    if not os.path.exists(path := os.fspath(path)):
         raise LoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):
         return open_hf_dir(path)

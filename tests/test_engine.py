@@ -154,7 +154,8 @@ def in_format(m, fmt):
 WIDE = tiny(2, 0.8, vocab=16, head_dim=16)  # int4 packs 16 output rows (the head's: the vocabulary) and 32 inputs
 
 
-@pytest.mark.parametrize("fmt, method", [("bf16", "sd"), ("int8", "mdsd"), ("int4", "sd"), ("int4", "mdsd")])
+@pytest.mark.parametrize("fmt, method", [("bf16", "sd"), ("int8", "mdsd"), ("int4", "sd"), ("int4", "mdsd"),
+                                         ("w8a8", "sd")])
 def test_exact_methods_sample_the_target_in_every_weight_format(fmt, method):
     """sd and mdsd sample the target's distribution in the weights it has (3 tokens: x0 and one cycle at K = 1):
     the quantized or bf16 target's own exact distribution, computed in its own weights and activations."""

@@ -545,7 +545,7 @@ def test_resample_then_gather_moves_only_childless_particles():
     assert torch.equal(ancestors[0, [0, 1, 3, 5]].cpu(), torch.tensor([0, 1, 3, 5]))
 
 
-# ---------------------------------------------------------------- weight-only int8 / int4 matmuls
+# ---------------------------------------------------------------- int8 / int4 matmuls
 
 QUANTIZERS = {"int8": (kernels.quantize_int8, kernels.int8_linear_ref),
               "int4": (kernels.quantize_int4, kernels.int4_linear_ref)}
@@ -577,6 +577,42 @@ def test_quantized_matmul_equals_its_reference(fmt, rows):
     assert out.shape == (2, rows, 48) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref(x, q, scale), atol=0.05, rtol=1e-2)
 
+
+
+def w8a8_case(rows, seed=0):
+    """A weight [48, 128], its calibration (channel 7's activations 100x the rest) and rows x of such activations."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(48, 128, generator=g), torch.randn(2, rows, 128, generator=g)
+    x[..., 7] *= 100
+    amax = x.abs().flatten(0, 1).amax(0)
+    return w, amax, x
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 100])
+def test_w8a8_matmul_equals_its_reference(rows):
+    """FBGEMM's int8 products on the packed weight = the reference's explicit rounding of each row to 7 bits, up to
+    float32 summation order; the outlier channels (the calibration's largest, channel 7 first) stay in floats."""
+    w, amax, x = w8a8_case(rows)
+    packed, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
+    assert 7 in outliers and len(outliers) == kernels.W8A8_OUTLIERS and torch.equal(w_outliers, w[:, outliers])
+    q, scale = kernels.quantize_int8(w.index_fill(1, outliers, 0))
+    out = kernels.w8a8_linear(x, packed, outliers, w_outliers)
+    assert out.shape == (2, rows, 48) and out.dtype == torch.float32
+    torch.testing.assert_close(out, kernels.w8a8_linear_ref(x, q, scale, outliers, w_outliers), atol=1e-4, rtol=1e-5)
+    exact = x @ w.T  # without the outliers in floats, channel 7 would set every row's step: errors of ~100x
+    assert (out - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_w8a8_rows_do_not_depend_on_the_rows_beside_them():
+    """FBGEMM rounds a tensor's activations on one grid; the fixed last row pins it, so a row's result alone is its
+    result beside a row 1000x larger (and the float32 outlier term's summation order is all that can differ)."""
+    w, amax, x = w8a8_case(4, seed=1)
+    packed, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
+    x = x[0]
+    x[3] *= 1000
+    together = kernels.w8a8_linear(x, packed, outliers, w_outliers)
+    alone = torch.cat([kernels.w8a8_linear(row[None], packed, outliers, w_outliers) for row in x])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-6)
 
 
 def test_quantizers_leave_a_float32_weight_unchanged():

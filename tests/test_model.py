@@ -285,6 +285,27 @@ def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
     assert (m.prefill(torch.tensor(ids, device="cuda"), cache, logits="all").cpu() - dq).abs().max() < 2 * tol
 
 
+def test_w8a8_calibrates_on_the_model_and_computes_near_its_float32_logits(tiny):
+    """w8a8 finds each matmul's largest input channels in one prefill of seeded tokens (leaving the float weights as
+    they were) and keeps those in floats; its logits stay near the float32 model's (its 7-bit activations cost more
+    than int8's weight rounding: README, Model formats), and on CUDA it says to use int8."""
+    hf, path = tiny
+    ref = model.load(path, weights="float32")[0]
+    before = [getattr(m, attr) for _, m, attr in model.matmuls(ref)]
+    amax = model.calibrated(ref)
+    assert set(amax) == {name for name, _, _ in model.matmuls(ref)} and amax["layers.0.w2"].shape == (ref.config.ffn_dim,)
+    assert all(getattr(m, attr) is w for (_, m, attr), w in zip(model.matmuls(ref), before))
+    assert (amax["lm_head"] > 0).all()
+    m = model.load(path, weights="w8a8")[0]
+    w2 = m.layers[0].w2
+    assert isinstance(w2, model.Quantized) and set(w2.outliers.tolist()) == set(amax["layers.0.w2"].topk(8).indices.tolist())
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
+    ours, exact = (x.prefill(ids, model.KVCache(x.config, 1, 32, 8, "cpu", torch.float32), logits="all") for x in (m, ref))
+    assert (ours - exact).abs().max() < 0.05 * (exact.max() - exact.min())
+    with pytest.raises(model.LoadError, match="w8a8 weights run on the CPU only.*use int8"):
+        model.weight_format("w8a8", "cuda")
+
+
 def q4_blocks(kind, rows, columns, rng, codes=(2, 14)):
     """Random Q4 blocks uint8 [rows, bytes a row]: small f16 scales (Q4_K's d and dmin) and codes in [2, 14), so
     that no group spans all 16 codes and quantizing its values again would need another grid."""
@@ -364,8 +385,8 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
 
 def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
-    lookup excluded), int8's bf16 scale a row and int4's bf16 scale and zero a group of 32, and its norms and
-    biases in the activations' dtype."""
+    lookup excluded), int8's bf16 scale a row, int4's bf16 scale and zero a group of 32, w8a8's float32 scale a row
+    and its 8 outlier columns in float32, and its norms and biases in the activations' dtype."""
     _, path = tiny
     c = model.open_weights(path)[0]
     shapes = {n: s for n, s in model.expected_shapes(c).items() if n != "model.embed_tokens.weight"}
@@ -373,7 +394,8 @@ def test_weight_bytes_follow_the_format(tiny):
     matmul = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
     rows, rest = sum(s[0] for s in shapes.values() if len(s) == 2), sum(s[0] for s in shapes.values() if len(s) == 1)
     expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
-                "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest}
+                "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest,
+                "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest}
     assert {fmt: model.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
 
 
@@ -412,7 +434,7 @@ def test_measured_costs_are_positive():
 def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
-    assert list(decode.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8"]
+    assert list(decode.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8", "w8a8"]
 
 
 def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_path, capsys):
@@ -437,7 +459,7 @@ def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     for call in (lambda: model.load(os.path.join(path, "nope"), weights="int5"),
                  lambda: model.build(model.open_weights(path)[0], None, weights="fp8")):
         with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
-                                                   r"float32, int8, int4$"):
+                                                   r"float32, int8, int4, w8a8$"):
             call()
     with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
         model.load(path, device="meta", weights="int4")
