@@ -504,7 +504,8 @@ def clear_winner(costs, home):
 
 def candidates(e):
     """-> (the formats auto times: bf16, float32 and int8 where they fit, and int4 for a 4-bit file (elsewhere int4
-    changes the model more: on request only), the target file's own format (file_format))."""
+    changes the model more: on request only, as w8a8, whose rounded activations change it as much: README), the
+    target file's own format (file_format))."""
     home = file_format(e.opened[0])
     return [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
             if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)], home

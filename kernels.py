@@ -648,13 +648,13 @@ def quantized_linear(x, q, scale):
 
 
 # ---------------------------------------------------------------- int8 x int8 matmuls (w8a8, CPU)
-# quantize_int8's weights times int8 activations, by FBGEMM (torch.ops.quantized): int32 sums of products, where
-# weight-only int8 converts every weight to floats. Each activation row is scaled to [-1, 1] and rounded to 7 bits
-# (FBGEMM's reduce_range, a step of 2/127 about a zero point of 64: AVX2's pairwise 16-bit sums of 8-bit products
-# would saturate at 8); a fixed last row [1, -1, 0, ...] pins FBGEMM's per-tensor range to [-1, 1], so that no row's
-# result depends on the rows beside it. The W8A8_OUTLIERS input channels whose activations calibration found largest
-# stay in float32 (LLM.int8()'s outliers): rounded, they alone would set every row's step.
-W8A8_OUTLIERS = 8
+# quantize_int8's weights times int8 activations by FBGEMM (torch.ops.quantized), int32 sums of products. Each row is
+# scaled to [-1, 1] and rounded in steps of 2 / W8A8_LEVELS: 8 bits where VNNI sums 8-bit products into 32 bits, else
+# 7 (reduce_range: AVX2's pairwise 16-bit sums would saturate). A fixed last row [1, -1, 0, ...] pins FBGEMM's range
+# of the tensor to [-1, 1], so no row's result depends on the rows beside it. The W8A8_OUTLIERS input channels whose
+# activations calibration found largest stay in float32 (LLM.int8()'s outliers): rounded, they would set every step.
+W8A8_OUTLIERS, W8A8_LEVELS = 8, 255 if os.path.exists("/proc/cpuinfo") and {"avx512_vnni", "avx_vnni"} & set(
+    open("/proc/cpuinfo").read().split()) else 127
 
 
 def quantize_w8a8(w, amax):
@@ -671,7 +671,8 @@ def quantize_w8a8(w, amax):
 def w8a8_linear_ref(x, q, scale, outliers, w_outliers):
     xi, xo = x.float().index_fill(-1, outliers, 0), x.float()[..., outliers]
     s = xi.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # [..., 1]
-    xq = (xi / s * 63.5).round() / 63.5  # -64 .. 64 steps: FBGEMM clamps to 8 bits, not to 7
+    step = torch.tensor(2 / W8A8_LEVELS)  # in float32, as FBGEMM divides by it
+    xq = (xi / s / step).round() * step
     return F.linear(xq, q.float() * scale.float()[:, None]) * s + F.linear(xo, w_outliers)
 
 
@@ -680,9 +681,8 @@ def w8a8_linear(x, packed, outliers, w_outliers):
     x2 = x.reshape(-1, x.shape[-1])
     xi = x2.index_fill(1, outliers, 0)  # [M, in]
     s = torch.linalg.vector_norm(xi, math.inf, 1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
-    pin = torch.zeros(1, x2.shape[1])
-    pin[0, :2] = torch.tensor([1.0, -1.0])
-    y = torch.ops.quantized.linear_dynamic(torch.cat([xi / s, pin]), packed, True)[:-1]
+    pin = F.pad(torch.tensor([[1.0, -1.0]]), (0, x2.shape[1] - 2))  # [1, in]
+    y = torch.ops.quantized.linear_dynamic(torch.cat([xi / s, pin]), packed, W8A8_LEVELS == 127)[:-1]
     return torch.addmm(y * s, x2[:, outliers], w_outliers.T).reshape(*x.shape[:-1], -1)
 
 

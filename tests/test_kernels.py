@@ -588,10 +588,12 @@ def w8a8_case(rows, seed=0):
     return w, amax, x
 
 
+@pytest.mark.parametrize("levels", sorted({127, kernels.W8A8_LEVELS}))  # 8 bits only where VNNI cannot saturate
 @pytest.mark.parametrize("rows", [1, 3, 9, 17, 100])
-def test_w8a8_matmul_equals_its_reference(rows):
-    """FBGEMM's int8 products on the packed weight = the reference's explicit rounding of each row to 7 bits, up to
-    float32 summation order; the outlier channels (the calibration's largest, channel 7 first) stay in floats."""
+def test_w8a8_matmul_equals_its_reference(rows, levels, monkeypatch):
+    """FBGEMM's int8 products on the packed weight = the reference's explicit rounding of each row to 7 or 8 bits, up
+    to float32 summation order; the outlier channels (the calibration's largest, channel 7 first) stay in floats."""
+    monkeypatch.setattr(kernels, "W8A8_LEVELS", levels)
     w, amax, x = w8a8_case(rows)
     packed, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
     assert 7 in outliers and len(outliers) == kernels.W8A8_OUTLIERS and torch.equal(w_outliers, w[:, outliers])

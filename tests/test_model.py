@@ -293,14 +293,17 @@ def test_w8a8_calibrates_on_the_model_and_computes_near_its_float32_logits(tiny)
     ref = model.load(path, weights="float32")[0]
     before = [getattr(m, attr) for _, m, attr in model.matmuls(ref)]
     amax = model.calibrated(ref)
-    assert set(amax) == {name for name, _, _ in model.matmuls(ref)} and amax["layers.0.w2"].shape == (ref.config.ffn_dim,)
+    assert set(amax) == {name for name, _, _ in model.matmuls(ref)}
+    assert amax["layers.0.w2"].shape == (ref.config.ffn_dim,)
     assert all(getattr(m, attr) is w for (_, m, attr), w in zip(model.matmuls(ref), before))
     assert (amax["lm_head"] > 0).all()
     m = model.load(path, weights="w8a8")[0]
     w2 = m.layers[0].w2
-    assert isinstance(w2, model.Quantized) and set(w2.outliers.tolist()) == set(amax["layers.0.w2"].topk(8).indices.tolist())
+    assert isinstance(w2, model.Quantized)
+    assert set(w2.outliers.tolist()) == set(amax["layers.0.w2"].topk(8).indices.tolist())
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
-    ours, exact = (x.prefill(ids, model.KVCache(x.config, 1, 32, 8, "cpu", torch.float32), logits="all") for x in (m, ref))
+    ours, exact = (x.prefill(ids, model.KVCache(x.config, 1, 32, 8, "cpu", torch.float32), logits="all")
+                   for x in (m, ref))
     assert (ours - exact).abs().max() < 0.05 * (exact.max() - exact.min())
     with pytest.raises(model.LoadError, match="w8a8 weights run on the CPU only.*use int8"):
         model.weight_format("w8a8", "cuda")
