@@ -6,7 +6,8 @@
 # per-request latency), sd and smc with MineDraft's overlap beside them at 4 and 8 (and the draft and verify
 # phases of a cycle at 8: plain, half the slots alone, and overlapped), and ar, mdsd and smc one request at a time
 # (random weights accept no draft, so mdsd's row is its cycle cost): tokens/s, cycle phase split, achieved against
-# measured copy bandwidth. (No racer rows: they need real text.)
+# measured copy bandwidth; then ar and smc 4x4 again with both models' matmul weights in int4 (the Triton matmul),
+# the same prompt and tokens, to set against the bf16 rows. (No racer rows: they need real text.)
 # With two GPUs or more, the same ar and smc at tensor-parallel 2 (torchrun, nccl), to set against the TP=1 line.
 .PHONY: gpu-check
 gpu-check:
@@ -19,6 +20,8 @@ gpu-check:
 		--out gpu-check-batch.json
 	-python bench.py --random llama-1b:llama-8b --methods ar,mdsd,smc --grid 8x8,4x4 --prompt-len 256 \
 		--new-tokens 256 --repeats 3 --concurrency "" --out gpu-check.json
+	-python bench.py --random llama-1b:llama-8b --weights int4 --methods ar,smc --grid 4x4 --prompt-len 256 \
+		--new-tokens 256 --repeats 3 --prompt-lengths "" --short-requests 0 --concurrency "" --out gpu-check-int4.json
 	if [ "$$(nvidia-smi -L | wc -l)" -ge 2 ]; then torchrun --nproc-per-node 2 bench.py --random llama-1b:llama-8b \
 		--methods ar,smc --grid 4x4 --prompt-len 256 --new-tokens 128 --repeats 2 --prompt-lengths "" \
 		--short-requests 0 --concurrency "" --out gpu-check-tp2.json; fi

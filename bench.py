@@ -112,13 +112,15 @@ def copy_bandwidth(device, repeats=5):
 # ---------------------------------------------------------------- models
 
 
-def random_model(shape, device, dtype, seed, world=1):
-    """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed. world > 1:
+def random_model(shape, device, dtype, seed, world=1, weights=None):
+    """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed, its matmul
+    weights in format `weights` (model.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
     a tensor-parallel rank's shard (random too, the same on every rank, so every rank's logits agree)."""
     vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
     c = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
                      n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
                      rope_theta=500000.0, max_seq_len=8192)
+    dtype = model.weight_format(weights, device) if weights else dtype
     m = model.Transformer(model.shard_config(c, world), device, dtype)
     g = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
@@ -127,7 +129,7 @@ def random_model(shape, device, dtype, seed, world=1):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    model.convert_weights(m)
+    model.convert_weights(m, weights)
     return m
 
 
@@ -136,13 +138,13 @@ def load_engines(args, device, world=1):
     torchrun (world > 1) the target is this rank's shard."""
     dtype = getattr(torch, args.dtype)
     if args.random:
-        draft, target = (random_model(name, device, dtype, seed, world if seed else 1)  # the draft is whole
+        draft, target = (random_model(name, device, dtype, seed, world if seed else 1, args.weights)  # draft: whole
                          for seed, name in enumerate(args.random.split(":")))
-        return engine.Engine(target, draft, device), None, None
+        return engine.Engine(target, draft, device, args.weights), None, None
     draft, target = (args.draft, args.target) if args.target else engine.default_pair()
     weights = args.weights or {"bfloat16": "bf16", "float32": "float32"}[args.dtype]
     pair = engine.Engine(target, draft, device, weights).load()
-    return pair, engine.Engine(draft, None, device, pair.weights).load(), (draft, target)
+    return pair, engine.Engine(draft, None, device, pair.draft_weights).load(), (draft, target)
 
 
 def prompts(args, e):
@@ -685,7 +687,7 @@ QUALITY_SLOTS = 4  # requests decoded together in the quality run (continuous ba
 
 def quality_runners(e, draft_alone, args):
     """label -> (engine, method, N, K, options), for the methods asked for: ar; sd at each K of --smc-cells and at
-    --sd-draft-len; easd at --sd-draft-len; mdsd and smc at each cell; smc at the first cell with --lag too; the
+    --sd-draft-len; easd at --sd-draft-len; mdsd and smc at each cell; smc at the first cell with each --lag too; the
     draft alone ("draft")."""
     lens = sorted({args.sd_draft_len} | {K for _, K in args.smc_cells})
     runners = {"ar": (e, "ar", 1, 1, {})} if "ar" in args.methods else {}
@@ -693,9 +695,9 @@ def quality_runners(e, draft_alone, args):
     runners |= {f"easd K={args.sd_draft_len}": (e, "easd", 1, args.sd_draft_len, {})} if "easd" in args.methods else {}
     for m in ("mdsd", "smc"):
         runners |= {f"{m} {N}x{K}": (e, m, N, K, {}) for N, K in args.smc_cells if m in args.methods}
-    if "smc" in args.methods and args.lag and args.smc_cells:
-        (N, K), lag = args.smc_cells[0], args.lag
-        runners[f"smc {N}x{K} lag {lag}"] = (e, "smc", N, K, {"lag": lag})
+    if "smc" in args.methods and args.smc_cells:
+        N, K = args.smc_cells[0]
+        runners |= {f"smc {N}x{K} lag {lag}": (e, "smc", N, K, {"lag": lag}) for lag in args.lag if lag}
     return runners | ({"draft alone": (draft_alone, "ar", 1, 1, {})} if "draft" in args.methods else {})
 
 
@@ -1082,8 +1084,8 @@ def parse(argv):
     p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"),
                    help="smc N x K cells of the prompt-length axis, the short requests and the quality run (where "
                         "mdsd runs at each cell too, and sd at each cell's K)")
-    p.add_argument("--lag", type=int, default=16, help="quality: smc at the first cell with this bounded lag too "
-                   "(0: not)")
+    p.add_argument("--lag", type=numbers, default=numbers("16"), metavar="L,...", help="quality: smc at the first "
+                   "cell with each of these bounded lags too (0 or empty: none)")
     p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"),
                    help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")
     p.add_argument("--short-requests", type=int, default=10, metavar="P",
@@ -1119,6 +1121,8 @@ def parse(argv):
     known = ["ar", "sd", "mdsd", "easd", "smc", "draft", "sd+overlap", "mdsd+overlap", "easd+overlap", "smc+overlap"]
     if args.formats and args.random:
         p.error("--formats needs model files (a weights/ pair or --target), not --random")
+    if args.weights == "auto" and args.random:
+        p.error("--weights auto measures model files (a weights/ pair or --target); name a format with --random")
     if unknown := set(args.methods) - set(known):
         p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from {','.join(known)})")
     return args
@@ -1164,6 +1168,9 @@ def resumed(args):
     except (OSError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"bench.py: --resume needs a quality run's report in --out ({args.out}): {e}")
     now = json.loads(json.dumps({k: vars(args)[k] for k in RESUMED}))  # tuples as JSON keeps them
+    for lags in (settings, now):  # "lag" was one int before it took a list (docs/frontier.json); 0 is none
+        lag = lags.get("lag") or []
+        lags["lag"] = [x for x in ([lag] if isinstance(lag, int) else lag) if x]
     if differ := [k for k in RESUMED if settings.get(k) != now[k]]:
         sys.exit(f"bench.py: --resume: {', '.join(differ)} differ from the run in {args.out}; give its settings")
     return quality_run

@@ -82,10 +82,10 @@ class State:
 
 def new_state(e, shape, R, prefix_cap, suffix_cap):
     """A State of R empty slots."""
-    N, K, V, device, dtype = shape.particles, shape.draft_len, e.config.vocab_size, e.device, e.dtype
+    N, K, V, device = shape.particles, shape.draft_len, e.config.vocab_size, e.device
     new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=device)  # noqa
     i64, i32, b, T = torch.int64, torch.int32, torch.bool, shape.tree + 1
-    tcache, dcache = (model.KVCache(c.config, N, prefix_cap, suffix_cap, device, dtype, R) if c else None
+    tcache, dcache = (model.KVCache(c.config, N, prefix_cap, suffix_cap, device, c.embed.dtype, R) if c else None
                       for c in (e.target, e.draft if shape.method != "ar" and not shape.tree else None))
     tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
                 mask=new(R, T, T, dtype=b), cues=new(R, T, racer.CUES, dtype=i64),
@@ -479,12 +479,6 @@ def measure_formats(c, rows, formats=tuple(model.FORMATS), threads=None, share=8
     return costs
 
 
-def costs_line(costs, chosen):
-    """'weights: int8 (measured ms per forward at 1 / 9 rows: bf16 160/1240, float32 250/560, ...)'"""
-    return (f"weights: {chosen} (measured ms per forward at {' / '.join(map(str, next(iter(costs.values()))))} rows: "
-            + ", ".join(f"{f} {'/'.join(f'{ms:.0f}' for ms in c.values())}" for f, c in costs.items()) + ")")
-
-
 def file_format(opened):
     """int4 when most of a model file's matmul values are 4-bit blocks (a Q4_K_M GGUF file, which int4 holds as they
     are: nearer the file than int8, README), else bf16: the format auto keeps unless another is clearly faster."""
@@ -503,37 +497,42 @@ def clear_winner(costs, home):
 
 
 def candidates(e):
-    """-> (the formats auto times: bf16, float32 and int8 where they fit, and int4 for a 4-bit file (elsewhere int4
-    changes the model more: on request only, as w8a8, whose rounded activations change it as much: README), the
-    target file's own format (file_format))."""
+    """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
+    (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as much:
+    README), the target file's own format (file_format))."""
     home = file_format(e.opened[0])
     return [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
             if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)], home
 
 
-def cycle_costs(e, shapes, formats):
-    """-> {format: {(N, K): ms}}: the matmuls of an (N, K) cycle, K draft steps of N rows and a target forward of
-    N x (K + 1) rows (K = 0: the target's alone, at N rows), each model's timed on its own shapes (measure_formats)."""
+def cycle_costs(e, shapes, formats, draft_formats):
+    """-> ({format: {(N, K): ms}} of a target forward of N x (K + 1) rows (K = 0: N rows), the same of K draft
+    steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats)."""
     target = measure_formats(e.config, sorted({n * (k + 1) for n, k in shapes}), tuple(formats))
-    drafts = {n for n, k in shapes if k}
-    steps = measure_formats(e.draft_config, sorted(drafts), tuple(target)) if drafts else {f: {} for f in target}
-    return {f: {(n, k): target[f][n * (k + 1)] + k * steps[f].get(n, 0) for n, k in shapes}
-            for f in target if f in steps}
+    steps = measure_formats(e.draft_config, sorted({n for n, k in shapes if k}), tuple(draft_formats)) \
+        if e.draft_config and any(k for _, k in shapes) else {}
+    return ({f: {(n, k): ms[n * (k + 1)] for n, k in shapes} for f, ms in target.items()},
+            {f: {(n, k): k * ms.get(n, 0) for n, k in shapes} for f, ms in steps.items()})
 
 
 def choose_weights(e, shape):
-    """--weights auto: the format (model.FORMATS) whose cycle at shape costs least on this machine, if clearly
-    (clear_winner), else the target file's own (file_format) -> (format, the line that says so). A cycle's cost:
-    cycle_costs' (ar: one row; racer: the tree's rows, no draft model). A Q4_K_M file's int4 cost counts every
-    weight as int4, though its wider-quantized ones load in int8, which cost about the same on the AVX2 CPU
-    measured (README)."""
+    """--weights auto -> ((the target's format, the draft's), the line that says so): for each model the format
+    (model.FORMATS) whose part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs
+    least on this machine, if clearly (clear_winner), else its file's own (file_format). The draft may also be int4:
+    its format changes only the proposals, which sd and mdsd correct exactly and smc's weights account for. A Q4_K_M
+    file's int4 cost counts every weight as int4, though its wider-quantized ones load in int8, which cost about
+    the same on the AVX2 CPU measured (README)."""
     rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else shape.particles * (shape.draft_len + 1)
-    drafted = e.draft_config and shape.method != "ar" and not shape.tree
+    drafted = e.opened[1] and shape.method != "ar" and not shape.tree
     cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
     formats, home = candidates(e)
-    costs = {f: {rows: ms[cell]} for f, ms in cycle_costs(e, [cell], formats).items()}
-    chosen = clear_winner({f: ms[rows] for f, ms in costs.items()}, home if home in costs else "bf16")
-    return chosen, costs_line(costs, chosen).replace(" per forward at", f" per {shape.method} cycle at")
+    target, steps = cycle_costs(e, [cell], formats, formats + ["int4"] * ("int4" not in formats))
+    chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home if home in target else "bf16")
+    draft = clear_winner({f: ms[cell] for f, ms in steps.items()}, file_format(e.opened[1])) if drafted else chosen
+    listed = lambda costs: ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())  # noqa: E731
+    steps_part = f"; its {cell[1]} draft steps at {cell[0]} rows: {listed(steps)}" if drafted else ""
+    return (chosen, draft), (f"weights: {chosen}{f', draft {draft}' if drafted else ''} (measured ms per "
+                             f"{shape.method} cycle at {rows} rows: {listed(target)}{steps_part})")
 
 
 SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3; README, Results)
@@ -541,12 +540,15 @@ SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that res
 
 def choose_smc_shape(e):
     """--weights auto, smc without --particles or --draft-len: the (N, K) of SMC_SHAPES whose cycle (it always
-    emits K + 1 tokens) costs least per token, in its cheapest format, if clearly (clear_winner) below 3x2's, the
-    default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows with the
-    rows too, so a wider cycle gains less than predicted."""
-    costs = cycle_costs(e, SMC_SHAPES, candidates(e)[0] if e.weights == "auto" else [e.weights])  # loaded: its own
-    costs = costs or cycle_costs(e, SMC_SHAPES, ["bf16"])  # int4 that cannot pack the draft's shapes
-    per_token = {(n, k): min(ms[n, k] for ms in costs.values()) / (k + 1) for n, k in SMC_SHAPES}
+    emits K + 1 tokens) costs least per token, each model in its cheapest format, if clearly (clear_winner) below
+    3x2's, the default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows
+    with the rows too, so a wider cycle gains less than predicted."""
+    formats = candidates(e)[0] if e.weights == "auto" else None
+    target, steps = cycle_costs(e, SMC_SHAPES, *((formats, formats + ["int4"]) if formats else
+                                                 ([e.weights], [e.draft_weights])))  # loaded: the models' own
+    steps = steps or cycle_costs(e, SMC_SHAPES, [], ["bf16"])[1]  # int4 that cannot pack the draft's shapes
+    per_token = {(n, k): (min(ms[n, k] for ms in target.values()) + min(ms[n, k] for ms in steps.values())) / (k + 1)
+                 for n, k in SMC_SHAPES}
     n, k = clear_winner(per_token, (3, 2))
-    return (n, k), (f"smc shape: {n}x{k} (measured ms per token, a cycle's matmuls in its cheapest format: "
+    return (n, k), (f"smc shape: {n}x{k} (measured ms per token, a cycle's matmuls in its cheapest formats: "
                     + ", ".join(f"{a}x{b} {ms:.0f}" for (a, b), ms in per_token.items()) + ")")

@@ -566,8 +566,8 @@ def capacity(e, prompt_len, s, shape, context=None):
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer (then
     prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
-    is refused before `load()` reads a weight. weights: model.FORMATS' or "auto" (paths on a CPU). Under torchrun
-    each rank holds its shard of the target and decodes the same requests with the same logits and rng."""
+    is refused before `load()` reads a weight. weights: model.FORMATS' (both models) or "auto" (paths on a CPU: each
+    model's measured). Under torchrun each rank holds its target shard and decodes alike (same logits and rng)."""
 
     def __init__(self, target, draft=None, device=None, weights=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -579,7 +579,7 @@ class Engine:
                        for m in (target, draft)]
         self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
         auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(self.opened[0])
-        self.weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
+        self.weights = self.draft_weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
         self.auto, self.smc, dtype = auto, None, torch.bfloat16 if auto else model.weight_format(self.weights, device)
         self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
         self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
@@ -596,12 +596,13 @@ class Engine:
     def load(self, shape=None):
         """Read the weights (once) -> self; with weights "auto", first measure which format suits shape's cycles."""
         if self.weights == "auto" and self.target is None:
-            self.weights, line = decode.choose_weights(self, shape or Settings().resolve(self.device).shape(self.racer))
+            (self.weights, self.draft_weights), line = decode.choose_weights(
+                self, shape or Settings().resolve(self.device).shape(self.racer))
             self.dtype = model.FORMATS[self.weights]
             print(line, file=sys.stderr)
-        build = lambda o, tp=(0, 1): o and model.build(*o[:2], self.device, self.dtype, tp, self.weights)  # noqa: E731
-        self.target = self.target or build(self.opened[0], (self.rank, self.world))
-        self.draft = self.draft or build(self.opened[1])
+        build = lambda o, fmt, tp=(0, 1): o and model.build(*o[:2], self.device, self.dtype, tp, fmt)  # noqa: E731
+        self.target = self.target or build(self.opened[0], self.weights, (self.rank, self.world))
+        self.draft = self.draft or build(self.opened[1], self.draft_weights)
         self.opened = [None, None]
         return self
 

@@ -51,6 +51,22 @@ def test_quick_run_on_random_models(tmp_path, capsys):
         assert r["requests"] == 2 and r["new_tokens"] == 64 and r["tokens_per_s"] > 0 and r["prefill_s"] > 0
 
 
+def test_random_models_in_a_weight_format(tmp_path):
+    """--weights with --random: the random pair's matmuls in that format (what make gpu-check's int4 rows read),
+    the report's bytes a forward its; auto, which measures files, is refused in one line."""
+    out = tmp_path / "bench.json"
+    report = bench.main(["--quick", "--random", "tiny:tiny", "--weights", "int4", "--methods", "ar,smc", "--prompt-len",
+                         "8", "--grid", "2x2", "--threads", "1", "--prompt-lengths", "", "--short-requests", "0",
+                         "--concurrency", "", "--out", str(out)])
+    m = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.float32, 1, weights="int4")
+    assert isinstance(m.layers[0].w2, bench.model.Quantized) and m.embed.dtype == bench.torch.bfloat16
+    bf16 = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.bfloat16, 1)
+    assert report["models"]["target"]["weight_bytes_read_per_forward"] == m.weight_bytes() < bf16.weight_bytes()
+    assert {r["method"] for r in report["speed"]} == {"ar", "smc"} and report["settings"]["weights"] == "int4"
+    with pytest.raises(SystemExit):
+        bench.parse(["--random", "tiny:tiny", "--weights", "auto"])
+
+
 def test_lengths_and_short_requests_are_skippable(tmp_path):
     out = tmp_path / "bench.json"
     report = bench.main(["--quick", "--random", "tiny:tiny", "--methods", "ar", "--prompt-len", "8", "--threads", "1",
@@ -302,6 +318,10 @@ def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
     assert out["smc 3x2"]["shift_of_draft"] == pytest.approx(0.5) and out["smc 3x2"]["tokens_per_cycle"] == 2
     assert "| smc 3x2 | 0.500 ± 0.289 | -0.500 ± 0.289 | -2.000 ± 0.000 | -1.000 ± 0.000 | 0.50 ± 0.00 |" in \
         bench.quality_table(out)
+    lags = bench.quality_runners(StubPair(), "draft", bench.parse(["--methods", "smc", "--smc-cells", "3x2,4x4",
+                                                                   "--lag", "4,0,32"]))
+    assert {k: v[-1] for k, v in lags.items()} == {"smc 3x2": {}, "smc 4x4": {}, "smc 3x2 lag 4": {"lag": 4},
+                                                   "smc 3x2 lag 32": {"lag": 32}}
 
 
 def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
@@ -323,6 +343,12 @@ def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
         for key in ("problems", "results", "logprobs", "texts", "pass_at_1", "logprob_vs_ar", "new_tokens"):
             assert resumed[label].get(key) == q.get(key), (label, key)
     assert whole["smc 3x2"]["logprob_vs_ar"] == pytest.approx(-1.0)
+    old = json.loads(out.read_text())  # reports from before --lag took a list hold one int
+    old["settings"]["lag"] = 0
+    out.write_text(json.dumps(old))
+    assert bench.resumed(again)["ar"]["problems"] == 1
+    with pytest.raises(SystemExit, match="--resume: lag differ from the run in"):
+        bench.resumed(bench.parse(flags[:-2] + ["--lag", "16", "--out", str(out), "--resume"]))
     with pytest.raises(SystemExit, match="--resume: samples differ from the run in"):
         bench.resumed(bench.parse(flags[:2] + ["--samples", "2"] + flags[4:] + ["--resume"]))
     with pytest.raises(SystemExit, match="--resume needs a quality run's report in --out"):

@@ -154,12 +154,15 @@ def in_format(m, fmt):
 WIDE = tiny(2, 0.8, vocab=16, head_dim=16)  # int4 packs 16 output rows (the head's: the vocabulary) and 32 inputs
 
 
-@pytest.mark.parametrize("fmt, method", [("bf16", "sd"), ("int8", "mdsd"), ("int4", "sd"), ("int4", "mdsd"),
-                                         ("w8a8", "sd")])
-def test_exact_methods_sample_the_target_in_every_weight_format(fmt, method):
+@pytest.mark.parametrize("fmt, draft_fmt, method", [("bf16", "bf16", "sd"), ("int8", "int8", "mdsd"),
+                                                    ("int4", "int4", "sd"), ("int4", "int4", "mdsd"),
+                                                    ("w8a8", "w8a8", "sd"), ("float32", "int4", "sd"),
+                                                    ("float32", "int4", "mdsd")])
+def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, method):
     """sd and mdsd sample the target's distribution in the weights it has (3 tokens: x0 and one cycle at K = 1):
-    the quantized or bf16 target's own exact distribution, computed in its own weights and activations."""
-    target, draft = in_format(WIDE, fmt), in_format(perturbed(WIDE, 3, 0.3), fmt)
+    the quantized or bf16 target's own exact distribution, computed in its own weights and activations; a draft
+    in another format (auto's choice per model: other activations, its own KV cache's dtype) changes nothing."""
+    target, draft = in_format(WIDE, fmt), in_format(perturbed(WIDE, 3, 0.3), draft_fmt)
     p = exact(target, 3, 1.0)
     shape = dict(particles=3) if method == "mdsd" else {}
     found = empirical(engine.Engine(target, draft), SAMPLES, 3, method=method, draft_len=1, temperature=1.0, **shape)
@@ -1217,7 +1220,8 @@ def test_cli_streams_text_then_a_summary(pair):
                 "9", "--weights", "auto"])
     assert run.returncode == 0, run.stderr
     chose, summary = run.stderr.splitlines()  # auto says what it measured and chose, in one line
-    assert re.fullmatch(r"weights: (bf16|float32|int8) \(measured ms per sd cycle at 5 rows: bf16 \d+, float32 \d+, "
+    assert re.fullmatch(r"weights: (bf16|float32|int8), draft (bf16|float32|int8) \(measured ms per sd cycle at 5 "
+                        r"rows: bf16 \d+, float32 \d+, int8 \d+; its 4 draft steps at 1 rows: bf16 \d+, float32 \d+, "
                         r"int8 \d+\)", chose)  # int4 needs larger shapes
     assert run.stdout.startswith("w1 w2 w3") and summary.startswith("[sd: ")
 
@@ -1229,14 +1233,14 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
     first, again = e.request("w1 w2", max_new_tokens=8), e.request("w3", draft_len=3, max_new_tokens=8)
     chose = capsys.readouterr().err.splitlines()
     assert len(chose) == 1 and re.fullmatch(r"smc shape: 3x2 \(measured ms per token, a cycle's matmuls in its "
-                                             r"cheapest format: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[0])
+                                             r"cheapest formats: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[0])
     assert (first.shape.particles, first.shape.draft_len, again.shape.particles, again.shape.draft_len) == (3, 2, 3, 3)
     picked = engine.Engine(*pair, weights="auto")
     monkeypatch.setattr(decode, "choose_smc_shape", lambda e: ((4, 4), "smc shape: 4x4"))
     wide, given = (picked.request("w1", max_new_tokens=8, **k) for k in ({"method": "smc"}, {"particles": 2}))
     assert (wide.shape.particles, wide.shape.draft_len, given.shape.particles, given.shape.draft_len) == (4, 4, 2, 4)
     assert picked.generate("w1 w2", max_new_tokens=6, seed=1).stats["particles"] == 4
-    assert "weights: bf16 (measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
+    assert "(measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
     fixed = engine.Engine(*pair, weights="bf16").request("w1", max_new_tokens=8)  # a format given: no measuring
     assert (fixed.shape.particles, fixed.shape.draft_len) == (3, 2) and "smc shape" not in capsys.readouterr().err
     assert decode.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
