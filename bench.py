@@ -687,14 +687,14 @@ QUALITY_SLOTS = 4  # requests decoded together in the quality run (continuous ba
 
 def quality_runners(e, draft_alone, args):
     """label -> (engine, method, N, K, options), for the methods asked for: ar; sd at each K of --smc-cells and at
-    --sd-draft-len; easd at --sd-draft-len; mdsd and smc at each cell; smc at the first cell with each --lag too; the
-    draft alone ("draft")."""
+    --sd-draft-len; easd at --sd-draft-len; mdsd and smc (no lag) at each cell; smc at the first cell with each
+    --lag; the draft alone ("draft")."""
     lens = sorted({args.sd_draft_len} | {K for _, K in args.smc_cells})
     runners = {"ar": (e, "ar", 1, 1, {})} if "ar" in args.methods else {}
     runners |= {f"sd K={K}": (e, "sd", 1, K, {}) for K in lens if "sd" in args.methods}
     runners |= {f"easd K={args.sd_draft_len}": (e, "easd", 1, args.sd_draft_len, {})} if "easd" in args.methods else {}
-    for m in ("mdsd", "smc"):
-        runners |= {f"{m} {N}x{K}": (e, m, N, K, {}) for N, K in args.smc_cells if m in args.methods}
+    for m, options in (("mdsd", {}), ("smc", {"lag": 0})):  # smc without a lag, whatever the engine's default
+        runners |= {f"{m} {N}x{K}": (e, m, N, K, options) for N, K in args.smc_cells if m in args.methods}
     if "smc" in args.methods and args.smc_cells:
         N, K = args.smc_cells[0]
         runners |= {f"smc {N}x{K} lag {lag}": (e, "smc", N, K, {"lag": lag}) for lag in args.lag if lag}

@@ -320,8 +320,8 @@ def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
         bench.quality_table(out)
     lags = bench.quality_runners(StubPair(), "draft", bench.parse(["--methods", "smc", "--smc-cells", "3x2,4x4",
                                                                    "--lag", "4,0,32"]))
-    assert {k: v[-1] for k, v in lags.items()} == {"smc 3x2": {}, "smc 4x4": {}, "smc 3x2 lag 4": {"lag": 4},
-                                                   "smc 3x2 lag 32": {"lag": 32}}
+    assert {k: v[-1] for k, v in lags.items()} == {"smc 3x2": {"lag": 0}, "smc 4x4": {"lag": 0},  # not the default 16
+                                                   "smc 3x2 lag 4": {"lag": 4}, "smc 3x2 lag 32": {"lag": 32}}
 
 
 def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
