@@ -687,8 +687,7 @@ class Engine:
     def serving(self, inbox, slots=None, caps=None, idle_s=IDLE_S):
         """The Scheduler's loop, yielding after every round, over a list of Requests (checked to fit, `slots` at a
         time, default up to 8, until all end) or a queue.Queue (slots of caps tokens, until None arrives)."""
-        until_idle = isinstance(inbox, list)
-        if until_idle:
+        if until_idle := isinstance(inbox, list):
             requests, slots, inbox = inbox, slots or min(len(inbox), 8), queue.Queue()
             caps = check_memory(self, requests, slots)
             self.load(requests[0].shape)
