@@ -544,9 +544,10 @@ def choose_smc_shape(e):
     3x2's, the default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows
     with the rows too, so a wider cycle gains less than predicted."""
     formats = candidates(e)[0] if e.weights == "auto" else None
-    target, steps = cycle_costs(e, SMC_SHAPES, *((formats, formats + ["int4"]) if formats else
+    target, steps = cycle_costs(e, SMC_SHAPES, *((formats, formats + ["int4"]) if formats is not None else
                                                  ([e.weights], [e.draft_weights])))  # loaded: the models' own
-    steps = steps or cycle_costs(e, SMC_SHAPES, [], ["bf16"])[1]  # int4 that cannot pack the draft's shapes
+    target = target or cycle_costs(e, SMC_SHAPES, ["bf16"], [])[0]  # none that fits; int4 that cannot pack them
+    steps = steps or cycle_costs(e, SMC_SHAPES, [], ["bf16"])[1]
     per_token = {(n, k): (min(ms[n, k] for ms in target.values()) + min(ms[n, k] for ms in steps.values())) / (k + 1)
                  for n, k in SMC_SHAPES}
     n, k = clear_winner(per_token, (3, 2))

@@ -1235,6 +1235,9 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
     assert len(chose) == 1 and re.fullmatch(r"smc shape: 3x2 \(measured ms per token, a cycle's matmuls in its "
                                              r"cheapest formats: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[0])
     assert (first.shape.particles, first.shape.draft_len, again.shape.particles, again.shape.draft_len) == (3, 2, 3, 3)
+    loaded = engine.Engine(*pair, weights="auto")
+    loaded.weights = loaded.draft_weights = "int4"  # as if auto had loaded int4, which these shapes cannot pack
+    assert decode.choose_smc_shape(loaded)[0] == (3, 2)  # each model timed in bf16 instead
     picked = engine.Engine(*pair, weights="auto")
     monkeypatch.setattr(decode, "choose_smc_shape", lambda e: ((4, 4), "smc shape: 4x4"))
     wide, given = (picked.request("w1", max_new_tokens=8, **k) for k in ({"method": "smc"}, {"particles": 2}))
