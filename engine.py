@@ -820,7 +820,7 @@ def parser():
     add("--seed", type=int, default=0)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--weights", choices=["auto", *model.FORMATS], default="auto", help="matmul weights' format "
-        "(activations in the dtype its kernels want); auto: the fastest and smc's N x K, measured (CPU; else bf16)")
+        "(activations in the dtype its kernels want); auto: each model's fastest and smc's N x K, measured (CPU)")
     add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     add("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     add("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, phase times")

@@ -373,7 +373,7 @@ def main(argv=None):
                    "verifies")
     p.add_argument("--device")
     p.add_argument("--weights", choices=["auto", *model.FORMATS], help="matmul weights' format "
-                   "(default auto: measured at load on a CPU, bf16 elsewhere)")
+                   "(default auto: each model's measured at load on a CPU, bf16 elsewhere)")
     p.add_argument("--model-name", help="the model id clients see (default: the target's base name)")
     args = p.parse_args(argv)
     try:
