@@ -499,17 +499,22 @@ def clear_winner(costs, home):
 def candidates(e):
     """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
     (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as much:
-    README), the target file's own format (file_format))."""
+    README); for the draft, those and int4, since its format changes only the proposals; the target file's own
+    format (file_format))."""
     home = file_format(e.opened[0])
-    return [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
-            if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)], home
+    fits = [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
+            if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)]
+    return fits, fits + ["int4"] * ("int4" not in fits), home
 
 
 def cycle_costs(e, shapes, formats, draft_formats):
     """-> ({format: {(N, K): ms}} of a target forward of N x (K + 1) rows (K = 0: N rows), the same of K draft
-    steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats)."""
-    target = measure_formats(e.config, sorted({n * (k + 1) for n, k in shapes}), tuple(formats))
-    steps = measure_formats(e.draft_config, sorted({n for n, k in shapes if k}), tuple(draft_formats)) \
+    steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats), in
+    bf16 where none of its formats can hold them."""
+    def timed(c, rows, fmts):
+        return measure_formats(c, rows, tuple(fmts)) or measure_formats(c, rows, ("bf16",))
+    target = timed(e.config, sorted({n * (k + 1) for n, k in shapes}), formats)
+    steps = timed(e.draft_config, sorted({n for n, k in shapes if k}), draft_formats) \
         if e.draft_config and any(k for _, k in shapes) else {}
     return ({f: {(n, k): ms[n * (k + 1)] for n, k in shapes} for f, ms in target.items()},
             {f: {(n, k): k * ms.get(n, 0) for n, k in shapes} for f, ms in steps.items()})
@@ -525,8 +530,8 @@ def choose_weights(e, shape):
     rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else shape.particles * (shape.draft_len + 1)
     drafted = e.opened[1] and shape.method != "ar" and not shape.tree
     cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
-    formats, home = candidates(e)
-    target, steps = cycle_costs(e, [cell], formats, formats + ["int4"] * ("int4" not in formats))
+    formats, drafts, home = candidates(e)
+    target, steps = cycle_costs(e, [cell], formats, drafts)
     chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home if home in target else "bf16")
     draft = clear_winner({f: ms[cell] for f, ms in steps.items()}, file_format(e.opened[1])) if drafted else chosen
     listed = lambda costs: ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())  # noqa: E731
@@ -543,11 +548,8 @@ def choose_smc_shape(e):
     emits K + 1 tokens) costs least per token, each model in its cheapest format, if clearly (clear_winner) below
     3x2's, the default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows
     with the rows too, so a wider cycle gains less than predicted."""
-    formats = candidates(e)[0] if e.weights == "auto" else None
-    target, steps = cycle_costs(e, SMC_SHAPES, *((formats, formats + ["int4"]) if formats is not None else
-                                                 ([e.weights], [e.draft_weights])))  # loaded: the models' own
-    target = target or cycle_costs(e, SMC_SHAPES, ["bf16"], [])[0]  # none that fits; int4 that cannot pack them
-    steps = steps or cycle_costs(e, SMC_SHAPES, [], ["bf16"])[1]
+    formats = candidates(e)[:2] if e.weights == "auto" else ([e.weights], [e.draft_weights])  # loaded: their own
+    target, steps = cycle_costs(e, SMC_SHAPES, *formats)
     per_token = {(n, k): (min(ms[n, k] for ms in target.values()) + min(ms[n, k] for ms in steps.values())) / (k + 1)
                  for n, k in SMC_SHAPES}
     n, k = clear_winner(per_token, (3, 2))
