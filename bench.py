@@ -447,10 +447,17 @@ HF_GENERATE = "hf generate (static cache)"
 
 
 def peer_models(paths, args):
-    """-> (target, draft): the pair as transformers models, same dtype."""
+    """-> (target, draft): the pair as transformers models, same dtype; a GGUF file through the bf16 directory it is
+    converted to once, beside it (weights/fetch.py's conversion: the same values the engine reads from the file)."""
     from transformers import AutoModelForCausalLM
-    dtype = getattr(torch, args.dtype)
-    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in paths[::-1])
+    sys.path.insert(0, os.path.join(engine.ROOT, "weights"))
+    import fetch
+    dtype, directories = getattr(torch, args.dtype), []
+    for p in paths[::-1]:
+        if p.endswith(".gguf") and not os.path.isdir(p := p[:-len(".gguf")]):
+            fetch.convert(p + ".gguf", p)
+        directories.append(p)
+    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in directories)
 
 
 def pad_id(e):

@@ -7,6 +7,7 @@ the weight format that this machine's matmuls run fastest.
                              the method's rule, the flags the host reads)
 
 e is the Engine (its target, draft, is_eos [V + 1], pad, config, dtype); shape its batch's Shape."""
+import collections
 import copy
 import math
 import timeit
@@ -436,47 +437,82 @@ def unread_bytes(e):
 
 
 def batch_bytes(e, shape, slots, caps):
-    """Memory a batch takes: its KV caches, and a cycle's float32 logits with a few copies."""
-    configs = [e.config] + ([e.draft_config] if e.draft_config and shape.method != "ar" else [])
-    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, e.dtype, slots) for c in configs)
+    """Memory a batch takes: its KV caches, each in its model's activations' dtype, and a cycle's float32 logits with
+    a few copies."""
+    draft_dtype = e.draft.embed.dtype if e.draft else model.FORMATS.get(e.draft_weights, e.dtype)
+    drafted = e.draft_config and shape.method != "ar"
+    models = [(e.config, e.dtype)] + ([(e.draft_config, draft_dtype)] if drafted else [])
+    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, dtype, slots) for c, dtype in models)
     return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
 
 
 # ---------------------------------------------------------------- the weight format this machine runs fastest
 
 
-def measure_formats(c, rows, formats=tuple(model.FORMATS), threads=None, share=8):
-    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
-    R x N x (K + 1) for a verify): c's layer count times one layer's q/k/v, o, gate/up and down, plus the LM head, in
-    each format that can hold c's shapes. Quick (0.3 s for a 1.5B at two row counts): 1/share of each layer weight's
-    rows and 1/(8 share) of the head's are timed, scaled up by size (a matmul's cost is about proportional to its
-    rows); each the best of two after a warm call, after reading 64 MiB so that the weights come from memory."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (c.vocab_size, c.dim)]
-    sampled = [torch.linspace(-0.05, 0.05, i).repeat(min(o, -(-o // p // 16) * 16), 1)  # values alter no timing
-               for (o, i), p in zip(shapes, [share] * 4 + [8 * share])]
-    layer_scale = c.n_layers * sum(o * i for o, i in shapes[:4]) / sum(w.numel() for w in sampled[:4])
-    head_scale = c.vocab_size / len(sampled[4])
-    threads_before, flush, costs = torch.get_num_threads(), torch.ones(2**24), {}  # ones: pages written
+BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5}  # a weight's
 
-    def seconds(f):
-        f()
-        return min(timeit.repeat(f, flush.sum, repeat=2, number=1))
+
+def measure_formats(c, rows, formats=("bf16", "float32", "int8", "int4"), threads=None, held=None):
+    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
+    R x N x (K + 1) for a verify), in each format that can hold c's shapes (w8a8, slow to pack, only if asked).
+    Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed over distinct
+    copies that fill STREAM, back to back, so that its weights come from memory and each call costs what a
+    forward's does (one small copy timed alone, out of cache, cost up to twice as much a weight: README); the
+    best of two after a warm pass, times how many a forward runs. held {matrix: how many}: those int4 holds in
+    int8 (a GGUF file's wider blocks, fill_weights), priced in int8."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    head = -(-c.vocab_size // 128) * 16
+    shapes = dict(zip(model.MATMULS, [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim),
+                                      (head, c.dim)]))
+    counts = {m: c.n_layers for m in model.MATMULS[:4]} | {"lm_head": c.vocab_size / head}
+    threads_before, per_call = torch.get_num_threads(), {}
     torch.set_num_threads(threads or threads_before)
     try:
-        for fmt in formats:
-            try:
-                ws = [model.converted(w.to(model.FORMATS[fmt]), fmt) for w in sampled]
-            except model.LoadError:  # int4 on sizes it cannot pack
-                continue
-            costs[fmt] = {}
-            for r in rows:
-                xs = [torch.randn(r, w.shape[1], dtype=model.FORMATS[fmt]) for w in sampled]
-                layer = seconds(lambda: [model.linear(x, w) for x, w in zip(xs[:4], ws[:4])])
-                costs[fmt][r] = 1e3 * (layer * layer_scale + seconds(lambda: model.linear(xs[4], ws[4])) * head_scale)
+        for m, shape in shapes.items():
+            for fmt in dict.fromkeys(list(formats) + ["int8"] * bool(held and "int4" in formats)):
+                try:
+                    if (calls := per_call.setdefault(fmt, {})) is not None:
+                        calls[m] = timed_calls(shape, fmt, rows)
+                except model.LoadError:  # int4 on sizes it cannot pack
+                    per_call[fmt] = None
     finally:
         torch.set_num_threads(threads_before)
-    return costs
+
+    def ms(fmt, r):
+        def call(m, t):  # int4's held share of a matrix at int8's cost
+            share = (held or {}).get(m, 0) / (1 if m == "lm_head" else c.n_layers) if fmt == "int4" else 0
+            return t[r] + share * (per_call["int8"][m][r] - t[r]) if share else t[r]
+        return 1e3 * sum(counts[m] * call(m, t) for m, t in per_call[fmt].items())
+    return {fmt: {r: ms(fmt, r) for r in rows} for fmt in formats if per_call.get(fmt)}
+
+
+TIMED = {}  # (out, in, format, threads, rows) -> seconds: a process times each once (smc's shape, then the weights)
+
+
+def timed_calls(shape, fmt, rows):
+    """-> {rows: seconds of one call of linear on a weight of shape [out, in] in format fmt}: the best of two passes
+    over copies of it that fill 1.5 times the CPU's last-level cache, so that each pass reads every copy from memory
+    (at most 256: a model of smaller matrices than 0.5B's a 256th of that is read from the cache, as are these)."""
+    key = (*shape, fmt, torch.get_num_threads())
+    if todo := [r for r in rows if key + (r,) not in TIMED]:
+        w = torch.linspace(-0.05, 0.05, shape[1]).repeat(shape[0], 1).to(model.FORMATS[fmt])  # values alter no timing
+        first = model.converted(w, fmt)  # oneDNN's packed tensors cannot be copied: packed again
+        ws = [first] + [copy.deepcopy(first) if isinstance(first, model.Quantized) else model.converted(w, fmt)
+                        for _ in range(min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt]))))]
+        for r in todo:
+            x = torch.randn(r, shape[1], dtype=model.FORMATS[fmt])
+            passes = timeit.repeat(lambda: [model.linear(x, w) for w in ws], repeat=2, number=1)
+            TIMED[key + (r,)] = min(passes) / len(ws)
+    return {r: TIMED[key + (r,)] for r in rows}
+
+
+def cache_bytes():
+    """This CPU's last-level cache (sysfs), 32 MiB where that does not say."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            return int(f.read().strip().removesuffix("K")) * 1024
+    except (OSError, ValueError):
+        return 32 * 2**20
 
 
 def file_format(opened):
@@ -507,13 +543,25 @@ def candidates(e):
     return fits, fits + ["int4"] * ("int4" not in fits), home
 
 
+def held_int8(e):
+    """{matrix: how many} of the target's that int4 holds in int8 (a GGUF file's wider blocks: fill_weights)."""
+    if e.target is not None:
+        return collections.Counter(name.rpartition(".")[2] for name, m, attr in model.matmuls(e.target)
+                                   if getattr(getattr(m, attr), "fmt", None) == "int8")
+    c, get, _ = e.opened[0]
+    return collections.Counter("lm_head" if p == "embed" else p.rpartition(".")[2] for p, tensors, _ in model.layout(c)
+                               if (p.endswith(model.MATMULS) or p == "embed" and c.tie_embeddings)
+                               and "int8" in {get(name, (0, 0, 1), "format") for name, _ in tensors})
+
+
 def cycle_costs(e, shapes, formats, draft_formats):
     """-> ({format: {(N, K): ms}} of a target forward of N x (K + 1) rows (K = 0: N rows), the same of K draft
     steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats), in
     bf16 where none of its formats can hold them."""
-    def timed(c, rows, fmts):
-        return measure_formats(c, rows, tuple(fmts)) or measure_formats(c, rows, ("bf16",))
-    target = timed(e.config, sorted({n * (k + 1) for n, k in shapes}), formats)
+    def timed(c, rows, fmts, held=None):
+        return measure_formats(c, rows, tuple(fmts), held=held) or measure_formats(c, rows, ("bf16",))
+    target = timed(e.config, sorted({n * (k + 1) for n, k in shapes}), formats, held_int8(e) if "int4" in formats else
+                   None)
     steps = timed(e.draft_config, sorted({n for n, k in shapes if k}), draft_formats) \
         if e.draft_config and any(k for _, k in shapes) else {}
     return ({f: {(n, k): ms[n * (k + 1)] for n, k in shapes} for f, ms in target.items()},
@@ -524,9 +572,8 @@ def choose_weights(e, shape):
     """--weights auto -> ((the target's format, the draft's), the line that says so): for each model the format
     (model.FORMATS) whose part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs
     least on this machine, if clearly (clear_winner), else its file's own (file_format). The draft may also be int4:
-    its format changes only the proposals, which sd and mdsd correct exactly and smc's weights account for. A Q4_K_M
-    file's int4 cost counts every weight as int4, though its wider-quantized ones load in int8, which cost about
-    the same on the AVX2 CPU measured (README)."""
+    its format changes only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it
+    is int4 throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: held_int8)."""
     rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else shape.particles * (shape.draft_len + 1)
     drafted = e.opened[1] and shape.method != "ar" and not shape.tree
     cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)

@@ -3,7 +3,7 @@ Monte Carlo speculative decoding (smc), for one prompt or many, from the command
 
     python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
     python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
-    Engine("weights/qwen2.5-coder-1.5b-instruct", "weights/qwen2.5-coder-0.5b-instruct").generate("def f(x):")
+    Engine("weights/qwen2.5-coder-1.5b-instruct.gguf", "weights/qwen2.5-coder-0.5b-instruct.gguf").generate("def f(x):")
 
 Top to bottom: Settings (a request's options) and Shape (a batch's key); Request; Batch and Pair (MineDraft's
 halves); the Scheduler; Engine (the models, the API); the CLI. decode.py is the device side. Each round cycles
@@ -600,9 +600,9 @@ class Engine:
                 self, shape or Settings().resolve(self.device).shape(self.racer))
             self.dtype = model.FORMATS[self.weights]
             print(line, file=sys.stderr)
-        build = lambda o, fmt, tp=(0, 1): o and model.build(*o[:2], self.device, self.dtype, tp, fmt)  # noqa: E731
-        self.target = self.target or build(self.opened[0], self.weights, (self.rank, self.world))
-        self.draft = self.draft or build(self.opened[1], self.draft_weights)
+        build = lambda o, fmt, **k: o and model.build(*o[:2], self.device, self.dtype, weights=fmt, **k)  # noqa: E731
+        self.target = self.target or build(self.opened[0], self.weights, tp=(self.rank, self.world))
+        self.draft = self.draft or build(self.opened[1], self.draft_weights, wider=False)
         self.opened = [None, None]
         return self
 
@@ -719,10 +719,10 @@ class Engine:
 
 
 def default_pair():
-    """(draft, target) paths of the default Qwen2.5-Coder pair, fetched into weights/ if missing."""
+    """(draft, target) GGUF files of the default Qwen2.5-Coder pair, fetched into weights/ if missing."""
     sys.path.insert(0, os.path.join(ROOT, "weights"))
     import fetch
-    return tuple(fetch.fetch(name) for name in fetch.DEFAULT_PAIR)
+    return tuple(fetch.fetch_gguf(name) for name in fetch.DEFAULT_PAIR)
 
 
 def apply_chat(tokenizer, messages):

@@ -600,6 +600,32 @@ def q4_groups(raw, kind):
     return codes, d.flatten(1), (-8 * d if kind.name == "Q4_0" else d2).flatten(1)
 
 
+def dequantized(raw, kind):
+    """Rows of GGUF blocks, uint8 [n, bytes a row] -> float32 [n, columns]. The types of Q4_K_M and Q5_0 files (Q4_*,
+    Q5_0, Q6_K, Q8_0) in torch, 10x the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low bits
+    (qs) and a high bit (qh), minus 16, times d; Q6_K: 256 of 4 (ql) and 2 (qh), minus 32, times d x each 16's sc."""
+    import gguf
+    if kind.name not in GGUF_INT4 + ("Q5_0", "Q6_K", "Q8_0"):
+        return torch.from_numpy(gguf.quants.dequantize(raw, kind))
+    if kind.name in GGUF_INT4:
+        codes, scale, low = q4_groups(raw, kind)
+        return codes.unflatten(1, (-1, 32)).float().mul_(scale[..., None]).add_(low[..., None]).flatten(1)
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
+    d = b[..., size - 2 if kind.name == "Q6_K" else 0:][..., :2].contiguous().view(torch.float16).float()
+    if kind.name == "Q8_0":
+        return b[..., 2:].view(torch.int8).float().mul_(d).flatten(1)
+    if kind.name == "Q5_0":
+        high = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)  # [n, blocks, 32] (bits)
+        return (torch.cat([b[..., 6:] & 15, b[..., 6:] >> 4], -1) | high << 4).float().sub_(16).mul_(d).flatten(1)
+    # Q6_K: in each half of 128, quarter j's low bits are ql[(j % 2) x 32 + l]'s nibble j // 2, its high qh >> 2j
+    ql, qh = b[..., :128].unflatten(-1, (2, 2, 32)), b[..., 128:192].unflatten(-1, (2, 1, 32))
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    q = torch.stack([ql & 15, ql >> 4], -3).flatten(-3, -2) | (qh >> shifts & 3) << 4  # [n, blocks, half, j, l]
+    scale = b[..., 192:208].view(torch.int8).unflatten(-1, (2, 4, 2, 1)) * d[..., None, None, None]  # per 16 values
+    return q.unflatten(-1, (2, 16)).float().sub_(32).mul_(scale).flatten(1)
+
+
 def read_gguf_header(path):
     """-> (metadata {key: value}, tensors {GGUF name: (shape, GGML type, file offset, bytes a row)}) from the header
     alone. Parsed here, not by gguf.GGUFReader: that builds a numpy view of every vocabulary string (13 s for Qwen2.5's
@@ -733,7 +759,7 @@ def open_gguf(path):
         if dtype == "format":
             return None if kind.name in GGUF_FLOATS else "int4" if kind.name in GGUF_INT4 else "int8"
         if len(shape) == 1:  # a norm or a bias: one short row
-            return torch.from_numpy(gguf.quants.dequantize(read(name, 0, 1), kind))[0][index].to(dtype)
+            return dequantized(read(name, 0, 1), kind)[0][index].to(dtype)
         four, rows, g = dtype == "int4", range(shape[0])[index[0]], kernels.INT4_GROUP
         out = torch.empty(torch.empty(shape, device="meta")[index].shape,
                           dtype=torch.int32 if four else dtype or torch.float32)
@@ -749,7 +775,7 @@ def open_gguf(path):
                 sz = torch.stack([scale, low + 8 * scale], -1)  # [n, columns / 32, 2]
                 groups[at] = (unpermute_rope(sz, n // c.head_dim) if permuted else sz)[at_groups]
             else:
-                w = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+                w = dequantized(raw, kind)
             out[at] = (unpermute_rope(w, n // c.head_dim) if permuted else w)[(slice(None), *index[1:])]
         return (out, groups.transpose(0, 1)) if four else out
     tok = Tokenizer.from_gguf(meta, path)
@@ -843,13 +869,15 @@ def open_weights(path):
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 
-def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None):
+def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None, wider=True):
     """-> Transformer with every weight from get(name) in memory on `device`, its matmul weights in format `weights`
     (FORMATS; None: dtype's, bf16 unless dtype is torch.float32) and its activations in that format's dtype; with
-    tp = (rank, world), the rank's tensor-parallel shard of it (shard_config), reading only the rank's chunks."""
+    tp = (rank, world), the rank's tensor-parallel shard of it (shard_config), reading only the rank's chunks.
+    wider=False: int4 even where a GGUF file has more bits (a draft's: its format changes only the proposals)."""
     weights = weights or ("float32" if dtype == torch.float32 else "bf16")
     model = Transformer(shard_config(c, tp[1]), device, weight_format(weights, device))
-    convert_weights(model, weights, fill_weights(model, get, tp[0], weights))
+    held = fill_weights(model, get, tp[0], weights)
+    convert_weights(model, weights, held if wider else None)
     return model
 
 

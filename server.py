@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server on the engine's batched serving loop.
 
-    python server.py --target weights/qwen2.5-coder-1.5b-instruct --draft weights/qwen2.5-coder-0.5b-instruct
+    python server.py --target weights/qwen2.5-coder-1.5b-instruct.gguf --draft weights/qwen2.5-coder-0.5b-instruct.gguf
     curl localhost:8000/v1/completions -d '{"prompt": "def fib(n):", "max_tokens": 64, "stream": true}'
     openai.OpenAI(base_url="http://localhost:8000/v1", api_key="x").chat.completions.create(
         model="any", messages=[{"role": "user", "content": "Hi"}], extra_body={"method": "sd"})
@@ -363,7 +363,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, help="tokens per slot: prompt + max_tokens + draft lookahead "
                    "(default 2048, or the model's context if smaller)")
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before 503")
-    p.add_argument("--method", choices=engine.METHODS, help="default method (smc with a draft model, sd with racer, else ar)")
+    p.add_argument("--method", choices=engine.METHODS,
+                   help="default method (smc with a draft model, sd with racer, else ar)")
     p.add_argument("--particles", type=int, help="default smc particles N")
     p.add_argument("--draft-len", type=int, help="default draft tokens K per cycle")
     p.add_argument("--lag", type=int, help="default smc lag (16): collapse onto one particle past this many unsettled "

@@ -169,6 +169,17 @@ def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, 
     assert tv(found, p) < noise_floor(p, SAMPLES)
 
 
+def test_memory_check_counts_each_cache_in_its_models_dtype():
+    """The bytes a batch is checked against are its KV caches' as made (a float32 target's, an int4 draft's in bf16)
+    plus the logits' allowance."""
+    e = engine.Engine(in_format(WIDE, "float32"), in_format(WIDE, "int4"))
+    with torch.inference_mode():
+        _, st, s = started(e, method="sd", draft_len=2, max_new_tokens=8)
+    made = sum(t.nbytes for c in (st.tcache, st.dcache) for t in (c.prefix_k, c.prefix_v, c.suffix_k, c.suffix_v))
+    logits = 4 * s.particles * (s.draft_len + 1) * WIDE.config.vocab_size * 4
+    assert decode.batch_bytes(e, s, 1, (len(PROMPT), st.hist.shape[2] - 1)) == made + logits
+
+
 def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
     e = engine.Engine(TARGET, DRAFT)
     for seed in range(3):

