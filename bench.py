@@ -454,9 +454,10 @@ def peer_models(paths, args):
     import fetch
     dtype, directories = getattr(torch, args.dtype), []
     for p in paths[::-1]:
-        if p.endswith(".gguf") and not os.path.isdir(p := p[:-len(".gguf")]):
-            fetch.convert(p + ".gguf", p)
-        directories.append(p)
+        directory = p.removesuffix(".gguf")
+        if directory != p and not os.path.isdir(directory):
+            fetch.convert(p, directory)
+        directories.append(directory)
     return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in directories)
 
 

@@ -455,10 +455,9 @@ BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5}  # a weight
 def measure_formats(c, rows, formats=("bf16", "float32", "int8", "int4"), threads=None, held=None):
     """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
     R x N x (K + 1) for a verify), in each format that can hold c's shapes (w8a8, slow to pack, only if asked).
-    Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed over distinct
-    copies that fill STREAM, back to back, so that its weights come from memory and each call costs what a
-    forward's does (one small copy timed alone, out of cache, cost up to twice as much a weight: README); the
-    best of two after a warm pass, times how many a forward runs. held {matrix: how many}: those int4 holds in
+    Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
+    and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
+    sample read alone cost up to twice as much a weight: README). held {matrix: how many}: those int4 holds in
     int8 (a GGUF file's wider blocks, fill_weights), priced in int8."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     head = -(-c.vocab_size // 128) * 16
@@ -491,8 +490,8 @@ TIMED = {}  # (out, in, format, threads, rows) -> seconds: a process times each 
 
 def timed_calls(shape, fmt, rows):
     """-> {rows: seconds of one call of linear on a weight of shape [out, in] in format fmt}: the best of two passes
-    over copies of it that fill 1.5 times the CPU's last-level cache, so that each pass reads every copy from memory
-    (at most 256: a model of smaller matrices than 0.5B's a 256th of that is read from the cache, as are these)."""
+    over copies of it, back to back, that fill 1.5 times the CPU's last-level cache, so that each pass reads every
+    copy from memory (at most 256 copies: matrices that small are a tiny model's, whose forward hits the cache too)."""
     key = (*shape, fmt, torch.get_num_threads())
     if todo := [r for r in rows if key + (r,) not in TIMED]:
         w = torch.linspace(-0.05, 0.05, shape[1]).repeat(shape[0], 1).to(model.FORMATS[fmt])  # values alter no timing

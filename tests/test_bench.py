@@ -8,6 +8,7 @@ import pytest
 
 import bench
 import kernels
+import model
 import quality
 
 
@@ -217,6 +218,19 @@ def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     assert [(r["prompt"], r["method"]) for r in rows] == \
         [(p, "llama.cpp ar, the target (smollm2-135m-instruct.gguf)") for p in ("code", "prose")]
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_transformers_peers_read_a_gguf_pair_through_its_converted_directory(tmp_path):
+    """transformers cannot read the engine's default pair (GGUF files): the peers convert a file once, beside it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(bench.__file__), "weights"))
+    import fetch
+    os.symlink(fetch.fetch_gguf("smollm2-135m-instruct"), gguf := str(tmp_path / "small.gguf"))
+    args = bench.parse([])
+    target, draft = bench.peer_models((gguf, gguf), args)
+    made = os.path.getmtime(tmp_path / "small" / "model.safetensors")
+    assert target.config.vocab_size == draft.config.vocab_size == model.open_weights(gguf)[0].vocab_size
+    bench.peer_models((gguf, str(tmp_path / "small")), args)
+    assert os.path.getmtime(tmp_path / "small" / "model.safetensors") == made  # converted once
 
 
 def test_long_prompts_are_real_code_cut_to_length():
