@@ -147,6 +147,22 @@ def load_engines(args, device, world=1):
     return pair, engine.Engine(draft, None, device, pair.draft_weights).load(), (draft, target)
 
 
+def ar_engine(pair, paths, args):
+    """-> the engine ar runs on: with --weights auto, the target in the format auto picks for ar itself (one row a
+    step, where a verify's several rows may favour another), so that speed-ups are against the engine's best ar, as
+    the command line's `--method ar` would run it; otherwise pair."""
+    if not pair.auto or "ar" not in args.methods:
+        return pair
+    ar_shape = engine.Settings(method="ar").resolve(pair.device).shape()
+    (fmt, _), line = decode.choose_weights(engine.Engine(paths[1], None, pair.device, "auto"), ar_shape)
+    print(f"ar's {line}", file=sys.stderr)
+    return pair if fmt == pair.weights else engine.Engine(paths[1], None, pair.device, fmt).load()
+
+
+def weights_of(e):
+    return e.weights + (f", draft {e.draft_weights}" if e.draft is not None else "")
+
+
 def prompts(args, e):
     """name -> token ids: a code and a prose prompt (code only with --quick), or random ids for random models."""
     if e.tokenizer is None:
@@ -218,29 +234,29 @@ def run_engine(e, ids, method, N, K, new_tokens, seed):
     return stats | {"first_token_s": first[0] if first else stats["seconds"]}
 
 
-def speed(e, ids_by_prompt, args):
+def speed(e, ids_by_prompt, args, ar=None):
     """Every config on every prompt, interleaved, `repeats` times -> one row per (prompt, config) with the
-    median tokens/s and the statistics of the median run."""
-    runs = {}
+    median tokens/s and the statistics of the median run; ar on its own engine where given (ar_engine)."""
+    runs, on = {}, lambda method: ar if method == "ar" and ar else e  # noqa: E731
     for name, ids in ids_by_prompt.items():  # warm-up: first calls allocate and pick kernels
         for method, N, K in configs(args, args.grid):
-            run_engine(e, ids, method, N, K, 4 * K, 0)
+            run_engine(on(method), ids, method, N, K, 4 * K, 0)
     for repeat in range(args.repeats):
         for name, ids in ids_by_prompt.items():
             for method, N, K in configs(args, args.grid):
-                stats = run_engine(e, ids, method, N, K, args.new_tokens, repeat)
+                stats = run_engine(on(method), ids, method, N, K, args.new_tokens, repeat)
                 runs.setdefault((name, method, N, K), []).append(stats)
     rows = []
     for (name, method, N, K), all_stats in runs.items():
         ordered = sorted(all_stats, key=lambda s: s["tokens_per_s"])
         rows.append({"prompt": name, "method": method, "N": N, "K": K, "stats": ordered[len(ordered) // 2],
                      "tokens_per_s": statistics.median(s["tokens_per_s"] for s in all_stats),
-                     "runs": [s["tokens_per_s"] for s in all_stats]})
+                     "runs": [s["tokens_per_s"] for s in all_stats], "weights": weights_of(on(method))})
     return rows
 
 
-def annotate(e, rows, ids_by_prompt, args, bandwidth):
-    """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline."""
+def annotate(e, rows, ids_by_prompt, args, bandwidth, ar=None):
+    """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline (of ar's own engine)."""
     ar = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for r in rows:
         s = r["stats"]
@@ -254,7 +270,8 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth):
             r["mean_ess"] = s["mean_ess"]
         r["streamed"] = s["streamed"] / max(s["new_tokens"], 1)  # shown while generating, not at the end
         r["first_token_s"] = s["first_token_s"]
-        r |= roofline(e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens, bandwidth)
+        r |= roofline(ar if r["method"] == "ar" and ar else e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens,
+                      bandwidth)
 
 
 def profile_phases(e, ids, N, K, new_tokens, device):
@@ -883,9 +900,11 @@ def speed_table(rows, bandwidth):
              "| prompt | method | N | K | tok/s | x ar | tokens/cycle | SD accepted/cycle | resample rate | "
              "mean ESS | streamed | first token s | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
              "|---" * 16 + "|"]
+    several = len({r.get("weights") for r in rows}) > 1  # ar on its own format (ar_engine): say each row's
     for r in rows:
         N, K = cells_nk(r)
-        cells = [r["prompt"], r["method"], N, K, fmt(r["tokens_per_s"]), fmt(r.get("speedup")),
+        cells = [r["prompt"], r["method"] + (f" ({r['weights']})" if several else ""), N, K, fmt(r["tokens_per_s"]),
+                 fmt(r.get("speedup")),
                  fmt(r.get("tokens_per_cycle")),
                  fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
                  fmt(r.get("streamed")), fmt(r.get("first_token_s")), fmt(r.get("cycle_ms"), ".0f"),
@@ -1141,9 +1160,9 @@ def speed_report(e, ids_by_prompt, args, device, paths=None):
     is empty), the prompt-length axis, the short requests and racer's rows (models with a tokenizer)."""
     report = {}
     if args.grid:
-        bandwidth = copy_bandwidth(device)
-        rows = speed(e, ids_by_prompt, args)
-        annotate(e, rows, ids_by_prompt, args, bandwidth)
+        bandwidth, ar = copy_bandwidth(device), ar_engine(e, paths, args)
+        rows = speed(e, ids_by_prompt, args, ar)
+        annotate(e, rows, ids_by_prompt, args, bandwidth, ar)
         print(speed_table(rows, bandwidth), "\n", flush=True)
         report |= {"copy_bandwidth_gbs": bandwidth, "speed": rows}
     if args.grid and "smc" in args.methods:

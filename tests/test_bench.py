@@ -233,6 +233,25 @@ def test_transformers_peers_read_a_gguf_pair_through_its_converted_directory(tmp
     assert os.path.getmtime(tmp_path / "small" / "model.safetensors") == made  # converted once
 
 
+def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, monkeypatch):
+    """--weights auto: ar runs on the target in auto's choice for one row, which may not be the verify's, so that
+    its speed-ups are against the engine's best ar, as `engine.py --method ar` runs it; the table names each row's
+    weights then. With a format given, ar shares the pair's engine."""
+    from test_model import save_tiny
+    save_tiny("qwen2", path := str(tmp_path))
+    pair = bench.engine.Engine(path, path, "cpu", "auto").load()
+    other = "float32" if pair.weights != "float32" else "bf16"
+    monkeypatch.setattr(bench.decode, "choose_weights", lambda e, shape: ((other, other), "weights: " + other))
+    args = bench.parse(["--weights", "auto", "--methods", "ar,sd", "--new-tokens", "4", "--repeats", "1"])
+    ar = bench.ar_engine(pair, (path, path), args)
+    assert ar.weights == other and ar.draft is None and ar.target.embed.dtype == bench.model.FORMATS[other]
+    rows = bench.speed(pair, {"code": [5, 6, 7]}, args, ar)
+    assert {r["method"]: r["weights"] for r in rows} == {"ar": other, "sd": bench.weights_of(pair)}
+    assert f"| code | ar ({other}) |" in bench.speed_table(rows, 1.0)
+    given = bench.engine.Engine(path, path, "cpu", "bf16").load()
+    assert bench.ar_engine(given, (path, path), bench.parse(["--weights", "bf16"])) is given
+
+
 def test_long_prompts_are_real_code_cut_to_length():
     class Engine:  # a character-level tokenizer
         tokenizer = True
