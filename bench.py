@@ -255,7 +255,7 @@ def speed(e, ids_by_prompt, args, ar=None):
     return rows
 
 
-def annotate(e, rows, ids_by_prompt, args, bandwidth, ar=None):
+def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e=None):
     """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline (of ar's own engine)."""
     ar = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for r in rows:
@@ -270,8 +270,8 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth, ar=None):
             r["mean_ess"] = s["mean_ess"]
         r["streamed"] = s["streamed"] / max(s["new_tokens"], 1)  # shown while generating, not at the end
         r["first_token_s"] = s["first_token_s"]
-        r |= roofline(ar if r["method"] == "ar" and ar else e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens,
-                      bandwidth)
+        r |= roofline(ar_e if r["method"] == "ar" and ar_e else e, r, len(ids_by_prompt[r["prompt"]]),
+                      args.new_tokens, bandwidth)
 
 
 def profile_phases(e, ids, N, K, new_tokens, device):

@@ -246,7 +246,9 @@ def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, mo
     ar = bench.ar_engine(pair, (path, path), args)
     assert ar.weights == other and ar.draft is None and ar.target.embed.dtype == bench.model.FORMATS[other]
     rows = bench.speed(pair, {"code": [5, 6, 7]}, args, ar)
+    bench.annotate(pair, rows, {"code": [5, 6, 7]}, args, 10.0, ar)
     assert {r["method"]: r["weights"] for r in rows} == {"ar": other, "sd": bench.weights_of(pair)}
+    assert rows[0]["gb_per_cycle"] == pytest.approx(ar.target.weight_bytes() / 1e9, rel=0.2)  # ar's own bytes
     assert f"| code | ar ({other}) |" in bench.speed_table(rows, 1.0)
     given = bench.engine.Engine(path, path, "cpu", "bf16").load()
     assert bench.ar_engine(given, (path, path), bench.parse(["--weights", "bf16"])) is given
