@@ -1136,7 +1136,7 @@ def parse(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="random models and the peers")
     p.add_argument("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format "
-                   "(default: --dtype's); auto measures at load, as engine.py does")
+                   "(default: --dtype's); auto measures at load, as engine.py does, and ar runs in its own choice")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="bench.json")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
