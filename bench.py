@@ -234,10 +234,10 @@ def run_engine(e, ids, method, N, K, new_tokens, seed):
     return stats | {"first_token_s": first[0] if first else stats["seconds"]}
 
 
-def speed(e, ids_by_prompt, args, ar=None):
+def speed(e, ids_by_prompt, args, ar):
     """Every config on every prompt, interleaved, `repeats` times -> one row per (prompt, config) with the
-    median tokens/s and the statistics of the median run; ar on its own engine where given (ar_engine)."""
-    runs, on = {}, lambda method: ar if method == "ar" and ar else e  # noqa: E731
+    median tokens/s and the statistics of the median run; ar on its engine (ar_engine's: e or its own)."""
+    runs, on = {}, lambda method: ar if method == "ar" else e  # noqa: E731
     for name, ids in ids_by_prompt.items():  # warm-up: first calls allocate and pick kernels
         for method, N, K in configs(args, args.grid):
             run_engine(on(method), ids, method, N, K, 4 * K, 0)
@@ -255,7 +255,7 @@ def speed(e, ids_by_prompt, args, ar=None):
     return rows
 
 
-def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e=None):
+def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e):
     """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline (of ar's own engine)."""
     ar = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for r in rows:
@@ -270,8 +270,8 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e=None):
             r["mean_ess"] = s["mean_ess"]
         r["streamed"] = s["streamed"] / max(s["new_tokens"], 1)  # shown while generating, not at the end
         r["first_token_s"] = s["first_token_s"]
-        r |= roofline(ar_e if r["method"] == "ar" and ar_e else e, r, len(ids_by_prompt[r["prompt"]]),
-                      args.new_tokens, bandwidth)
+        r |= roofline(ar_e if r["method"] == "ar" else e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens,
+                      bandwidth)
 
 
 def profile_phases(e, ids, N, K, new_tokens, device):

@@ -458,7 +458,7 @@ def measure_formats(c, rows, formats=("bf16", "float32", "int8", "int4"), thread
     Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
     and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
     sample read alone cost up to twice as much a weight: README). held {matrix: how many}: those int4 holds in
-    int8 (a GGUF file's wider blocks, fill_weights), priced in int8."""
+    int8 (a GGUF file's wider blocks: model.held_in_int8), priced in int8."""
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     head = -(-c.vocab_size // 128) * 16
     shapes = dict(zip(model.MATMULS, [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim),
@@ -467,22 +467,19 @@ def measure_formats(c, rows, formats=("bf16", "float32", "int8", "int4"), thread
     threads_before, per_call = torch.get_num_threads(), {}
     torch.set_num_threads(threads or threads_before)
     try:
-        for m, shape in shapes.items():
-            for fmt in dict.fromkeys(list(formats) + ["int8"] * bool(held and "int4" in formats)):
-                try:
-                    if (calls := per_call.setdefault(fmt, {})) is not None:
-                        calls[m] = timed_calls(shape, fmt, rows)
-                except model.LoadError:  # int4 on sizes it cannot pack
-                    per_call[fmt] = None
+        for fmt in dict.fromkeys(list(formats) + ["int8"] * bool(held and "int4" in formats)):
+            try:
+                per_call[fmt] = {m: timed_calls(shape, fmt, rows) for m, shape in shapes.items()}
+            except model.LoadError:  # int4 on sizes it cannot pack
+                continue
     finally:
         torch.set_num_threads(threads_before)
-
-    def ms(fmt, r):
-        def call(m, t):  # int4's held share of a matrix at int8's cost
-            share = (held or {}).get(m, 0) / (1 if m == "lm_head" else c.n_layers) if fmt == "int4" else 0
-            return t[r] + share * (per_call["int8"][m][r] - t[r]) if share else t[r]
-        return 1e3 * sum(counts[m] * call(m, t) for m, t in per_call[fmt].items())
-    return {fmt: {r: ms(fmt, r) for r in rows} for fmt in formats if per_call.get(fmt)}
+    costs = {fmt: {r: 1e3 * sum(counts[m] * t[m][r] for m in t) for r in rows} for fmt, t in per_call.items()}
+    if held and "int4" in costs:  # its held share of each matrix at int8's cost
+        for r in rows:
+            costs["int4"][r] += 1e3 * sum(counts[m] * n / (1 if m == "lm_head" else c.n_layers) *
+                                          (per_call["int8"][m][r] - per_call["int4"][m][r]) for m, n in held.items())
+    return {fmt: costs[fmt] for fmt in formats if fmt in costs}
 
 
 TIMED = {}  # (out, in, format, threads, rows) -> seconds: a process times each once (smc's shape, then the weights)
@@ -543,14 +540,10 @@ def candidates(e):
 
 
 def held_int8(e):
-    """{matrix: how many} of the target's that int4 holds in int8 (a GGUF file's wider blocks: fill_weights)."""
-    if e.target is not None:
-        return collections.Counter(name.rpartition(".")[2] for name, m, attr in model.matmuls(e.target)
-                                   if getattr(getattr(m, attr), "fmt", None) == "int8")
-    c, get, _ = e.opened[0]
-    return collections.Counter("lm_head" if p == "embed" else p.rpartition(".")[2] for p, tensors, _ in model.layout(c)
-                               if (p.endswith(model.MATMULS) or p == "embed" and c.tie_embeddings)
-                               and "int8" in {get(name, (0, 0, 1), "format") for name, _ in tensors})
+    """{matrix: how many} of the target's that int4 holds in int8 (model.held_in_int8: a GGUF file's wider blocks)."""
+    names = model.held_in_int8(*e.opened[0][:2]) if e.target is None else \
+        [name for name, m, attr in model.matmuls(e.target) if getattr(getattr(m, attr), "fmt", None) == "int8"]
+    return collections.Counter(name.rpartition(".")[2] for name in names)
 
 
 def cycle_costs(e, shapes, formats, draft_formats):
@@ -559,8 +552,7 @@ def cycle_costs(e, shapes, formats, draft_formats):
     bf16 where none of its formats can hold them."""
     def timed(c, rows, fmts, held=None):
         return measure_formats(c, rows, tuple(fmts), held=held) or measure_formats(c, rows, ("bf16",))
-    target = timed(e.config, sorted({n * (k + 1) for n, k in shapes}), formats, held_int8(e) if "int4" in formats else
-                   None)
+    target = timed(e.config, sorted({n * (k + 1) for n, k in shapes}), formats, held_int8(e))
     steps = timed(e.draft_config, sorted({n for n, k in shapes if k}), draft_formats) \
         if e.draft_config and any(k for _, k in shapes) else {}
     return ({f: {(n, k): ms[n * (k + 1)] for n, k in shapes} for f, ms in target.items()},

@@ -470,15 +470,23 @@ def checked_getter(c, tensors, where):
     return get
 
 
+def held_in_int8(c, get):
+    """The matmul weights ('layers.3.w2', 'lm_head') int4 holds in int8: a file's wider blocks (get's "format")."""
+    return {"lm_head" if p == "embed" else p for p, tensors, _ in layout(c)
+            if (p.endswith(MATMULS) or p == "embed" and c.tie_embeddings)
+            and "int8" in {get(name, (0, 0, 1), "format") for name, _ in tensors}}
+
+
 @torch.no_grad()
 def fill_weights(model, get, rank=0, fmt=None):
     """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
     fused q/k/v and gate/up weights: no tensor is held twice in full (Qwen2.5-1.5B's GGUF embedding alone is 0.9 GB
     dequantized to float32). A tensor-parallel rank reads only its chunks (layout's); a terminal shows a progress bar (a
     big model takes a minute). With fmt int4, a matmul weight in 4-bit blocks in the file (get's "format") becomes int4
-    as it is, one in more bits int8, not cut to 4 bits: the returned {parameter name: format}, for convert_weights."""
+    as it is, one in more bits int8 (held_in_int8), not cut to 4: the returned {name: format}, for convert_weights."""
     from tqdm import tqdm
-    total, held = sum(p.numel() for p in model.parameters()), {}  # a tied head is the embedding: counted once
+    total = sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
+    held = dict.fromkeys(held_in_int8(model.config, get), "int8") if fmt == "int4" else {}
     with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
         for param, tensors, dim in layout(model.config):
             dst, at, part = model.get_parameter(param), 0, (0, 0, 1) if dim is None else (dim, rank, model.config.tp)
@@ -489,8 +497,6 @@ def fill_weights(model, get, rank=0, fmt=None):
                 replace(model.get_submodule(owner), name, Quantized(fmt, dst, (torch.cat(q), torch.cat(scale_zero, 1))))
                 bar.update(dst.numel())
                 continue
-            if "int8" in kept and (param.endswith(MATMULS) or param == "embed" and model.lm_head is dst):
-                held["lm_head" if param == "embed" else param] = "int8"
             for name, _ in tensors:
                 t = get(name, part, dst.dtype)
                 dst[at:at + len(t)] = t
@@ -602,7 +608,7 @@ def q4_groups(raw, kind):
 
 def dequantized(raw, kind):
     """Rows of GGUF blocks, uint8 [n, bytes a row] -> float32 [n, columns]. The types of Q4_K_M and Q5_0 files (Q4_*,
-    Q5_0, Q6_K, Q8_0) in torch, 10x the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low bits
+    Q5_0, Q6_K, Q8_0) in torch, 2-10x the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low bits
     (qs) and a high bit (qh), minus 16, times d; Q6_K: 256 of 4 (ql) and 2 (qh), minus 32, times d x each 16's sc."""
     import gguf
     if kind.name not in GGUF_INT4 + ("Q5_0", "Q6_K", "Q8_0"):
