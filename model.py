@@ -608,7 +608,7 @@ def q4_groups(raw, kind):
 
 def dequantized(raw, kind):
     """Rows of GGUF blocks, uint8 [n, bytes a row] -> float32 [n, columns]. The types of Q4_K_M and Q5_0 files (Q4_*,
-    Q5_0, Q6_K, Q8_0) in torch, 2-10x the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low bits
+    Q5_0, Q6_K, Q8_0) in torch, 2-4x the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low bits
     (qs) and a high bit (qh), minus 16, times d; Q6_K: 256 of 4 (ql) and 2 (qh), minus 32, times d x each 16's sc."""
     import gguf
     if kind.name not in GGUF_INT4 + ("Q5_0", "Q6_K", "Q8_0"):
