@@ -123,14 +123,6 @@ def checked_config(c, names, where):
     return c
 
 
-def config_to_hf(c):
-    """The config.json a Hugging Face loader (ours or transformers) reads back into the same Config."""
-    rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-    return {"architectures": [ARCHS[c.arch]], "model_type": c.arch, **{k: getattr(c, f) for f, k in HF_FIELDS.items()},
-            "rope_parameters": rope, "tie_word_embeddings": c.tie_embeddings, "hidden_act": "silu",
-            "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
-
-
 # ---------------------------------------------------------------- tensor parallel
 # Megatron layout: q/k/v and gate/up split by output rows (heads, FFN columns), o and down by input columns, their
 # partial sums all-reduced; the KV cache split by KV head. Embedding and LM head stay whole on every rank: split by
@@ -855,12 +847,6 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=False)
-
-    def save(self, path):
-        """tokenizer.json, and tokenizer_config.json holding the chat template."""
-        self.tok.save(os.path.join(path, "tokenizer.json"))
-        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-            json.dump({"chat_template": self.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=1)
 
 
 # ---------------------------------------------------------------- loading

@@ -1136,11 +1136,12 @@ def save(m, path):
     """A Hugging Face directory for m (an unpacked model): config.json, model.safetensors (q/k/v biases and a
     separate head where m has them), a word-level tokenizer over words w0, w1, ... -> the path, a str."""
     from safetensors.torch import save_file
+    from test_model import fetch_module
     from tokenizers import Tokenizer, models, pre_tokenizers
     c, path = m.config, str(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config_to_hf(c), f)
+        json.dump(fetch_module().hf_config(c), f)
     tensors = {"model.embed_tokens.weight": m.embed, "model.norm.weight": m.norm}
     if not c.tie_embeddings:
         tensors["lm_head.weight"] = m.lm_head

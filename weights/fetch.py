@@ -86,14 +86,25 @@ def convert(gguf_path, out_dir):
     try:
         write_safetensors(os.path.join(tmp, "model.safetensors"), model.expected_shapes(c), get,
                           f"converting {os.path.basename(out_dir)}")
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(model.config_to_hf(c), f, indent=1)
-        tok.save(tmp)
+        tok.tok.save(os.path.join(tmp, "tokenizer.json"))
+        for file, data in (("config.json", hf_config(c)), ("tokenizer_config.json", {
+                "chat_template": tok.chat_template, "tokenizer_class": "PreTrainedTokenizerFast"})):
+            with open(os.path.join(tmp, file), "w") as f:
+                json.dump(data, f, indent=1)
         os.chmod(tmp, 0o755)
         os.rename(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def hf_config(c):
+    """The config.json a Hugging Face loader (the engine's or transformers') reads back into the same Config."""
+    rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+    return {"architectures": [model.ARCHS[c.arch]], "model_type": c.arch,
+            **{k: getattr(c, f) for f, k in model.HF_FIELDS.items()}, "rope_parameters": rope,
+            "tie_word_embeddings": c.tie_embeddings, "hidden_act": "silu", "bos_token_id": c.bos_id,
+            "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
 
 
 def write_safetensors(path, shapes, get, desc):
