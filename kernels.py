@@ -125,25 +125,22 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     particle against its own suffix, causal or by the tree. Prefix mass share: sigmoid(lse_prefix - lse_suffix)."""
     (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
     G = Hq // Hkv
-    token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
     out = torch.empty_like(q)
-    for r in range(R):
-        P, S = int(prefix_len[r]), int(suffix_len[r]) + T
-        qr = q[r].view(N, T, Hkv, G, D)
-        if tree is None:
-            future = torch.arange(S, device=q.device) > S - T + token[:, None]  # [T*G, S]
-        else:  # the committed keys seen by all, the new ones where the row's node sees them
-            future = F.pad(~tree[r, token], (S - T, 0))
-        mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+    for r, (P, S) in enumerate(zip(prefix_len.tolist(), (suffix_len + T).tolist())):
+        qr, mask = q[r].view(N, T, Hkv, G, D), None  # one new token a particle (ar, a draft step) sees every key
+        if T > 1 or tree is not None:
+            token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
+            future = torch.arange(S, device=q.device) > S - T + token[:, None] if tree is None else \
+                F.pad(~tree[r, token], (S - T, 0))  # a tree: the committed keys seen by all, new ones where it says
+            mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
         o, lse = _cpu_attention(qr.transpose(1, 2).reshape(N, Hkv, T * G, D), suffix_k[r, :, :, :S],
-                                suffix_v[r, :, :, :S], attn_mask=mask, scale=scale)
-        o, lse = o.float().view(N, Hkv, T, G, D), lse.view(N, Hkv, T, G, 1)
+                                suffix_v[r, :, :, :S], attn_mask=mask, scale=scale)  # [N, Hkv, T * G, D], [.., T * G]
         if P:  # the fused op crashes on no keys: a one-token prompt leaves the draft's prefix empty
             rows = qr.permute(2, 0, 1, 3, 4).reshape(1, Hkv, N * T * G, D)  # every particle's, per KV group
             op, lp = _cpu_attention(rows, prefix_k[r:r + 1, :, :P], prefix_v[r:r + 1, :, :P], scale=scale)
-            op, lp = op.float().view(Hkv, N, T, G, D).transpose(0, 1), lp.view(Hkv, N, T, G, 1).transpose(0, 1)
-            o = torch.lerp(o, op, torch.sigmoid(lp - lse))  # [N, Hkv, T, G, D]
-        out[r] = o.transpose(1, 2).reshape(N, T, Hq, D)
+            op, lp = op.view(Hkv, N, T * G, D).transpose(0, 1), lp.view(Hkv, N, T * G, 1).transpose(0, 1)
+            o = torch.lerp(o.float(), op.float(), torch.sigmoid(lp - lse[..., None]))
+        out[r] = o.view(N, Hkv, T, G, D).transpose(1, 2).reshape(N, T, Hq, D)
     return out
 
 

@@ -169,8 +169,9 @@ def rope_tables(c, device):
 
 def apply_rope(x, cos, sin):
     """x [..., T, H, D]; cos/sin [..., T, 1, D]."""
-    x1, x2 = x.float().chunk(2, -1)
-    return (x.float() * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, -1)
+    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -345,9 +346,9 @@ class Block(torch.nn.Module):
     def attention(self, x, cos, sin, attend, layer):
         """x [..., T, dim] -> [..., T, dim], this rank's heads' share; attend(layer, q, k, v, scale) is the cache's."""
         c = self.c
-        qkv = linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv)
-        q, k, v = qkv.unflatten(-1, (-1, c.head_dim)).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [..., T, Hq, D], [..., T, Hkv, D]
+        qkv = linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv).unflatten(-1, (-1, c.head_dim))
+        qk, v = apply_rope(qkv[..., :-c.n_kv_heads, :], cos, sin), qkv[..., -c.n_kv_heads:, :]  # q and k rotated at once
+        q, k = qk.split([c.n_heads, c.n_kv_heads], -2)  # [..., T, Hq, D], [..., T, Hkv, D]
         return linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
 
     def ffn(self, x):
