@@ -126,8 +126,8 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
     G = Hq // Hkv
     out = torch.empty_like(q)
-    for r, (P, S) in enumerate(zip(prefix_len.tolist(), (suffix_len + T).tolist())):
-        qr, mask = q[r].view(N, T, Hkv, G, D), None  # one new token a particle (ar, a draft step) sees every key
+    for r, (P, S) in enumerate(zip(prefix_len.tolist(), suffix_len.tolist())):
+        S, qr, mask = S + T, q[r].view(N, T, Hkv, G, D), None  # one new token a particle (a step) sees every key
         if T > 1 or tree is not None:
             token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
             future = torch.arange(S, device=q.device) > S - T + token[:, None] if tree is None else \
