@@ -579,17 +579,22 @@ def choose_weights(e, shape):
 
 
 SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3; README, Results)
+ACCEPTANCE = 0.7  # a prior for sd: the geometric fit of its accepted drafts here is 0.89 on code, 0.55 on prose
 
 
-def choose_smc_shape(e):
-    """--weights auto, smc without --particles or --draft-len: the (N, K) of SMC_SHAPES whose cycle (it always
-    emits K + 1 tokens) costs least per token, each model in its cheapest format, if clearly (clear_winner) below
-    3x2's, the default on a CPU -> ((N, K), the line that says so). The matmuls alone: the glue outside them grows
-    with the rows too, so a wider cycle gains less than predicted."""
+def choose_shape(e, method):
+    """--weights auto, smc without --particles or --draft-len, sd without --draft-len -> ((N, K), the line that says
+    so): of SMC_SHAPES (smc) or K = 1 .. 6 (sd), the cycle that costs least per token, each model in its cheapest
+    format, if clearly (clear_winner) below the CPU default's (3x2; sd 4). An smc cycle always emits K + 1 tokens, an
+    sd cycle (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE.
+    The matmuls alone: the glue outside them grows with the rows too, so a wider cycle gains less than predicted."""
+    cells, home = (SMC_SHAPES, (3, 2)) if method == "smc" else ([(1, k) for k in range(1, 7)], (1, 4))
     formats = candidates(e)[:2] if e.weights == "auto" else ([e.weights], [e.draft_weights])  # loaded: their own
-    target, steps = cycle_costs(e, SMC_SHAPES, *formats)
-    per_token = {(n, k): (min(ms[n, k] for ms in target.values()) + min(ms[n, k] for ms in steps.values())) / (k + 1)
-                 for n, k in SMC_SHAPES}
-    n, k = clear_winner(per_token, (3, 2))
-    return (n, k), (f"smc shape: {n}x{k} (measured ms per token, a cycle's matmuls in its cheapest formats: "
-                    + ", ".join(f"{a}x{b} {ms:.0f}" for (a, b), ms in per_token.items()) + ")")
+    target, steps = cycle_costs(e, cells, *formats)
+    emits = {(n, k): k + 1 if method == "smc" else (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE) for n, k in cells}
+    per_token = {c: (min(ms[c] for ms in target.values()) + min(ms[c] for ms in steps.values())) / emits[c]
+                 for c in cells}
+    chosen, name = clear_winner(per_token, home), lambda c: f"{c[0]}x{c[1]}" if method == "smc" else f"K={c[1]}"
+    prior = "" if method == "smc" else f", {ACCEPTANCE} of draft tokens accepted"
+    return chosen, (f"{method} shape: {name(chosen)} (measured ms per token, a cycle's matmuls in its cheapest formats"
+                    f"{prior}: " + ", ".join(f"{name(c)} {ms:.0f}" for c, ms in per_token.items()) + ")")

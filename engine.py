@@ -89,11 +89,12 @@ class Settings:
     tree: int = 0  # racer: draft tokens per cycle, a tree at most draft_len deep (0: a chain of draft_len)
     overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
 
-    def resolve(self, device, smc=None):
+    def resolve(self, device, chosen=None):
         """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc and mdsd 3 x 2 on a CPU, where every verify row
-        costs compute, 4 x 4 on a GPU, where it reads the weights once (the bench grid); smc's: smc, if given."""
+        costs compute, 4 x 4 on a GPU, where it reads the weights once (the bench grid); chosen {method: (N, K)}
+        (auto's measured shapes) before those."""
         many, t = (3, 2) if torch.device(device).type == "cpu" else (4, 4), self.temperature
-        n, k = {"ar": (1, 1), "smc": smc or many, "mdsd": many}.get(self.method, (1, 4))
+        n, k = (chosen or {}).get(self.method) or {"ar": (1, 1), "smc": many, "mdsd": many}.get(self.method, (1, 4))
         n = self.particles if self.method in ("smc", "mdsd") and self.particles is not None else n
         return replace(self, particles=n,
                        draft_len=k if self.method == "ar" or self.draft_len is None else self.draft_len,
@@ -580,7 +581,7 @@ class Engine:
         self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
         auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(self.opened[0])
         self.weights = self.draft_weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
-        self.auto, self.smc, dtype = auto, None, torch.bfloat16 if auto else model.weight_format(self.weights, device)
+        self.auto, self.chosen, dtype = auto, {}, torch.bfloat16 if auto else model.weight_format(self.weights, device)
         self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
         self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
@@ -626,10 +627,11 @@ class Engine:
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context."""
         s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
-        if s.method == "smc" and not (s.particles and s.draft_len) and self.draft_config and self.auto and not self.smc:
-            self.smc, line = decode.choose_smc_shape(self)  # measured once, at smc's first request
+        if s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and self.auto and \
+                self.draft_config and s.method not in self.chosen:  # measured once, at the method's first request
+            self.chosen[s.method], line = decode.choose_shape(self, s.method)
             print(line, file=sys.stderr)
-        s, stop = s.resolve(self.device, self.smc), [stop] if isinstance(stop, str) else stop
+        s, stop = s.resolve(self.device, self.chosen), [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise UsageError("stop must be a string or a list of non-empty strings", "stop")
         if stop and self.tokenizer is None:
@@ -820,7 +822,7 @@ def parser():
     add("--seed", type=int, default=0)
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--weights", choices=["auto", *model.FORMATS], default="auto", help="matmul weights' format "
-        "(activations in the dtype its kernels want); auto: each model's fastest and smc's N x K, measured (CPU)")
+        "(activations in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured (CPU)")
     add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
     add("--json", action="store_true", help="print one JSON object: text, tokens, stats")
     add("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, phase times")
