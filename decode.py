@@ -579,16 +579,18 @@ def choose_weights(e, shape):
 
 
 SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3; README, Results)
-ACCEPTANCE = 0.7  # a prior for sd: the geometric fit of its accepted drafts here is 0.89 on code, 0.55 on prose
+ACCEPTANCE = 0.7  # a prior for sd: the geometric fit of its accepted drafts here, 0.89 on code, 0.54 on prose
 
 
 def choose_shape(e, method):
     """--weights auto, smc without --particles or --draft-len, sd without --draft-len -> ((N, K), the line that says
-    so): of SMC_SHAPES (smc) or K = 1 .. 6 (sd), the cycle that costs least per token, each model in its cheapest
+    so): of SMC_SHAPES (smc) or K = 2 .. 6 (sd), the cycle that costs least per token, each model in its cheapest
     format, if clearly (clear_winner) below the CPU default's (3x2; sd 4). An smc cycle always emits K + 1 tokens, an
     sd cycle (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE.
-    The matmuls alone: the glue outside them grows with the rows too, so a wider cycle gains less than predicted."""
-    cells, home = (SMC_SHAPES, (3, 2)) if method == "smc" else ([(1, k) for k in range(1, 7)], (1, 4))
+    The matmuls alone: the glue outside them grows with the rows too, so a wider cycle gains less than predicted;
+    and each forward has its own (a third of a 1.5B int4 step), so sd's K = 1, twice the forwards a token, is left out
+    (the slowest sd on code here: README)."""
+    cells, home = (SMC_SHAPES, (3, 2)) if method == "smc" else ([(1, k) for k in range(2, 7)], (1, 4))
     formats = candidates(e)[:2] if e.weights == "auto" else ([e.weights], [e.draft_weights])  # loaded: their own
     target, steps = cycle_costs(e, cells, *formats)
     emits = {(n, k): k + 1 if method == "smc" else (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE) for n, k in cells}

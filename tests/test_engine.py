@@ -1233,7 +1233,7 @@ def test_cli_streams_text_then_a_summary(pair):
     assert run.returncode == 0, run.stderr
     length, chose, summary = run.stderr.splitlines()  # auto says what it measured and chose, a line each
     assert re.fullmatch(r"sd shape: K=4 \(measured ms per token, a cycle's matmuls in its cheapest formats, 0.7 of "
-                        r"draft tokens accepted: K=1 \d+, K=2 \d+, K=3 \d+, K=4 \d+, K=5 \d+, K=6 \d+\)", length)
+                        r"draft tokens accepted: K=2 \d+, K=3 \d+, K=4 \d+, K=5 \d+, K=6 \d+\)", length)
     assert re.fullmatch(r"weights: (bf16|float32|int8), draft (bf16|float32|int8) \(measured ms per sd cycle at 5 "
                         r"rows: bf16 \d+, float32 \d+, int8 \d+; its 4 draft steps at 1 rows: bf16 \d+, float32 \d+, "
                         r"int8 \d+\)", chose)  # int4 needs larger shapes
@@ -1266,19 +1266,19 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
 def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeypatch, capsys):
     """sd without --draft-len under auto: the K whose cycle (K draft steps, a verify of K + 1 rows) costs least per
     expected token, each model in its cheapest format, if clearly below K = 4's. A verify whose cost jumps past 4 rows
-    (torch's int4 kernel on the CPU) gives K = 3; dear draft steps K = 1; a given K stays; measured once."""
+    (torch's int4 kernel on the CPU) gives K = 3; dear draft steps K = 2; a given K stays; measured once."""
     def costs(verify, step):  # verify {K: ms}
         return lambda e, cells, formats, drafts: ({"int4": {c: verify[c[1]] for c in cells}, "bf16": {c: 500 for c in
                                                    cells}}, {"int4": {c: c[1] * step for c in cells}})
     e = engine.Engine(*pair, weights="auto")
-    monkeypatch.setattr(decode, "cycle_costs", costs({1: 60, 2: 64, 3: 68, 4: 150, 5: 160, 6: 170}, 4))
+    monkeypatch.setattr(decode, "cycle_costs", costs({2: 64, 3: 68, 4: 150, 5: 160, 6: 170}, 4))
     assert e.request("w1", method="sd", max_new_tokens=8).shape.draft_len == 3
     assert e.request("w2", method="sd", max_new_tokens=8, draft_len=5).shape.draft_len == 5
     line, = capsys.readouterr().err.splitlines()  # once a process
     assert line.startswith("sd shape: K=3 (") and "K=3 32, K=4 60" in line  # (3 * 4 + 68) / (1 + .7 + .49 + .343)
-    monkeypatch.setattr(decode, "cycle_costs", costs({k: 60 + 5 * k for k in range(1, 7)}, 30))
-    assert decode.choose_shape(e, "sd")[0] == (1, 1)
-    monkeypatch.setattr(decode, "cycle_costs", costs({k: 60 for k in range(1, 7)}, 2))
+    monkeypatch.setattr(decode, "cycle_costs", costs({k: 60 + 5 * k for k in range(2, 7)}, 50))
+    assert decode.choose_shape(e, "sd")[0] == (1, 2)
+    monkeypatch.setattr(decode, "cycle_costs", costs({k: 60 for k in range(2, 7)}, 2))
     assert decode.choose_shape(e, "sd")[0] == (1, 4)  # K = 6 is cheapest, by a millisecond: not clearly
 
 
