@@ -610,13 +610,11 @@ class Engine:
     def encode(self, prompt):
         if isinstance(prompt, str) and self.tokenizer is None:
             raise UsageError("this engine has no tokenizer: give the prompt as token ids")
-        if isinstance(prompt, str) and not prompt.strip():
-            raise UsageError("the prompt is empty or only whitespace")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise UsageError("a prompt is text or a list of token ids")
-        if not ids:
-            raise UsageError("the prompt is empty")
+        if not ids or isinstance(prompt, str) and not prompt.strip():
+            raise UsageError("the prompt is empty or only whitespace")
         if not all(0 <= i < self.config.vocab_size for i in ids):
             raise UsageError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         return list(ids)
