@@ -588,8 +588,8 @@ def choose_shape(e, method):
     format, if clearly (clear_winner) below the CPU default's (3x2; sd 4). An smc cycle always emits K + 1 tokens, an
     sd cycle (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE.
     The matmuls alone: the glue outside them grows with the rows too, so a wider cycle gains less than predicted;
-    and each forward has its own (a third of a 1.5B int4 step), so sd's K = 1, twice the forwards a token, is left out
-    (the slowest sd on code here: README)."""
+    and each forward has its own (a third of the 0.5B int4 draft's step here), so sd's K = 1, twice the forwards a
+    token, is left out (the slowest sd on code here: README)."""
     cells, home = (SMC_SHAPES, (3, 2)) if method == "smc" else ([(1, k) for k in range(2, 7)], (1, 4))
     formats = candidates(e)[:2] if e.weights == "auto" else ([e.weights], [e.draft_weights])  # loaded: their own
     target, steps = cycle_costs(e, cells, *formats)
