@@ -491,7 +491,8 @@ def timed_calls(shape, fmt, rows):
     copy from memory (at most 256 copies: matrices that small are a tiny model's, whose forward hits the cache too)."""
     key = (*shape, fmt, torch.get_num_threads())
     if todo := [r for r in rows if key + (r,) not in TIMED]:
-        w = torch.linspace(-0.05, 0.05, shape[1], dtype=model.FORMATS[fmt]).repeat(shape[0], 1)  # values alter no timing
+        values = torch.linspace(-0.05, 0.05, shape[1], dtype=model.FORMATS[fmt])  # they alter no timing
+        w = values.repeat(shape[0], 1)
         first = model.converted(w, fmt)  # oneDNN's packed tensors cannot be copied: packed again
         ws = [first] + [copy.deepcopy(first) if isinstance(first, model.Quantized) else model.converted(w, fmt)
                         for _ in range(min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt]))))]
