@@ -650,14 +650,18 @@ def read_gguf_header(path):
             return n
 
         def value(vtype, field):
-            if vtype == GGUF_STRING:
-                return unpack(f"{count(f'{field} length', 1)}s", field)[0].decode()
+            nonlocal pos
+            if vtype == GGUF_STRING:  # a vocabulary's tokens and merges are 300k of them: no more work than this
+                n = count(field + " length", 1)
+                pos += n
+                return data[pos - n:pos].decode()
             if vtype == GGUF_ARRAY:
                 itype = unpack("I", f"{field} element type")[0]
                 n = count(f"{field} array length", struct.calcsize("<" + GGUF_SCALARS.get(itype, "Q")))
                 if itype in GGUF_SCALARS:
                     return list(unpack(f"{n}{GGUF_SCALARS[itype]}", field))
-                return [value(itype, f"{field} element") for _ in range(n)]
+                element = f"{field} element"
+                return [value(itype, element) for _ in range(n)]
             if vtype in GGUF_SCALARS:
                 return unpack(GGUF_SCALARS[vtype], field)[0]
             raise ValueError(f"{field} has unknown value type {vtype}")
