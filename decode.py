@@ -135,7 +135,7 @@ def ids(e, tokens):
 
 
 def restricted(logits, st, s):
-    return kernels.restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
+    return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
 
 
 def publish(st):
@@ -163,6 +163,71 @@ def append(e, st, tokens, kept):
     st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
     st.gen_len += kept
     st.tcache.suffix_len += kept
+
+
+# ---------------------------------------------------------------- the methods' rules (settings per request: [R])
+
+def per_request(x, like):
+    """x [R] viewed to broadcast against like [R, ..., V]."""
+    return x.view(-1, *[1] * (like.dim() - 1))
+
+
+def restrict(logits, temperature, top_k, top_p):
+    """logits [R, ..., V] with the tokens outside request r's top-k (top_k [R], 0 = all) and outside its top-p
+    nucleus of softmax(logits / T) (top_p [R]) set to -inf: the target distribution every method samples from."""
+    ordered, order = logits.sort(-1, descending=True)
+    k = per_request(torch.where(top_k > 0, top_k, logits.shape[-1]), logits) - 1
+    ordered = ordered.masked_fill(ordered < ordered.gather(-1, k.expand(*logits.shape[:-1], 1)), float("-inf"))
+    p = (ordered / per_request(torch.where(temperature > 0, temperature, 1.0), logits)).softmax(-1)
+    top_p = per_request(top_p, logits)
+    outside = ((top_p < 1) & (p.cumsum(-1) - p >= top_p)) | (ordered == float("-inf"))  # mass before reaches p
+    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
+
+
+def probs(logits, temperature):
+    """Sampled distribution at temperature [R] (logits [R, ..., V]): softmax(logits / T), one-hot argmax where T = 0."""
+    t = per_request(temperature, logits)
+    soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
+    return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
+
+
+def power_bonus(logits, temperature, power):
+    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the SMC-SD
+    paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is Z, log Z =
+    logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. alpha = 1: logits, weight 0."""
+    if power == 1:
+        return logits, logits.new_zeros(logits.shape[:-1])
+    scaled = logits / per_request(temperature, logits)
+    return logits * power, (power * scaled).logsumexp(-1) - power * scaled.logsumexp(-1)
+
+
+def easd_trigger(p, q, t, rule):
+    """EASD's rule (arXiv 2512.23765; code unavailable, so defined here): draft token t_k is rejected, replaced by a
+    draw from p_k, where both models are uncertain (entropies of p_k, q_k >= `entropy` nats) yet their top-`top` tokens
+    mostly agree (>= share x top in common) and include t_k: else it passes. p, q [R, K, V], t [R, K] -> bool [R, K]."""
+    entropy, top, share = rule
+    uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
+    top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
+    shared = (top_p[..., :, None] == top_q[..., None, :]).any(-1)  # [R, K, top]: p's top tokens also q's
+    aligned = (shared & (top_p == t[..., None])).any(-1)
+    return uncertain(p) & uncertain(q) & (shared.sum(-1) >= share * top) & aligned
+
+
+def bernoulli(p, rng):
+    """True with probability p [R, M], drawn on the device from each request's rng: a two-way categorical."""
+    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [R, M, 2]
+    return (kernels.sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
+
+
+def smc_increments(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
+    """smc's weights, EOS absorbing: draft token t_k [R, N, K] weighs log p - log q unless an EOS came before it (in
+    x0 [R, N], t_<k, or the particle finished), the bonus b log_bonus [R, N] likewise; after its first EOS a particle's
+    tokens become `pad`. -> increments [R, N], tokens [R, N, K+1]. is_eos [V + 1]: a table (torch.isin sorts, syncs)."""
+    K = t.shape[-1]
+    block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
+    ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
+    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1) + torch.where(ended[..., K], 0.0, log_bonus)
+    return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])
 
 
 def ar_cycle(e, st, s):
@@ -198,18 +263,18 @@ def sd_cycle(e, st, s):
     are the accepted ones (viable), their tokens c are tried in turn, accepted with probability min(1, r(c)/q(c)),
     r starting as p and becoming normalise(max(r - q, 0)) after each rejection; an accepted token keeps the
     particles that drafted it. No acceptance emits a draw from r; K acceptances a bonus token from p. Exact at any
-    temperature. easd (N = 1) also rejects where `kernels.easd_trigger` fires, r then being p (not exact: it trades
+    temperature. easd (N = 1) also rejects where `easd_trigger` fires, r then being p (not exact: it trades
     the draft's low-confidence agreement for the target). Every particle then takes the winner's K/V."""
     K, (R, N), device = s.draft_len, st.finished.shape, st.gen_len.device
-    p = kernels.probs(verify(e, st, st.drafted, s), st.temp_t)  # [R, N, K+1, V]
-    q = kernels.probs(st.q_logits, st.temp_d)  # [R, N, K, V]
+    p = probs(verify(e, st, st.drafted, s), st.temp_t)  # [R, N, K+1, V]
+    q = probs(st.q_logits, st.temp_d)  # [R, N, K, V]
     rows, viable = torch.arange(R, device=device), torch.ones(R, N, dtype=torch.bool, device=device)
     going, out = st.live.clone(), st.drafted[:, 0].clone()  # [R] no rejection yet; [R, K] the accepted tokens
     n, fix = torch.zeros(R, dtype=torch.long, device=device), p[:, 0, K]  # [R], [R, V]
     for k in range(K):
         lead = viable.int().argmax(-1)  # [R] a viable particle: its rows are every viable one's
         pk, qk, c = p[rows, lead, k], q[rows, lead, k], st.drafted[..., k]  # [R, V], [R, V], [R, N]
-        triggered = kernels.easd_trigger(pk[:, None], qk[:, None], c[:, :1], s.easd)[:, 0] if s.easd else None
+        triggered = easd_trigger(pk[:, None], qk[:, None], c[:, :1], s.easd)[:, 0] if s.easd else None
         r, ratios = pk, []
         for i in range(N):
             rc, qc = r.gather(1, c[:, i:i + 1])[:, 0], qk.gather(1, c[:, i:i + 1])[:, 0]
@@ -220,7 +285,7 @@ def sd_cycle(e, st, s):
                 residual = torch.where(triggered[:, None], pk, residual)
             total = residual.sum(-1, keepdim=True)
             r = torch.where(viable[:, i, None] & (total > 0), residual / total, r)  # r == q: nothing to fix
-        accept = kernels.bernoulli(torch.stack(ratios, -1), st.rng)  # [R, N]: the first one counts
+        accept = bernoulli(torch.stack(ratios, -1), st.rng)  # [R, N]: the first one counts
         won = c.gather(1, accept.int().argmax(-1, keepdim=True))[:, 0]  # [R]
         stop = going & ~accept.any(-1)
         fix = torch.where(stop[:, None], r, fix)
@@ -283,13 +348,13 @@ def racer_cycle(e, st, s):
 def smc_cycle(e, st, s):
     """Weight each particle's K drafted tokens by one target forward, append K + 1 tokens (the last a bonus
     token from the target), resample where the ESS falls below the threshold. A power target p ** alpha
-    (s.power) weighs a draft token alpha log p - log q (`kernels.power_bonus`)."""
+    (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
     K, (R, N), t = s.draft_len, st.finished.shape, st.drafted
     logits = verify(e, st, t, s)  # [R, N, K+1, V]
     logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
-    bonus, log_bonus = kernels.power_bonus(logits[:, :, K], st.temp_t, s.power)
+    bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
     b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-    increments, tokens = kernels.settle(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, e.is_eos, e.pad,
+    increments, tokens = smc_increments(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, e.is_eos, e.pad,
                                         log_bonus)
     st.logw += increments
     append(e, st, tokens, torch.full_like(st.gen_len, K + 1))
@@ -356,10 +421,10 @@ def prefill_slot(e, st, shape, r, req):
     st.rng[r] = torch.tensor([s.seed, 0])
     st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
                                                             s.top_p)
-    logits, log_first = kernels.power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
+    logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
     st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
     if shape.restrict:
-        logits = kernels.restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
+        logits = restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
     x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
     x0 = x0 if shape.method == "smc" else x0[:1].expand(N)  # only smc's particles part at once
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0

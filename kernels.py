@@ -1,5 +1,5 @@
-"""Triton kernels, each beside the few-line PyTorch reference that documents it; then the rules the decoding methods
-share (restricted, tempered and power distributions, easd's trigger, smc's EOS-absorbing weights), plain PyTorch.
+"""Triton kernels, each beside the few-line PyTorch reference that documents it, and the rule that dispatches
+between them. The decoding methods' own rules live beside their cycles, in decode.py.
 
 Dispatch (`use_triton`): Triton for CUDA tensors, and for CPU if TRITON_INTERPRET=1 was set before import (the tests);
 else, or without triton (no macOS wheels), the reference (attention: `particle_attention_cpu`, the same math, faster).
@@ -681,67 +681,3 @@ def w8a8_linear(x, packed, outliers, w_outliers):
     pin = F.pad(torch.tensor([[1.0, -1.0]]), (0, x2.shape[1] - 2))  # [1, in]
     y = torch.ops.quantized.linear_dynamic(torch.cat([xi / s, pin]), packed, W8A8_LEVELS == 127)[:-1]
     return torch.addmm(y * s, x2[:, outliers], w_outliers.T).reshape(*x.shape[:-1], -1)
-
-
-# ---------------------------------------------------------------- the methods' rules (settings per request: [R])
-def per_request(x, like):
-    """x [R] viewed to broadcast against like [R, ..., V]."""
-    return x.view(-1, *[1] * (like.dim() - 1))
-
-
-def restrict(logits, temperature, top_k, top_p):
-    """logits [R, ..., V] with the tokens outside request r's top-k (top_k [R], 0 = all) and outside its top-p
-    nucleus of softmax(logits / T) (top_p [R]) set to -inf: the target distribution every method samples from."""
-    ordered, order = logits.sort(-1, descending=True)
-    k = per_request(torch.where(top_k > 0, top_k, logits.shape[-1]), logits) - 1
-    ordered = ordered.masked_fill(ordered < ordered.gather(-1, k.expand(*logits.shape[:-1], 1)), float("-inf"))
-    p = (ordered / per_request(torch.where(temperature > 0, temperature, 1.0), logits)).softmax(-1)
-    top_p = per_request(top_p, logits)
-    outside = ((top_p < 1) & (p.cumsum(-1) - p >= top_p)) | (ordered == float("-inf"))  # mass before reaches p
-    return logits.masked_fill(outside.scatter(-1, order, outside), float("-inf"))
-
-
-def probs(logits, temperature):
-    """Sampled distribution at temperature [R] (logits [R, ..., V]): softmax(logits / T), one-hot argmax where T = 0."""
-    t = per_request(temperature, logits)
-    soft = (logits / torch.where(t > 0, t, 1.0)).softmax(-1)
-    return torch.where(t > 0, soft, torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
-
-
-def power_bonus(logits, temperature, power):
-    """The bonus token's logits for the target p ** power (a sequence-level power of the tempered target: the SMC-SD
-    paper's alpha) and its log weight [R, N]: b ~ p(b) ** alpha / Z, whose weight p ** alpha / proposal is Z, log Z =
-    logsumexp(alpha l / T) - alpha logsumexp(l / T); logits [R, N, V], temperature [R]. alpha = 1: logits, weight 0."""
-    if power == 1:
-        return logits, logits.new_zeros(logits.shape[:-1])
-    scaled = logits / per_request(temperature, logits)
-    return logits * power, (power * scaled).logsumexp(-1) - power * scaled.logsumexp(-1)
-
-
-def easd_trigger(p, q, t, rule):
-    """EASD's rule (arXiv 2512.23765; code unavailable, so defined here): draft token t_k is rejected, replaced by a
-    draw from p_k, where both models are uncertain (entropies of p_k, q_k >= `entropy` nats) yet their top-`top` tokens
-    mostly agree (>= share x top in common) and include t_k: else it passes. p, q [R, K, V], t [R, K] -> bool [R, K]."""
-    entropy, top, share = rule
-    uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
-    top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
-    shared = (top_p[..., :, None] == top_q[..., None, :]).any(-1)  # [R, K, top]: p's top tokens also q's
-    aligned = (shared & (top_p == t[..., None])).any(-1)
-    return uncertain(p) & uncertain(q) & (shared.sum(-1) >= share * top) & aligned
-
-
-def bernoulli(p, rng):
-    """True with probability p [R, M], drawn on the device from each request's rng: a two-way categorical."""
-    logits = torch.stack([p.log(), (-p).log1p()], -1)  # [R, M, 2]
-    return (sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
-
-
-def settle(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
-    """smc's weights, EOS absorbing: draft token t_k [R, N, K] weighs log p - log q unless an EOS came before it (in
-    x0 [R, N], t_<k, or the particle finished), the bonus b log_bonus [R, N] likewise; after its first EOS a particle's
-    tokens become `pad`. -> increments [R, N], tokens [R, N, K+1]. is_eos [V + 1]: a table (torch.isin sorts, syncs)."""
-    K = t.shape[-1]
-    block = torch.cat([x0[..., None], t, b[..., None]], -1)  # [R, N, K+2]
-    ended = (is_eos[block].cumsum(-1) > 0) | finished[..., None]  # an EOS at or before each position
-    increments = torch.where(ended[..., :K], 0.0, logp - logq).sum(-1) + torch.where(ended[..., K], 0.0, log_bonus)
-    return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])

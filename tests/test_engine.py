@@ -444,10 +444,10 @@ def test_tokens_after_eos_carry_no_weight():
     eos = torch.arange(V + 1) % V == 0  # the EOS table: 0, and the pad V
     x0, t, b = torch.tensor([[5, 5]]), torch.tensor([[[4, 0, 6, 7], [4, 4, 6, 7]]]), torch.tensor([[3, 3]])
     logp, logq = torch.full((1, 2, 4), -1.0), torch.full((1, 2, 4), -2.0)
-    increments, tokens = kernels.settle(x0, t, b, logp, logq, torch.tensor([[False, False]]), eos, V)
+    increments, tokens = decode.smc_increments(x0, t, b, logp, logq, torch.tensor([[False, False]]), eos, V)
     assert increments.tolist() == [[2.0, 4.0]]
     assert tokens.tolist() == [[[4, 0, V, V, V], [4, 4, 6, 7, 3]]]
-    increments, tokens = kernels.settle(x0, t, b, logp, logq, torch.tensor([[True, False]]), eos, V)
+    increments, tokens = decode.smc_increments(x0, t, b, logp, logq, torch.tensor([[True, False]]), eos, V)
     assert increments.tolist() == [[0.0, 4.0]] and tokens[0, 0].tolist() == [V] * 5
 
 
@@ -517,7 +517,7 @@ def test_top_p_and_top_k_per_request():
     """One call, three requests: top-p 0.8 keeps the nucleus, no restriction keeps every possible token, top-k 1
     keeps the argmax."""
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).log().expand(3, 4)  # probabilities 0.5, 0.33, 0.17, 0
-    kept = kernels.restrict(logits, torch.ones(3), torch.tensor([0, 0, 1]), torch.tensor([0.8, 1.0, 1.0]))
+    kept = decode.restrict(logits, torch.ones(3), torch.tensor([0, 0, 1]), torch.tensor([0.8, 1.0, 1.0]))
     assert kept.isfinite().tolist() == [[True, True, False, False], [True, True, True, False],
                                         [True, False, False, False]]
 
