@@ -16,6 +16,10 @@ sys.path.insert(0, ROOT)
 DRY_RUN = pytest.StashKey()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test the edit loop skips (python -m pytest -m 'not slow' tests)")
+
+
 def pytest_collection_finish(session):
     """When test_model.py's dry-run test is to run, pip starts now, beside the tests before it: it needs nothing
     from them, and they, mostly on one thread, leave the second core idle for its ~20 s. It resolves
