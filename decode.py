@@ -471,7 +471,8 @@ def method_stats(st, r, req):
         return {"draft_len": s.draft_len, **mdsd, "accepted": accepted,
                 "acceptance": round(accepted / (cycles * s.draft_len), 4),  # vLLM's: per drafted token, the
                 "mean_acceptance_length": round(1 + accepted / cycles, 4),  # tokens a cycle emits, and the rate
-                "acceptance_by_position": [round(a / cycles, 4) for a in st.accepted_at[r].tolist()], **easd}
+                "acceptance_by_position": [round(a / cycles, 4) for a in st.accepted_at[r].tolist()],
+                "accepted_by_position": st.accepted_at[r].tolist(), **easd}
     if s.method == "smc":
         final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
         return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
