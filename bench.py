@@ -837,7 +837,7 @@ def resumed(args):
     except (OSError, ValueError, KeyError, TypeError) as error:
         sys.exit(f"bench.py: --resume needs a quality run's report in --out ({args.out}): {error}")
     now = json.loads(json.dumps({k: vars(args)[k] for k in RESUMED}))  # tuples as JSON keeps them
-    for lags in (settings, now):  # "lag" was one int before it took a list (docs/frontier.json); 0 is none
+    for lags in (settings, now):  # "lag" was one int in older reports; 0 is none
         lag = lags.get("lag") or []
         if isinstance(lag, int):
             lag = [lag]
@@ -868,11 +868,11 @@ def format_report(target, prompts, formats, new_tokens, device):
     slots = min(QUALITY_SLOTS, len(prompts))
     ids = None
     reference = model.load(target, device, weights="float32")[0]  # also the float32 format's model
-    for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
+    for name in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
         source = target
-        if fmt == "float32":
+        if name == "float32":
             source = reference
-        e = engine.Engine(source, None, device, fmt).load()
+        e = engine.Engine(source, None, device, name).load()
         if ids is None:  # by bf16's engine, which has the tokenizer
             ids = [e.encode(p) for p in prompts]
         greedy = [r.tokens for r in e.generate(ids, slots=slots, method="ar", max_new_tokens=new_tokens,
@@ -881,20 +881,20 @@ def format_report(target, prompts, formats, new_tokens, device):
         sampled = e.generate([{"prompt": p, "seed": quality_seed(i, 0)} for i, p in enumerate(ids)], slots=slots,
                              method="ar", max_new_tokens=new_tokens, temperature=TEMPERATURE)
         seconds = time.perf_counter() - begin
-        samples[fmt] = [r.tokens for r in sampled]
-        out[fmt] = {"greedy": greedy, "samples": samples[fmt], "tokens_per_s": sum(map(len, samples[fmt])) / seconds,
-                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[fmt])],
+        samples[name] = [r.tokens for r in sampled]
+        out[name] = {"greedy": greedy, "samples": samples[name], "tokens_per_s": sum(map(len, samples[name])) / seconds,
+                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[name])],
                     "prompt_kl": [next_token_kl(e.target, reference, p) for p in ids]}
         del e
     for i, p in enumerate(ids):  # each prompt read once for every format's sample
-        for fmt, score in zip(out, target_logprobs(reference, p, [samples[fmt][i] for fmt in out])):
-            out[fmt].setdefault("logprobs", []).append(score)
-    scores = {fmt: per_problem([[v] for v in f["logprobs"]]) for fmt, f in out.items()}
-    for fmt, f in out.items():
+        for name, score in zip(out, target_logprobs(reference, p, [samples[name][i] for name in out])):
+            out[name].setdefault("logprobs", []).append(score)
+    scores = {name: per_problem([[v] for v in f["logprobs"]]) for name, f in out.items()}
+    for name, f in out.items():
         f["first_difference"] = [first_difference(a, b) for a, b in zip(f["greedy"], out["bf16"]["greedy"])]
         f["identical"] = sum(a == b for a, b in zip(f["greedy"], out["bf16"]["greedy"]))
-        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(scores[fmt])
-        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(scores[fmt], scores["bf16"])
+        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(scores[name])
+        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(scores[name], scores["bf16"])
         kl_terms = [[s - r] for s, r in zip(f["self_logprobs"], f["logprobs"]) if s is not None and r is not None]
         f["kl"], f["kl_stderr"] = quality.pass_at_1(kl_terms or [[math.nan]])
         f["prompt_kl_mean"] = statistics.fmean(f["prompt_kl"])

@@ -1,11 +1,6 @@
-"""Traces and pictures: what the particles do, and where the bytes go.
-
-    python engine.py --prompt "def quicksort(xs):" --trace run.jsonl   # one JSON line per cycle
-    python plot.py run.jsonl                                            # genealogy.png, weights.png
-    python plot.py bench.json                                           # roofline.png, grid.png, frontier.png
-
-The trace is written by `Tracer` (engine.py --trace imports it from here); the pictures need matplotlib, an
-optional requirement of this file alone (pip install matplotlib)."""
+"""Traces and pictures: the Tracer behind engine.py --trace (one JSON line per cycle, from the request's on_cycle),
+and pictures of what the particles do (from a trace) and of where the bytes go (from bench.py's JSON). The pictures
+need matplotlib, an optional requirement of this file alone (pip install matplotlib)."""
 import atexit
 import json
 import math
@@ -217,7 +212,8 @@ def genealogy(start, cycles, end, out):
     along the bottom (\\n: a newline). Green +k above a cycle: k more tokens settled (shared by all
     particles, so printed) after it."""
     from matplotlib.colors import PowerNorm
-    N, C = start["particles"], len(cycles)
+    N = start["particles"]
+    C = len(cycles)
     fig, ax = figure("genealogy.png")
     for c in range(1, C):
         if cycles[c - 1]["resampled"]:
@@ -259,7 +255,8 @@ def weights(start, cycles, end, out):
     """Top: the effective sample size (1 / sum of squared normalised weights; N when all weigh the same, 1 when
     one holds everything) each cycle, red where it fell below the threshold and the population was resampled.
     Bottom: each particle's log weight before resampling; after a resampling all restart from 0."""
-    N, C = start["particles"], len(cycles)
+    N = start["particles"]
+    C = len(cycles)
     fig, (top, bottom) = figure("weights.png", 2, 1, sharex=True)
     x = range(1, C + 1)
     top.plot(x, [c["ess"] for c in cycles], "o-", color="C0", ms=4, label="ESS")
@@ -288,7 +285,8 @@ def weights(start, cycles, end, out):
 def acceptance(start, cycles, end, out):
     """sd: the draft tokens the target accepted each cycle, out of K; the text the cycle added along the
     bottom (the accepted tokens, then the target's correction or bonus token)."""
-    K, C = start["draft_len"], len(cycles)
+    K = start["draft_len"]
+    C = len(cycles)
     fig, ax = figure("acceptance.png")
     ax.bar(range(1, C + 1), [c["accepted"] for c in cycles], color="C0")
     ax.axhline(K, color="k", ls="--", lw=1)
@@ -325,7 +323,8 @@ def roofline(report, out):
     rows = [r for r in report["speed"] if r.get("achieved_gbs") is not None]
     names = list(dict.fromkeys(config(r) for r in rows))
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-    bandwidth, width = report["copy_bandwidth_gbs"], 0.8 / len(prompts)
+    bandwidth = report["copy_bandwidth_gbs"]
+    width = 0.8 / len(prompts)
     fig, (gbs, tps) = figure("roofline.png", 1, 2)
     for j, p in enumerate(prompts):
         mine = [r for r in rows if r["prompt"] == p]
@@ -359,8 +358,10 @@ def grid(report, out):
     if not rows:
         return None
     prompts = list(dict.fromkeys(r["prompt"] for r in report["speed"]))
-    Ns, Ks = sorted({r["N"] for r in rows}), sorted({r["K"] for r in rows})
-    lo, hi = min(r["speedup"] for r in rows), max(r["speedup"] for r in rows)
+    Ns = sorted({r["N"] for r in rows})
+    Ks = sorted({r["K"] for r in rows})
+    lo = min(r["speedup"] for r in rows)
+    hi = max(r["speedup"] for r in rows)
     norm = TwoSlopeNorm(1.0, min(lo, 1 / hi, 0.9), max(hi, 1 / lo, 1.1))  # as far below 1 as above
     fig, axes = figure("grid.png", 1, len(prompts), squeeze=False, layout="constrained")
     for ax, p in zip(axes[0], prompts):
@@ -414,11 +415,18 @@ def frontier(report, out):
 # ---------------------------------------------------------------- command line
 
 
+EPILOG = """examples:
+  python engine.py --prompt "def quicksort(xs):" --trace run.jsonl   # one JSON line per cycle
+  python plot.py run.jsonl                                            # genealogy.png, weights.png
+  python bench.py speed --out bench.json && python plot.py bench.json  # roofline.png, grid.png"""
+
+
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description="Pictures from an engine.py --trace file (genealogy.png, weights.png; "
                                 "acceptance.png for sd) or bench.py's JSON (roofline.png, grid.png; frontier.png "
-                                "from a quality run).")
+                                "from a quality run).", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", help="a trace (JSON lines) or bench.py's --out JSON")
     p.add_argument("--out", help="folder for the PNG files (default: the file's folder)")
     args = p.parse_args(argv)

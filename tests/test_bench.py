@@ -122,7 +122,8 @@ def test_overlap_rows_beside_the_plain_ones_and_the_phase_split(tmp_path, capsys
     assert set(rows) == {(1, m) for m in ("ar", "sd", "smc")} | {(2, m) for m in ("ar", "sd", "smc", "sd+overlap",
                                                                                  "smc+overlap")}
     for method in ("sd", "smc"):
-        plain, overlap = rows[2, method], rows[2, method + "+overlap"]
+        plain = rows[2, method]
+        overlap = rows[2, method + "+overlap"]
         assert (overlap["N"], overlap["K"], overlap["new_tokens"]) == (plain["N"], plain["K"], 16)
         assert overlap["tokens_per_s_vs_plain"] == pytest.approx(overlap["tokens_per_s"] / plain["tokens_per_s"])
         assert overlap["mean_latency_s_vs_plain"] == pytest.approx(overlap["mean_latency_s"] / plain["mean_latency_s"])
@@ -200,7 +201,8 @@ def test_racer_shares_the_loaded_target_and_its_tokenizer():
     assert r.generate(r.encode("def f(x):"), method="sd", draft_len=2, tree=3, max_new_tokens=6).text
     class Texts:  # encode as the identity: the prompts' text
         encode = staticmethod(lambda text: text)
-    prompts, problems = bench.racer_prompts(Texts), quality.load_problems()
+    prompts = bench.racer_prompts(Texts)
+    problems = quality.load_problems()
     assert prompts["fresh"] == problems[3]["prompt"] and prompts["refactor"].startswith(problems[5]["prompt"])
     assert "docstring kept word for word" in prompts["refactor"]
     assert bench.parse(["racer"]).trees == [0, 8, 16] and bench.parse(["racer", "--quick"]).trees == [0]
@@ -224,7 +226,9 @@ def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
 def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     """The llama.cpp peer runs a model's GGUF file: the path itself, or the file a weights/ directory came from,
     beside it; a model without one has no row. Its runs need llama-cpp-cffi, which is not a test requirement."""
-    (tmp_path / "converted").mkdir(), (tmp_path / "converted.gguf").write_bytes(b""), (tmp_path / "alone").mkdir()
+    (tmp_path / "converted").mkdir()
+    (tmp_path / "converted.gguf").write_bytes(b"")
+    (tmp_path / "alone").mkdir()
     assert peers.gguf_of(str(tmp_path / "converted") + "/") == str(tmp_path / "converted.gguf")
     assert peers.gguf_of(str(tmp_path / "alone")) is None and peers.gguf_of(str(tmp_path / "x.gguf")) is None
     pytest.importorskip("llama.llama_cpp")
@@ -325,7 +329,8 @@ def test_under_torchrun_rank_zero_reports(tmp_path):
 
 def test_target_logprobs_score_each_continuation_as_one_forward_would():
     m = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.float32, seed=3)
-    prompt, continuations = [1, 2, 3], [[4, 5, 6], [7], []]
+    prompt = [1, 2, 3]
+    continuations = [[4, 5, 6], [7], []]
     got = bench.target_logprobs(m, prompt, continuations, temperature=0.7)
     for tokens, mean in zip(continuations[:2], got):
         ids = bench.torch.tensor(prompt + tokens)
@@ -355,7 +360,8 @@ def stub_logprobs(m, prompt, continuations):
 
 
 class StubPair:
-    target, encode = None, staticmethod(lambda text: [0])
+    target = None
+    encode = staticmethod(lambda text: [0])
 
 
 def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
@@ -384,8 +390,8 @@ def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "completions", stub_completions(quality.load_problems()[:4]))
     monkeypatch.setattr(bench, "target_logprobs", stub_logprobs)
     out = tmp_path / "q.json"
-    flags = ["quality", "--problem-set", "ours", "--samples", "1", "--methods", "ar,smc,draft", "--smc-cells", "3x2", "--lag", "0",
-             "--out", str(out)]
+    flags = ["quality", "--problem-set", "ours", "--samples", "1", "--methods", "ar,smc,draft", "--smc-cells", "3x2",
+             "--lag", "0", "--out", str(out)]
     *_, whole = bench.pass_rates(StubPair(), "draft", bench.parse(flags + ["--problems", "4"]))
     whole = json.loads(json.dumps(whole))
     first = bench.parse(flags + ["--problems", "1"])
@@ -414,7 +420,8 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
     the unquantized target itself (no divergence), and bf16's greedy text is its own reference."""
     from test_model import save_tiny
     save_tiny("qwen2", str(tmp_path))
-    prompts, tokens = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 6
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    tokens = 6
     out = bench.format_report(str(tmp_path), prompts, ["float32", "int8", "int4"], tokens, "cpu")
     assert list(out) == ["bf16", "float32", "int8", "int4"]
     assert out["bf16"]["first_difference"] == [len(t) for t in out["bf16"]["greedy"]] and out["bf16"]["identical"] == 3
