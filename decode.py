@@ -51,12 +51,8 @@ class State:
     lag: torch.Tensor  # [R] smc: the most unsettled tokens before a collapse (0: no bound)
     triggers: torch.Tensor  # [R]
     flags: torch.Tensor  # [R, 4] done, settled, degenerate, length: what the host reads each round
-    block: torch.Tensor  # [R, N, K+1] the last cycle, for traces: the tokens appended
-    kept: torch.Tensor  # [R] how many of them were kept
-    logw_before: torch.Tensor  # [R, N] the weights before resampling
-    ess: torch.Tensor  # [R]
-    resampled: torch.Tensor  # [R]
-    ancestors: torch.Tensor  # [R, N]
+    logw_before: torch.Tensor  # [R, N] smc: the last cycle's weights before resampling (traces)
+    ancestors: torch.Tensor  # [R, N] smc: each particle's ancestor at the last cycle's resampling (traces)
     drafted: torch.Tensor  # [R, N, K] the draft phase's tokens, which the verify phase reads
     logq: torch.Tensor  # [R, N, K] their log q under the draft temperature
     q_logits: torch.Tensor | None  # [R, N, K, V] sd, easd, mdsd: the draft's logits
@@ -97,8 +93,8 @@ def new_state(e, shape, R, prefix_cap, suffix_cap):
         finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
         logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), accepted_at=new(R, K, dtype=i64),
         resamples=new(R, dtype=i64), collapses=new(R, dtype=i64), lag=new(R, dtype=i32), triggers=new(R, dtype=i64),
-        flags=new(R, 4, dtype=i32), block=new(R, N, K + 1, dtype=i64), kept=new(R, dtype=i32), logw_before=new(R, N),
-        ess=new(R), resampled=new(R, dtype=b), ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64),
+        flags=new(R, 4, dtype=i32), logw_before=new(R, N), ancestors=new(R, N, dtype=i64),
+        drafted=new(R, N, K, dtype=i64),
         logq=new(R, N, K), q_logits=new(R, N, K, V) if shape.method in ("sd", "easd", "mdsd") and not shape.tree else
         None, **tree)
 
@@ -156,8 +152,6 @@ def append(e, st, tokens, kept):
     finished. The target holds K/V for the old pending token and the kept tokens but the last."""
     R, N, T = tokens.shape
     kept = kept * st.live
-    st.block[..., :T].copy_(tokens)
-    st.kept.copy_(kept)
     at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
     st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
     st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
@@ -373,8 +367,8 @@ def resample(st, s):
     one = kernels.sample(st.logw, 1.0, st.rng)[0].clamp(max=s.particles - 1)  # [R] a particle drawn by weight
     ancestors, resampled = torch.where(lagging[:, None], one[:, None], ancestors), resampled | lagging
     st.degenerate |= degenerate & st.live
-    for saved, x in ((st.logw_before, st.logw), (st.ancestors, ancestors), (st.ess, ess), (st.resampled, resampled)):
-        saved.copy_(x)
+    st.logw_before.copy_(st.logw)
+    st.ancestors.copy_(ancestors)
     st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
     st.logw.masked_fill_(resampled[:, None], 0.0)
     for cache in (st.tcache, st.dcache):

@@ -255,8 +255,11 @@ class Batch:
     def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=("cycle",)):
         self.e, self.shape, self.requests, self.idle_since = e, shape, [None] * slots, time.monotonic()
         self.st = decode.new_state(e, shape, slots, prefix_cap, suffix_cap)
+        start = time.perf_counter()
         self.graphs = {fn: decode.record(lambda fn=fn: getattr(decode, fn)(e, self.st, shape)) for fn in phases} \
             if decode.graphs(shape, e.device) else {}
+        if self.graphs and e.on_phase:
+            e.on_phase(self, "record", time.perf_counter() - start)
 
     def busy(self):
         return any(self.requests)
@@ -282,16 +285,35 @@ class Batch:
         if self.shape.tree:  # racer: each busy slot's draft tree from its request's Retrieval (host work)
             decode.plant(self.st, [req and req.drafter.draft(self.shape.draft_len, self.shape.tree)
                                    for req in self.requests])
-        self.run("cycle")
+        timed = self.e.on_phase and "cycle" not in self.graphs
+        for fn in self.phases() if timed else ("cycle",):
+            self.run(fn)
         self.cycled()
 
+    def phases(self):
+        """The phases decode.cycle runs: the draft block where a draft model drafts, then the verify."""
+        if self.st.dcache is None:
+            return ("verify_cycle",)
+        return ("draft_block", "verify_cycle")
+
     def run(self, fn):
-        """decode's fn ("cycle" or a phase of it) as its graph's replay, or eagerly up to the last busy slot."""
+        """decode's fn ("cycle" or a phase of it) as its graph's replay, or eagerly up to the last busy slot; an
+        eager one timed for the engine's on_phase, on this thread's stream, where the engine has one."""
         if fn in self.graphs:
             self.graphs[fn]()
-        else:
-            busy = 1 + max(i for i, r in enumerate(self.requests) if r)
-            getattr(decode, fn)(self.e, self.st.narrow(busy), self.shape)
+            return
+        busy = 1 + max(i for i, r in enumerate(self.requests) if r)
+        state = self.st.narrow(busy)
+        if not self.e.on_phase:
+            getattr(decode, fn)(self.e, state, self.shape)
+            return
+        if self.e.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        start = time.perf_counter()
+        getattr(decode, fn)(self.e, state, self.shape)
+        if self.e.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.e.on_phase(self, fn, time.perf_counter() - start)
 
     def cycled(self):
         for r, req in enumerate(self.requests):
@@ -569,6 +591,9 @@ class Engine:
     prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
     is refused before `load()` reads a weight. weights: model.FORMATS' (both models) or "auto" (paths on a CPU: each
     model's measured). Under torchrun each rank holds its target shard and decodes alike (same logits and rng)."""
+    # on_phase(batch, phase, seconds): after each phase a batch runs eagerly (decode's draft_block, verify_cycle),
+    # timed with the device synchronised, and after it records its CUDA graphs ("record"); traces and bench.py set it
+    on_phase = None
 
     def __init__(self, target, draft=None, device=None, weights=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

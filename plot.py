@@ -1,38 +1,35 @@
-"""Traces and pictures: what the particles do, and where the bytes go.
-
-    python engine.py --prompt "def quicksort(xs):" --trace run.jsonl   # one JSON line per cycle
-    python plot.py run.jsonl                                            # genealogy.png, weights.png
-    python plot.py bench.json                                           # roofline.png, grid.png, frontier.png
-
-The trace is written by `Tracer` (engine.py --trace imports it from here); the pictures need matplotlib, an
-optional requirement of this file alone (pip install matplotlib)."""
+"""Traces and pictures: the Tracer behind engine.py --trace (one JSON line per cycle, from the request's on_cycle),
+and pictures of what the particles do (from a trace) and of where the bytes go (from bench.py's JSON). The pictures
+need matplotlib, an optional requirement of this file alone (pip install matplotlib)."""
 import atexit
-import functools
 import json
 import math
 import os
 import re
 import sys
-import time
-
-import torch
 
 
 # ---------------------------------------------------------------- traces (engine.py --trace)
 
 
 class Tracer:
-    """One JSON line per cycle of one request: the tokens each particle appended (before resampling), its log
-    weight before and after resampling, the ESS, whether the request resampled and each particle's ancestor,
-    the settled and generated lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how
-    many were accepted; and, for cycles run eagerly, the phase times (draft, verify, the rest: sampling, weights
-    and resampling), from timers synchronised with the device, which is the only host sync tracing adds. A first
-    line holds the settings, a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no
+    """One JSON line per cycle of one request, written from its on_cycle callback: the tokens each particle
+    appended (before resampling; null for a particle no survivor descends from), its log weight before and after
+    resampling, the ESS, whether the request resampled and each particle's ancestor, the settled and generated
+    lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how many were accepted; and, for
+    cycles run eagerly, the phase times from the engine's on_phase (draft, verify with the method's rule, cycle). A
+    first line holds the settings, a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no
     half-written trace is left."""
 
     def __init__(self, path, engine, request):
-        import decode as module
-        self.path, self.engine, self.ms, self.cycles, self.module = path, engine, {}, 0, module
+        self.path = path
+        self.engine = engine
+        self.request = request
+        self.cycles = 0
+        self.ms = {}
+        self.length = 1  # a prefilled slot holds x0, the prefill's token
+        self.ess_sum = 0.0
+        self.resamples = 0
         self.file = open(path + ".tmp", "w")
         atexit.register(self.discard)
         s = request.s
@@ -40,46 +37,57 @@ class Tracer:
                     "ess_threshold": s.ess_threshold, "draft_temperature": s.draft_temperature,
                     "target_temperature": s.target_temperature, "seed": s.seed, "max_new_tokens": s.max_new_tokens,
                     "prompt_tokens": len(request.ids), "prompt": self.decode(request.ids)})
-        self.phases = {name: getattr(module, name) for name in ("draft_block", "verify", "cycle")}
-        for name, fn in self.phases.items():  # the cycle functions look each other up by name: timed until done
-            setattr(module, name, self.timed(name, fn))
+        self.on_phase_before = engine.on_phase
+        engine.on_phase = self.phase
 
     def decode(self, ids):
-        return self.engine.tokenizer.decode(ids) if self.engine.tokenizer else None
+        if ids is None or self.engine.tokenizer is None:
+            return None
+        return self.engine.tokenizer.decode(ids)
 
-    def timed(self, name, fn):
-        @functools.wraps(fn)  # its name: a batch replays its graphs by name
-        def wrapper(*args):
-            if self.engine.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return fn(*args)  # recording a CUDA graph: no sync allowed, and replays are not timed anyway
-            synchronize(self.engine.device)
-            start = time.perf_counter()
-            out = fn(*args)
-            synchronize(self.engine.device)
-            self.ms[name] = self.ms.get(name, 0.0) + 1e3 * (time.perf_counter() - start)
-            return out
-        return wrapper
+    def phase(self, batch, name, seconds):
+        """Engine.on_phase: the phase times of the traced request's batch, until its next cycle line."""
+        if self.request in batch.requests:
+            self.ms[name] = self.ms.get(name, 0.0) + 1e3 * seconds
+
+    def appended(self, st, r, length, method):
+        """-> [N] the tokens each particle appended in the last cycle, in the numbering before resampling: a
+        particle's new tokens are its ancestor's (None for a particle that left no descendant)."""
+        after = st.hist[r, :, 1 + self.length:1 + length].tolist()  # [N, kept]
+        if method != "smc":
+            return after
+        tokens = [None] * len(after)
+        for particle, ancestor in enumerate(st.ancestors[r].tolist()):
+            tokens[ancestor] = after[particle]
+        return tokens
 
     def cycle(self, batch, r):
         """Request.on_cycle: slot r of batch after a cycle."""
-        st, method = batch.st, batch.shape.method
+        st = batch.st
+        method = batch.shape.method
         self.cycles += 1
-        tokens = st.block[r, :, :int(st.kept[r])].tolist()  # [N, kept] appended by each particle
+        length = int(st.gen_len[r])
+        tokens = self.appended(st, r, length, method)
         record = {"kind": "cycle", "cycle": self.cycles, "tokens": tokens, "text": [self.decode(t) for t in tokens],
-                  "settled": int(st.flags[r, 1]), "length": int(st.gen_len[r])}
+                  "settled": int(st.flags[r, 1]), "length": length}
+        kept = length - self.length
+        self.length = length
         if method == "smc":
+            ess_sum = float(st.ess_sum[r])
+            resamples = int(st.resamples[r])
             record |= {"logw_before": st.logw_before[r].tolist(), "logw_after": st.logw[r].tolist(),
-                       "ess": float(st.ess[r]), "resampled": bool(st.resampled[r]),
+                       "ess": ess_sum - self.ess_sum, "resampled": resamples > self.resamples,
                        "ancestors": st.ancestors[r].tolist()}
+            self.ess_sum = ess_sum
+            self.resamples = resamples
         if batch.shape.tree:  # racer: the tree's node tokens (-1: none) and their parents, node 0 the root
-            record |= {"tree": st.nodes[r, 1:].tolist(), "parents": st.parent[r, 1:].tolist(),
-                       "accepted": len(tokens[0]) - 1}
+            record |= {"tree": st.nodes[r, 1:].tolist(), "parents": st.parent[r, 1:].tolist(), "accepted": kept - 1}
         elif method in ("sd", "easd"):
-            record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": len(tokens[0]) - 1}
-        if "cycle" in self.ms and not batch.graphs:  # an eager cycle (a replay runs none of the timed calls)
-            draft, verify = self.ms.get("draft_block", 0.0), self.ms.get("verify", 0.0)
-            record["ms"] = {"draft": round(draft, 3), "verify": round(verify, 3),
-                            "rest": round(self.ms["cycle"] - draft - verify, 3), "cycle": round(self.ms["cycle"], 3)}
+            record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": kept - 1}
+        if "verify_cycle" in self.ms:  # an eager cycle (a replay runs no timed phase)
+            draft = self.ms.get("draft_block", 0.0)
+            verify = self.ms["verify_cycle"]
+            record["ms"] = {"draft": draft, "verify": verify, "cycle": draft + verify}
         self.ms = {}
         self.write(record)
 
@@ -91,8 +99,8 @@ class Tracer:
         self.restore()
 
     def restore(self):
-        for name, fn in self.phases.items():
-            setattr(self.module, name, fn)
+        if self.engine.on_phase == self.phase:
+            self.engine.on_phase = self.on_phase_before
 
     def discard(self):
         self.restore()
@@ -102,11 +110,6 @@ class Tracer:
 
     def write(self, record):
         self.file.write(json.dumps(record) + "\n")
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def read_trace(path):
@@ -209,7 +212,8 @@ def genealogy(start, cycles, end, out):
     along the bottom (\\n: a newline). Green +k above a cycle: k more tokens settled (shared by all
     particles, so printed) after it."""
     from matplotlib.colors import PowerNorm
-    N, C = start["particles"], len(cycles)
+    N = start["particles"]
+    C = len(cycles)
     fig, ax = figure("genealogy.png")
     for c in range(1, C):
         if cycles[c - 1]["resampled"]:
@@ -251,7 +255,8 @@ def weights(start, cycles, end, out):
     """Top: the effective sample size (1 / sum of squared normalised weights; N when all weigh the same, 1 when
     one holds everything) each cycle, red where it fell below the threshold and the population was resampled.
     Bottom: each particle's log weight before resampling; after a resampling all restart from 0."""
-    N, C = start["particles"], len(cycles)
+    N = start["particles"]
+    C = len(cycles)
     fig, (top, bottom) = figure("weights.png", 2, 1, sharex=True)
     x = range(1, C + 1)
     top.plot(x, [c["ess"] for c in cycles], "o-", color="C0", ms=4, label="ESS")
@@ -280,7 +285,8 @@ def weights(start, cycles, end, out):
 def acceptance(start, cycles, end, out):
     """sd: the draft tokens the target accepted each cycle, out of K; the text the cycle added along the
     bottom (the accepted tokens, then the target's correction or bonus token)."""
-    K, C = start["draft_len"], len(cycles)
+    K = start["draft_len"]
+    C = len(cycles)
     fig, ax = figure("acceptance.png")
     ax.bar(range(1, C + 1), [c["accepted"] for c in cycles], color="C0")
     ax.axhline(K, color="k", ls="--", lw=1)
@@ -317,7 +323,8 @@ def roofline(report, out):
     rows = [r for r in report["speed"] if r.get("achieved_gbs") is not None]
     names = list(dict.fromkeys(config(r) for r in rows))
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-    bandwidth, width = report["copy_bandwidth_gbs"], 0.8 / len(prompts)
+    bandwidth = report["copy_bandwidth_gbs"]
+    width = 0.8 / len(prompts)
     fig, (gbs, tps) = figure("roofline.png", 1, 2)
     for j, p in enumerate(prompts):
         mine = [r for r in rows if r["prompt"] == p]
@@ -351,8 +358,10 @@ def grid(report, out):
     if not rows:
         return None
     prompts = list(dict.fromkeys(r["prompt"] for r in report["speed"]))
-    Ns, Ks = sorted({r["N"] for r in rows}), sorted({r["K"] for r in rows})
-    lo, hi = min(r["speedup"] for r in rows), max(r["speedup"] for r in rows)
+    Ns = sorted({r["N"] for r in rows})
+    Ks = sorted({r["K"] for r in rows})
+    lo = min(r["speedup"] for r in rows)
+    hi = max(r["speedup"] for r in rows)
     norm = TwoSlopeNorm(1.0, min(lo, 1 / hi, 0.9), max(hi, 1 / lo, 1.1))  # as far below 1 as above
     fig, axes = figure("grid.png", 1, len(prompts), squeeze=False, layout="constrained")
     for ax, p in zip(axes[0], prompts):
@@ -406,11 +415,18 @@ def frontier(report, out):
 # ---------------------------------------------------------------- command line
 
 
+EPILOG = """examples:
+  python engine.py --prompt "def quicksort(xs):" --trace run.jsonl   # one JSON line per cycle
+  python plot.py run.jsonl                                            # genealogy.png, weights.png
+  python bench.py speed --out bench.json && python plot.py bench.json  # roofline.png, grid.png"""
+
+
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(description="Pictures from an engine.py --trace file (genealogy.png, weights.png; "
                                 "acceptance.png for sd) or bench.py's JSON (roofline.png, grid.png; frontier.png "
-                                "from a quality run).")
+                                "from a quality run).", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", help="a trace (JSON lines) or bench.py's --out JSON")
     p.add_argument("--out", help="folder for the PNG files (default: the file's folder)")
     args = p.parse_args(argv)

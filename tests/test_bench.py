@@ -1,4 +1,4 @@
-"""bench.py's whole path on a tiny random model pair: the tables and the JSON report, with sane fields."""
+"""bench.py's subcommands on a tiny random model pair: the tables and the JSON report, with sane fields."""
 import json
 import os
 import subprocess
@@ -9,7 +9,9 @@ import pytest
 import bench
 import kernels
 import model
+import peers
 import quality
+from weights import fetch
 
 
 @pytest.fixture(autouse=True)
@@ -20,12 +22,11 @@ def reference_kernels(monkeypatch):
 
 def test_quick_run_on_random_models(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench.main(["--quick", "--random", "tiny:tiny", "--prompt-len", "8", "--grid", "2x2,4x4", "--repeats", "2",
-                "--threads", "1", "--prompt-lengths", "8,40", "--smc-cells", "4x4", "--out", str(out)])
+    common = ["--quick", "--random", "tiny:tiny", "--threads", "1"]
+    bench.main(["speed", *common, "--repeats", "2", "--prompt-len", "8", "--grid", "2x2,4x4", "--out", str(out)])
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert "| prompt | method |" in printed and "| N | K | draft ms |" in printed
-    assert "| prompt tokens | method |" in printed and "| method | N | K | requests |" in printed
     assert report["machine"]["threads"] == 1 and report["date"] and report["copy_bandwidth_gbs"] > 0
     rows = {(r["method"], r["N"], r["K"]): r for r in report["speed"]}
     assert set(rows) == {("ar", 1, 1), ("sd", 1, 4), ("smc", 2, 2), ("smc", 4, 4)}
@@ -39,14 +40,21 @@ def test_quick_run_on_random_models(tmp_path, capsys):
     assert rows["smc", 4, 4]["tokens_per_cycle"] > 4 and 0 < rows["smc", 4, 4]["mean_ess"] <= 4
     for phase in report["phases"]:
         assert min(phase["draft_ms"], phase["verify_ms"]) > 0 and phase["cycle_ms"] >= phase["draft_ms"]
-    assert "quality" not in report and "racer" not in report  # random models have no tokenizer
+    assert "lengths" not in report and "short_requests" not in report and "batch" not in report
+    lengths_out = tmp_path / "lengths.json"
+    report = bench.main(["lengths", *common, "--repeats", "2", "--prompt-lengths", "8,40", "--smc-cells", "4x4",
+                         "--out", str(lengths_out)])
+    requests = bench.main(["requests", *common, "--smc-cells", "4x4", "--out", str(tmp_path / "requests.json")])
+    printed = capsys.readouterr().out
+    assert "| prompt tokens | method |" in printed and "| method | N | K | requests |" in printed
+    assert "speed" not in report and "short_requests" not in report and "lengths" not in requests
     lengths = {(r["prompt_tokens"], r["method"], r["N"], r["K"]): r for r in report["lengths"]}
     assert set(lengths) == {(n, *cell) for n in (8, 40) for cell in (("ar", 1, 1), ("sd", 1, 4), ("smc", 4, 4))}
     for (n, method, _, _), r in lengths.items():
         assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and len(r["runs"]) == 2
         assert r["decode_tokens_per_s_vs_ar"] == pytest.approx(r["decode_tokens_per_s"] /
                                                                lengths[n, "ar", 1, 1]["decode_tokens_per_s"])
-    short = {r["method"]: r for r in report["short_requests"]}
+    short = {r["method"]: r for r in requests["short_requests"]}
     assert set(short) == {"ar", "sd", "smc"} and short["ar"]["tokens_per_s_vs_ar"] == 1.0
     for r in short.values():  # --quick: 2 problems, 32 new tokens each
         assert r["requests"] == 2 and r["new_tokens"] == 64 and r["tokens_per_s"] > 0 and r["prefill_s"] > 0
@@ -56,32 +64,40 @@ def test_random_models_in_a_weight_format(tmp_path):
     """--weights with --random: the random pair's matmuls in that format (what make gpu-check's int4 rows read),
     the report's bytes a forward its; auto, which measures files, is refused in one line."""
     out = tmp_path / "bench.json"
-    report = bench.main(["--quick", "--random", "tiny:tiny", "--weights", "int4", "--methods", "ar,smc", "--prompt-len",
-                         "8", "--grid", "2x2", "--threads", "1", "--prompt-lengths", "", "--short-requests", "0",
-                         "--concurrency", "", "--out", str(out)])
+    report = bench.main(["speed", "--quick", "--random", "tiny:tiny", "--weights", "int4", "--methods", "ar,smc",
+                         "--prompt-len", "8", "--grid", "2x2", "--threads", "1", "--out", str(out)])
     m = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.float32, 1, weights="int4")
     assert isinstance(m.layers[0].w2, bench.model.Quantized) and m.embed.dtype == bench.torch.bfloat16
     bf16 = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.bfloat16, 1)
     assert report["models"]["target"]["weight_bytes_read_per_forward"] == m.weight_bytes() < bf16.weight_bytes()
     assert {r["method"] for r in report["speed"]} == {"ar", "smc"} and report["settings"]["weights"] == "int4"
     with pytest.raises(SystemExit):
-        bench.parse(["--random", "tiny:tiny", "--weights", "auto"])
+        bench.parse(["speed", "--random", "tiny:tiny", "--weights", "auto"])
 
 
-def test_lengths_and_short_requests_are_skippable(tmp_path):
+def test_report_prints_the_tables_of_a_report_again(tmp_path, capsys):
+    """`report` reads any bench.py JSON and prints its tables as the subcommand printed them."""
     out = tmp_path / "bench.json"
-    report = bench.main(["--quick", "--random", "tiny:tiny", "--methods", "ar", "--prompt-len", "8", "--threads", "1",
-                         "--prompt-lengths", "", "--short-requests", "0", "--out", str(out)])
+    report = bench.main(["speed", "--quick", "--random", "tiny:tiny", "--methods", "ar", "--prompt-len", "8",
+                         "--threads", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
     assert "lengths" not in report and "short_requests" not in report and report["speed"]
+    assert report["command"] == "speed" and report["settings"]["out"] == str(out)
+    bench.main(["report", str(out)])
+    again = capsys.readouterr().out
+    assert bench.speed_table(report["speed"], report["copy_bandwidth_gbs"]) in printed
+    assert bench.speed_table(report["speed"], report["copy_bandwidth_gbs"]) in again
+    assert again.startswith(bench.machine_line(report["machine"]))
+    assert bench.parse(["speed"]).out == "bench-speed.json"
 
 
 def test_batches_at_each_concurrency(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    report = bench.main(["--random", "tiny:tiny", "--prompt-len", "8", "--methods", "ar,sd,smc", "--grid", "",
-                         "--prompt-lengths", "", "--short-requests", "0", "--concurrency", "1,2,3",
-                         "--new-tokens", "8", "--repeats", "2", "--threads", "1", "--out", str(out)])
+    report = bench.main(["batch", "--random", "tiny:tiny", "--prompt-len", "8", "--methods", "ar,sd,smc",
+                         "--concurrency", "1,2,3", "--new-tokens", "8", "--repeats", "2", "--threads", "1", "--out",
+                         str(out)])
     assert "| R | method | N | K | total tok/s |" in capsys.readouterr().out
-    assert "speed" not in report and "phases" not in report  # --grid "": no speed table
+    assert "speed" not in report and "phases" not in report and "overlap_phases" not in report
     rows = {(r["R"], r["method"]): r for r in json.loads(out.read_text())["batch"]}
     assert set(rows) == {(R, method) for R in (1, 2, 3) for method in ("ar", "sd", "smc")}
     assert (rows[1, "smc"]["N"], rows[1, "smc"]["K"]) == (3, 2)  # the engine's default cell on a CPU
@@ -96,9 +112,9 @@ def test_batches_at_each_concurrency(tmp_path, capsys):
 
 def test_overlap_rows_beside_the_plain_ones_and_the_phase_split(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    report = bench.main(["--random", "tiny:tiny", "--prompt-len", "8", "--grid", "", "--prompt-lengths", "",
-                         "--short-requests", "0", "--methods", "ar,sd,smc,sd+overlap,smc+overlap", "--concurrency",
-                         "1,2", "--new-tokens", "8", "--repeats", "1", "--threads", "1", "--out", str(out)])
+    report = bench.main(["batch", "--random", "tiny:tiny", "--prompt-len", "8", "--methods",
+                         "ar,sd,smc,sd+overlap,smc+overlap", "--concurrency", "1,2", "--new-tokens", "8", "--repeats",
+                         "1", "--threads", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "| x plain | tok/s per request |" in printed and "| run | slots per phase | threads per phase |" in printed
     saved = json.loads(out.read_text())
@@ -106,7 +122,8 @@ def test_overlap_rows_beside_the_plain_ones_and_the_phase_split(tmp_path, capsys
     assert set(rows) == {(1, m) for m in ("ar", "sd", "smc")} | {(2, m) for m in ("ar", "sd", "smc", "sd+overlap",
                                                                                  "smc+overlap")}
     for method in ("sd", "smc"):
-        plain, overlap = rows[2, method], rows[2, method + "+overlap"]
+        plain = rows[2, method]
+        overlap = rows[2, method + "+overlap"]
         assert (overlap["N"], overlap["K"], overlap["new_tokens"]) == (plain["N"], plain["K"], 16)
         assert overlap["tokens_per_s_vs_plain"] == pytest.approx(overlap["tokens_per_s"] / plain["tokens_per_s"])
         assert overlap["mean_latency_s_vs_plain"] == pytest.approx(overlap["mean_latency_s"] / plain["mean_latency_s"])
@@ -124,11 +141,13 @@ def test_overlap_rows_beside_the_plain_ones_and_the_phase_split(tmp_path, capsys
         assert half["cycle_ms"] == pytest.approx(2 * (half["draft_ms"] + half["verify_ms"]))
         assert bound["cycle_ms"] == pytest.approx(2 * max(half["draft_ms"], half["verify_ms"]))
         assert both["speed_vs_plain"] == pytest.approx(plain["cycle_ms"] / both["cycle_ms"])
-    args = bench.parse(["--methods", "ar,sd+overlap,smc+overlap"])
+    args = bench.parse(["batch", "--methods", "ar,sd+overlap,smc+overlap"])
     assert bench.configs(args, [(2, 2)]) == [("ar", 1, 1)]  # the other sections leave overlap out
     assert bench.configs(args, [(2, 2)], overlap=True) == [("ar", 1, 1), ("sd+overlap", 1, 4), ("smc+overlap", 2, 2)]
     with pytest.raises(SystemExit):
-        bench.parse(["--methods", "ar+overlap"])
+        bench.parse(["batch", "--methods", "ar+overlap"])
+    with pytest.raises(SystemExit):
+        bench.parse(["speed", "--methods", "smc+overlap"])  # one request at a time: no halves
 
 
 class Chars:
@@ -146,16 +165,15 @@ class Chars:
 
 
 def test_racer_rows_on_a_refactor_request_and_fresh_code(tmp_path, capsys, monkeypatch):
-    load = bench.load_engines
+    load = bench.load_pair
 
     def with_tokenizer(args, device, world=1):
-        e, _, _ = load(args, device, world)
+        e, _ = load(args, device, world)
         e.tokenizer = Chars()
-        return e, None, None
-    monkeypatch.setattr(bench, "load_engines", with_tokenizer)
+        return e, None
+    monkeypatch.setattr(bench, "load_pair", with_tokenizer)
     out = tmp_path / "bench.json"
-    bench.main(["--random", "tiny:tiny", "--grid", "", "--prompt-lengths", "", "--short-requests", "0",
-                "--concurrency", "", "--racer-trees", "0,4", "--sd-draft-len", "3", "--new-tokens", "12",
+    bench.main(["racer", "--random", "tiny:tiny", "--trees", "0,4", "--sd-draft-len", "3", "--new-tokens", "12",
                 "--repeats", "2", "--threads", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "| prompt | method | draft | tree nodes | K | tok/s | x ar | x sd | accepted/cycle |" in printed
@@ -176,17 +194,20 @@ def test_racer_rows_on_a_refactor_request_and_fresh_code(tmp_path, capsys, monke
 
 
 def test_racer_shares_the_loaded_target_and_its_tokenizer():
-    e, _, _ = bench.load_engines(bench.parse(["--random", "tiny:tiny"]), bench.torch.device("cpu"))
+    e, _ = bench.load_pair(bench.parse(["racer", "--random", "tiny:tiny"]), bench.torch.device("cpu"))
     e.tokenizer = Chars()
     r = bench.racer_engine(e)
     assert r.racer and r.target is e.target and r.draft is None and r.tokenizer is e.tokenizer
     assert r.generate(r.encode("def f(x):"), method="sd", draft_len=2, tree=3, max_new_tokens=6).text
     class Texts:  # encode as the identity: the prompts' text
         encode = staticmethod(lambda text: text)
-    prompts, problems = bench.racer_prompts(Texts), quality.load_problems()
+    prompts = bench.racer_prompts(Texts)
+    problems = quality.load_problems()
     assert prompts["fresh"] == problems[3]["prompt"] and prompts["refactor"].startswith(problems[5]["prompt"])
     assert "docstring kept word for word" in prompts["refactor"]
-    assert bench.parse([]).racer_trees == [0, 8, 16] and bench.parse(["--quick"]).racer_trees == [0]
+    assert bench.parse(["racer"]).trees == [0, 8, 16] and bench.parse(["racer", "--quick"]).trees == [0]
+    with pytest.raises(SystemExit, match="racer drafts from text"):
+        bench.main(["racer", "--random", "tiny:tiny", "--out", os.devnull])
 
 
 def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
@@ -195,9 +216,8 @@ def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
                                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
     bench.torch.manual_seed(0)
     target = transformers.LlamaForCausalLM(config).eval()
-    args = bench.parse(["--concurrency", "1,2", "--new-tokens", "6", "--repeats", "1"])
-    rows = bench.batch_peer(target, [[5, 6, 7], [8, 9]], 0, [0], args)
-    assert [(r["R"], r["method"]) for r in rows] == [(1, bench.HF_GENERATE), (2, bench.HF_GENERATE)]
+    rows = bench.peers.hf_batch_rows(target, [[5, 6, 7], [8, 9]], 0, [0], bench.TEMPERATURE, [1, 2], 6, 1)
+    assert [(r["R"], r["method"]) for r in rows] == [(1, bench.peers.HF_GENERATE), (2, bench.peers.HF_GENERATE)]
     for r in rows:  # token 0 is both the pad and the EOS: a row counts only its tokens before it
         assert 0 < r["new_tokens"] <= 6 * r["R"] and r["tokens_per_s"] > 0
         assert r["mean_latency_s"] == r["max_latency_s"] == r["seconds"]
@@ -206,15 +226,15 @@ def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
 def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     """The llama.cpp peer runs a model's GGUF file: the path itself, or the file a weights/ directory came from,
     beside it; a model without one has no row. Its runs need llama-cpp-cffi, which is not a test requirement."""
-    (tmp_path / "converted").mkdir(), (tmp_path / "converted.gguf").write_bytes(b""), (tmp_path / "alone").mkdir()
-    assert bench.gguf_of(str(tmp_path / "converted") + "/") == str(tmp_path / "converted.gguf")
-    assert bench.gguf_of(str(tmp_path / "alone")) is None and bench.gguf_of(str(tmp_path / "x.gguf")) is None
+    (tmp_path / "converted").mkdir()
+    (tmp_path / "converted.gguf").write_bytes(b"")
+    (tmp_path / "alone").mkdir()
+    assert peers.gguf_of(str(tmp_path / "converted") + "/") == str(tmp_path / "converted.gguf")
+    assert peers.gguf_of(str(tmp_path / "alone")) is None and peers.gguf_of(str(tmp_path / "x.gguf")) is None
     pytest.importorskip("llama.llama_cpp")
-    sys.path.insert(0, os.path.join(os.path.dirname(bench.__file__), "weights"))
-    import fetch
     gguf = fetch.fetch_gguf("smollm2-135m-instruct")
-    args = bench.parse(["--new-tokens", "5", "--repeats", "2"])
-    rows = bench.llama_cpp_peer((str(tmp_path / "alone"), gguf), {"code": [1, 2, 3], "prose": [4]}, args)
+    rows = peers.llama_cpp_rows((str(tmp_path / "alone"), gguf), {"code": [1, 2, 3], "prose": [4]},
+                                bench.TEMPERATURE, 5, 2)
     assert [(r["prompt"], r["method"]) for r in rows] == \
         [(p, "llama.cpp ar, the target (smollm2-135m-instruct.gguf)") for p in ("code", "prose")]
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
@@ -222,14 +242,12 @@ def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
 
 def test_transformers_peers_read_a_gguf_pair_through_its_converted_directory(tmp_path):
     """transformers cannot read the engine's default pair (GGUF files): the peers convert a file once, beside it."""
-    sys.path.insert(0, os.path.join(os.path.dirname(bench.__file__), "weights"))
-    import fetch
+    pytest.importorskip("transformers")
     os.symlink(fetch.fetch_gguf("smollm2-135m-instruct"), gguf := str(tmp_path / "small.gguf"))
-    args = bench.parse([])
-    target, draft = bench.peer_models((gguf, gguf), args)
+    target, draft = peers.hf_models((gguf, gguf), bench.torch.bfloat16)
     made = os.path.getmtime(tmp_path / "small" / "model.safetensors")
     assert target.config.vocab_size == draft.config.vocab_size == model.open_weights(gguf)[0].vocab_size
-    bench.peer_models((gguf, str(tmp_path / "small")), args)
+    peers.hf_models((gguf, str(tmp_path / "small")), bench.torch.bfloat16)
     assert os.path.getmtime(tmp_path / "small" / "model.safetensors") == made  # converted once
 
 
@@ -242,7 +260,7 @@ def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, mo
     pair = bench.engine.Engine(path, path, "cpu", "auto").load()
     other = "float32" if pair.weights != "float32" else "bf16"
     monkeypatch.setattr(bench.decode, "choose_weights", lambda e, shape: ((other, other), "weights: " + other))
-    args = bench.parse(["--weights", "auto", "--methods", "ar,sd", "--new-tokens", "4", "--repeats", "1"])
+    args = bench.parse(["speed", "--weights", "auto", "--methods", "ar,sd", "--new-tokens", "4", "--repeats", "1"])
     ar = bench.ar_engine(pair, (path, path), args)
     assert ar.weights == other and ar.draft is None and ar.target.embed.dtype == bench.model.FORMATS[other]
     rows = bench.speed(pair, {"code": [5, 6, 7]}, args, ar)
@@ -251,7 +269,7 @@ def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, mo
     assert rows[0]["gb_per_cycle"] == pytest.approx(ar.target.weight_bytes() / 1e9, rel=0.2)  # ar's own bytes
     assert f"| code | ar ({other}) |" in bench.speed_table(rows, 1.0)
     given = bench.engine.Engine(path, path, "cpu", "bf16").load()
-    assert bench.ar_engine(given, (path, path), bench.parse(["--weights", "bf16"])) is given
+    assert bench.ar_engine(given, (path, path), bench.parse(["speed", "--weights", "bf16"])) is given
 
 
 def test_long_prompts_are_real_code_cut_to_length():
@@ -265,7 +283,8 @@ def test_long_prompts_are_real_code_cut_to_length():
 
 
 def test_bytes_per_cycle_counts_each_forward_once():
-    e, _, _ = bench.load_engines(bench.parse(["--random", "tiny:tiny", "--device", "cpu"]), bench.torch.device("cpu"))
+    e, _ = bench.load_pair(bench.parse(["speed", "--random", "tiny:tiny", "--device", "cpu"]),
+                           bench.torch.device("cpu"))
     ar = bench.bytes_per_cycle(e, "ar", 1, 1, prompt_len=0, new_tokens=0)
     assert ar == e.target.weight_bytes()
     smc = bench.bytes_per_cycle(e, "smc", 4, 3, prompt_len=0, new_tokens=0)
@@ -286,7 +305,11 @@ def test_body_complete(text, complete):
 def test_help_describes_the_benchmark_in_full(capsys):
     with pytest.raises(SystemExit):
         bench.parse(["--help"])
-    assert "and pass@1 and the target's log-probability on HumanEval." in " ".join(capsys.readouterr().out.split())
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "as markdown" in printed and all(name in printed for name in [*bench.COMMANDS, "report"])
+    with pytest.raises(SystemExit):
+        bench.parse(["quality", "--help"])
+    assert "pass@1 and the target's log-probability" in " ".join(capsys.readouterr().out.split())
 
 
 def test_under_torchrun_rank_zero_reports(tmp_path):
@@ -295,9 +318,9 @@ def test_under_torchrun_rank_zero_reports(tmp_path):
     out = tmp_path / "tp.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py"), "--quick", "--random", "tiny:tiny2", "--prompt-len", "8",
-                          "--grid", "2x2", "--threads", "1", "--prompt-lengths", "", "--concurrency", "",
-                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+                          os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py"),
+                          "speed", "--quick", "--random", "tiny:tiny2", "--prompt-len", "8", "--grid", "2x2",
+                          "--threads", "1", "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["tensor_parallel"] == 2 and {r["method"] for r in report["speed"]} == {"ar", "sd", "smc"}
@@ -306,7 +329,8 @@ def test_under_torchrun_rank_zero_reports(tmp_path):
 
 def test_target_logprobs_score_each_continuation_as_one_forward_would():
     m = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.float32, seed=3)
-    prompt, continuations = [1, 2, 3], [[4, 5, 6], [7], []]
+    prompt = [1, 2, 3]
+    continuations = [[4, 5, 6], [7], []]
     got = bench.target_logprobs(m, prompt, continuations, temperature=0.7)
     for tokens, mean in zip(continuations[:2], got):
         ids = bench.torch.tensor(prompt + tokens)
@@ -336,15 +360,16 @@ def stub_logprobs(m, prompt, continuations):
 
 
 class StubPair:
-    target, encode = None, staticmethod(lambda text: [0])
+    target = None
+    encode = staticmethod(lambda text: [0])
 
 
 def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
     """pass@1 and the target's log-probability, paired per problem, from stub completions."""
     monkeypatch.setattr(bench, "completions", stub_completions(quality.load_problems()[:4]))
     monkeypatch.setattr(bench, "target_logprobs", stub_logprobs)
-    args = bench.parse(["--problem-set", "ours", "--problems", "4", "--samples", "2", "--methods", "ar,smc,draft",
-                        "--smc-cells", "3x2", "--lag", "0"])
+    args = bench.parse(["quality", "--problem-set", "ours", "--problems", "4", "--samples", "2", "--methods",
+                        "ar,smc,draft", "--smc-cells", "3x2", "--lag", "0"])
     *_, out = bench.pass_rates(StubPair(), "draft", args)
     assert list(out) == ["ar", "smc 3x2", "draft alone"] and out["ar"]["problems"] == 4
     assert out["ar"]["pass_at_1"] == 1.0 and out["draft alone"]["pass_at_1"] == 0.0
@@ -353,8 +378,8 @@ def test_quality_pairs_every_method_with_ar_and_the_draft_alone(monkeypatch):
     assert out["smc 3x2"]["shift_of_draft"] == pytest.approx(0.5) and out["smc 3x2"]["tokens_per_cycle"] == 2
     assert "| smc 3x2 | 0.500 ± 0.289 | -0.500 ± 0.289 | -2.000 ± 0.000 | -1.000 ± 0.000 | 0.50 ± 0.00 |" in \
         bench.quality_table(out)
-    lags = bench.quality_runners(StubPair(), "draft", bench.parse(["--methods", "smc", "--smc-cells", "3x2,4x4",
-                                                                   "--lag", "4,0,32"]))
+    lags = bench.quality_runners(StubPair(), "draft", bench.parse(["quality", "--methods", "smc", "--smc-cells",
+                                                                   "3x2,4x4", "--lag", "4,0,32"]))
     assert {k: v[-1] for k, v in lags.items()} == {"smc 3x2": {"lag": 0}, "smc 4x4": {"lag": 0},  # not the default 16
                                                    "smc 3x2 lag 4": {"lag": 4}, "smc 3x2 lag 32": {"lag": 32}}
 
@@ -365,8 +390,8 @@ def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "completions", stub_completions(quality.load_problems()[:4]))
     monkeypatch.setattr(bench, "target_logprobs", stub_logprobs)
     out = tmp_path / "q.json"
-    flags = ["--problem-set", "ours", "--samples", "1", "--methods", "ar,smc,draft", "--smc-cells", "3x2", "--lag", "0",
-             "--out", str(out)]
+    flags = ["quality", "--problem-set", "ours", "--samples", "1", "--methods", "ar,smc,draft", "--smc-cells", "3x2",
+             "--lag", "0", "--out", str(out)]
     *_, whole = bench.pass_rates(StubPair(), "draft", bench.parse(flags + ["--problems", "4"]))
     whole = json.loads(json.dumps(whole))
     first = bench.parse(flags + ["--problems", "1"])
@@ -385,9 +410,9 @@ def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit, match="--resume: lag differ from the run in"):
         bench.resumed(bench.parse(flags[:-2] + ["--lag", "16", "--out", str(out), "--resume"]))
     with pytest.raises(SystemExit, match="--resume: samples differ from the run in"):
-        bench.resumed(bench.parse(flags[:2] + ["--samples", "2"] + flags[4:] + ["--resume"]))
+        bench.resumed(bench.parse(flags[:3] + ["--samples", "2"] + flags[5:] + ["--resume"]))
     with pytest.raises(SystemExit, match="--resume needs a quality run's report in --out"):
-        bench.resumed(bench.parse(["--out", str(tmp_path / "missing.json"), "--resume"]))
+        bench.resumed(bench.parse(["quality", "--out", str(tmp_path / "missing.json"), "--resume"]))
 
 
 def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
@@ -395,7 +420,8 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
     the unquantized target itself (no divergence), and bf16's greedy text is its own reference."""
     from test_model import save_tiny
     save_tiny("qwen2", str(tmp_path))
-    prompts, tokens = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 6
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    tokens = 6
     out = bench.format_report(str(tmp_path), prompts, ["float32", "int8", "int4"], tokens, "cpu")
     assert list(out) == ["bf16", "float32", "int8", "int4"]
     assert out["bf16"]["first_difference"] == [len(t) for t in out["bf16"]["greedy"]] and out["bf16"]["identical"] == 3
@@ -410,6 +436,6 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
         assert all(0 <= d <= tokens for d in f["first_difference"])
     assert "| int4 |" in bench.format_table(out)
     with pytest.raises(SystemExit):
-        bench.parse(["--formats", "int9"])
+        bench.parse(["formats", "--formats", "int9"])
     with pytest.raises(SystemExit):
-        bench.parse(["--formats", "int8", "--random", "tiny:tiny"])
+        bench.parse(["formats", "--formats", "int8", "--random", "tiny:tiny"])

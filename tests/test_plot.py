@@ -79,9 +79,8 @@ def test_sd_trace_draws_acceptance_and_ar_is_refused(pair, tmp_path, capsys):
 def test_bench_pictures(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     report = tmp_path / "bench.json"
-    bench.main(["--quick", "--random", "tiny:tiny", "--prompt-len", "8", "--grid", "2x2,4x2,4x4", "--new-tokens",
-                "8", "--threads", "1", "--prompt-lengths", "", "--short-requests", "0", "--concurrency", "",
-                "--skip-quality", "--out", str(report)])
+    bench.main(["speed", "--quick", "--random", "tiny:tiny", "--prompt-len", "8", "--grid", "2x2,4x2,4x4",
+                "--new-tokens", "8", "--threads", "1", "--out", str(report)])
     assert plot.main([str(report), "--out", str(tmp_path / "pictures")]) == 0
     for name in ("roofline.png", "grid.png"):
         check_png(tmp_path / "pictures" / name)
