@@ -769,13 +769,13 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = [r | {"top_p": 1.0} for r in mixed_requests(method)] + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
     alone = [e.generate(**(options | r)) for r in requests]  # one shape: top-p would make a batch of its own
-    rounds, run = [], engine.Batch.run
+    rounds, run = [], engine.Batch.run_phase
     phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
     def traced(batch, fn):
         rounds.append((threading.get_ident(), id(batch), phases[fn]))
         return run(batch, fn)
-    monkeypatch.setattr(engine.Batch, "run", traced)
+    monkeypatch.setattr(engine.Batch, "run_phase", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     halves = sorted({b for _, b, _ in rounds})
@@ -949,7 +949,7 @@ def test_idle_batches_are_dropped():
     for method in ("sd", "smc", "ar"):
         inbox.put(e.request(PROMPT, method=method, max_new_tokens=6, on_done=done.append))
         with torch.inference_mode():
-            for _ in sched.serving(inbox, True):
+            for _ in sched.rounds(inbox, True):
                 batches.append({s.method for s in sched.batches})
     assert len(done) == 3 and all(r.stats["stop"] == "length" for r in done)
     assert all(len(b) <= 1 for b in batches) and not sched.batches
