@@ -1338,6 +1338,22 @@ def test_cli_help_describes_the_program_in_full(capsys):
     assert "from the command line or from Python." in " ".join(capsys.readouterr().out.split())
 
 
+def test_cli_options_derive_from_settings_and_say_their_defaults(capsys):
+    """Settings is the one source of the CLI's defaults, types and choices; --help says each default and, for
+    --method, when to choose each method."""
+    args = engine.parser().parse_args([])
+    assert {name: getattr(args, name) for name in engine.command_line_settings()} == \
+        {name: getattr(engine.Settings(), name) for name in engine.command_line_settings()}
+    assert engine.parser().parse_args(["--no-cuda-graphs", "--easd", "2,3,0.5"]).cuda_graphs is False
+    with pytest.raises(SystemExit):
+        engine.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{method}: {when}" in text for method, when in engine.WHEN.items())
+    assert "(default 64)" in text and "(default 0.7)" in text and "(default 16)" in text
+    with pytest.raises(engine.UsageError, match=r"unknown select 'best' \(choose from sample, argmax\)"):
+        engine.Settings(select="best").check()
+
+
 def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
     """If one half's phase raises, the other half's phase, running beside it, ends before the error is raised:
     nothing is left running on the batch's tensors."""
