@@ -264,7 +264,7 @@ class Request:
         self.settings = settings
         self.shape = shape
         self.capacity = capacity  # the suffix a slot needs: the new tokens and a draft block
-        self.stop = list(stop)
+        self.stop_strings = list(stop)
         self.tokenizer = tokenizer
         self.ends = ends  # the EOS ids and the pad
         self.drafter = drafter  # racer's Retrieval, or None
@@ -286,7 +286,7 @@ class Request:
         """Thread-safe: the request ends at its batch's next round, with stats["stop"] = "cancelled"."""
         self.cancelled = True
 
-    def stats(self, tokens, stop):
+    def stats(self, tokens, why):
         """The statistics every request has (its method's own: `decode.method_stats`)."""
         new = len(until_eos(tokens, self.ends))
         seconds = 0.0
@@ -295,11 +295,11 @@ class Request:
         tokens_per_s = 0.0
         if seconds > 0:
             tokens_per_s = round(new / seconds, 2)
-        if not stop:
-            stop = "eos" if new < len(tokens) else "length"
+        if not why:
+            why = "eos" if new < len(tokens) else "length"
         return {"method": self.settings.method, "prompt_tokens": len(self.ids), "new_tokens": new,
                 "seconds": round(seconds, 4), "prefill_seconds": round(self.prefill_seconds, 4),
-                "streamed": min(self.streamed, new), "tokens_per_s": tokens_per_s, "cycles": self.cycles, "stop": stop}
+                "streamed": min(self.streamed, new), "tokens_per_s": tokens_per_s, "cycles": self.cycles, "stop": why}
 
     def release(self, tokens):
         """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request, else None."""
@@ -308,7 +308,7 @@ class Request:
         if self.on_tokens and self.on_tokens(tokens):
             self.streamed = len(self.settled)
             return "stopped"
-        if self.tokenizer and (self.on_text or self.stop):
+        if self.tokenizer and (self.on_text or self.stop_strings):
             text, cut = self.cut(self.tokenizer.decode(tokens))
             self.show(text, final=cut)
             if cut:
@@ -317,7 +317,7 @@ class Request:
 
     def cut(self, text):
         """-> (text before the first stop string, whether there was one)."""
-        found = [text.find(string) for string in self.stop if string]
+        found = [text.find(string) for string in self.stop_strings if string]
         found = [at for at in found if at >= 0]
         if not found:
             return text, False
@@ -340,7 +340,7 @@ class Request:
 
     def stop_prefix(self, text):
         """The length of text's longest tail that begins a stop string."""
-        tails = [k for string in self.stop for k in range(1, len(string)) if text.endswith(string[:k])]
+        tails = [k for string in self.stop_strings for k in range(1, len(string)) if text.endswith(string[:k])]
         return max(tails, default=0)
 
     def finish(self, tokens, stats):
@@ -433,9 +433,9 @@ class Batch:
                 if req.on_cycle:
                     req.on_cycle(self, r)
 
-    def collect(self, stop=None):
+    def collect(self, reason=None):
         """Read every slot's flags and the history's new part (the host's one read of a round), pass settled
-        tokens on, end the requests that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
+        tokens on, end the requests that are done, cancelled, or (reason given, e.g. "interrupted") all of them."""
         busy = [(r, req) for r, req in enumerate(self.requests) if req]
         if not busy:
             return
@@ -450,7 +450,7 @@ class Batch:
             done, count, degenerate, length = flags[r]
             if req.drafter:
                 req.drafter.update(rows[r][req.drafter.seen - lo:length - lo], zip(cues[0][r], cues[1][r]), req.cycles)
-            why = stop
+            why = reason
             if not why and degenerate:
                 why = "degenerate"
             elif not why and req.cancelled:
@@ -458,14 +458,14 @@ class Batch:
             count = min(count, req.settings.max_new_tokens)
             if why is None and count > len(req.settled):
                 why = req.release(rows[r][len(req.settled) - lo:count - lo])
-            if why is None and not done and req.stop and self.shape.particles > 1:
+            if why is None and not done and req.stop_strings and self.shape.particles > 1:
                 done = self.stop_particles(r, req, length)
             if why or done:
-                self.end(r, req, why)
+                self.finish_slot(r, req, why)
             else:
                 req.streamed = len(req.settled)
 
-    def end(self, r, req, why):
+    def finish_slot(self, r, req, why):
         """Finish slot r's request: with what settled when `why` ends it early, else with its returned particle."""
         if why:
             tokens = req.settled
@@ -542,10 +542,10 @@ class Pair:
     def admit(self, req):
         return any(not d and h.admit(req) for h, d in zip(self.halves, self.drafted))
 
-    def collect(self, stop=None):
+    def collect(self, reason=None):
         for h, d in zip(self.halves, self.drafted):
-            if stop or not d:
-                h.collect(stop)
+            if reason or not d:
+                h.collect(reason)
 
     def run_half(self, half, phase):
         """half's phase, on a pool thread."""
@@ -706,7 +706,7 @@ class Scheduler:
         running = []
         for b in self.batches.values():
             if error is None:
-                b.collect(stop=why)
+                b.collect(why)
             running += [req for req in b.requests if req]
             b.close()
         self.end(running + self.waiting, why, error)
@@ -1170,10 +1170,10 @@ def main(argv=None):
         print()
         if not rank:
             print(summary(results[0].stats), file=sys.stderr)
-    stop = results[0].stats["stop"]
-    if stop == "interrupted":
+    ending = results[0].stats["stop"]
+    if ending == "interrupted":
         sys.exit(130)
-    if stop == "degenerate" and not batch:  # a batch reports it in its JSON lines
+    if ending == "degenerate" and not batch:  # a batch reports it in its JSON lines
         fail(rank, "smc stopped: no particle kept a positive weight, or one is NaN (the models' log-probabilities "
              "are not finite); the text above is what had settled")
 
