@@ -219,7 +219,7 @@ class Worker:
         self.post(self.inbox.put, None)  # via the loop: safe from a signal handler, which may interrupt a put
 
 
-def failure(result):
+def error_of(result):
     """(status, message) of a request that ended without an answer, else None."""
     if result.stats["stop"] == "error":
         return 500, result.stats["error"]
@@ -253,8 +253,8 @@ async def completions(request):
     result = await until_done(request, req, events)
     if result is None:
         return Response(status_code=499)  # the client has gone: nobody reads this
-    if failure(result):
-        raise ApiError(*failure(result), kind="server_error")
+    if error_of(result):
+        raise ApiError(*error_of(result), kind="server_error")
     if chat:
         part = {"message": {"role": "assistant", "content": result.text}}
     else:
@@ -295,8 +295,8 @@ async def sse(req, events, head, chat, include_usage):
             yield chunk({"role": "assistant", "content": ""})
         while isinstance(result := await events.get(), str):
             yield chunk({"content": result} if chat else result)
-        if failure(result):
-            yield data(error_body(failure(result)[1], kind="server_error"))
+        if error_of(result):
+            yield data(error_body(error_of(result)[1], kind="server_error"))
         else:
             yield chunk({} if chat else "", finish_reason(result), stats=result.stats)
             if include_usage:
