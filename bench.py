@@ -90,11 +90,6 @@ def machine_line(m):
     return f"{cpu}: {m['cores']} cores, {m['threads']} threads, {flags}; torch {m['torch']}"
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def copy_bandwidth(device, repeats=5):
     """GB/s of a large tensor copy (bytes read + written), the best of a few: the machine's practical
     memory bandwidth, measured in the same process as the decoding it is set against."""
@@ -105,10 +100,10 @@ def copy_bandwidth(device, repeats=5):
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        engine.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        synchronize(device)
+        engine.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.nbytes / best / 1e9
 
@@ -346,10 +341,10 @@ def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
     best = math.inf
     for _ in range(repeats):
         cache.suffix_len.fill_(suffix)
-        synchronize(m.device)
+        engine.synchronize(m.device)
         start = time.perf_counter()
         m.step(tokens, cache)
-        synchronize(m.device)
+        engine.synchronize(m.device)
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
 

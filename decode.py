@@ -409,7 +409,7 @@ def graphs(shape, device):
 
 def prefill_slot(e, st, shape, r, req):
     """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
-    s, N = req.s, shape.particles
+    s, N = req.settings, shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
     logits = e.target.prefill(prompt, st.tcache, r)  # [V]
     st.rng[r] = torch.tensor([s.seed, 0])
@@ -457,7 +457,7 @@ def pick(st, r, select):
 
 def method_stats(st, r, req):
     """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
-    s, cycles = req.s, max(req.cycles, 1)
+    s, cycles = req.settings, max(req.cycles, 1)
     if s.method in ("sd", "easd", "mdsd"):
         accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
         easd = {"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {}

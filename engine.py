@@ -1,22 +1,18 @@
 """Generation: autoregressive decoding (ar), speculative sampling (sd, mdsd, easd, racer drafts) and sequential
 Monte Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
-
-    python engine.py --prompt "def quicksort(xs):"                   # smc with the default pair in weights/
-    python engine.py --prompt-file prompts.jsonl --slots 4            # one JSON result per line
-    Engine("weights/qwen2.5-coder-1.5b-instruct.gguf", "weights/qwen2.5-coder-0.5b-instruct.gguf").generate("def f(x):")
-
-Top to bottom: Settings (a request's options) and Shape (a batch's key); Request; Batch and Pair (MineDraft's
-halves); the Scheduler; Engine (the models, the API); the CLI. decode.py is the device side. Each round cycles
-every busy batch, reads each slot's flags once, passes settled text on, refills finished slots (continuous batching)."""
+Top to bottom: Settings and their one check; Request; Batch and Pair; the Scheduler; Engine, the API; the CLI."""
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
 import queue
 import sys
 import time
+import typing
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -26,9 +22,25 @@ import racer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
-METHODS = ("smc", "sd", "mdsd", "easd", "ar")
+WHEN = {  # --method's help: when to choose each method
+    "smc": "approximate, for a GPU, where its particles come almost free",
+    "sd": "exact and usually fastest on a CPU",
+    "mdsd": "exact, N drafts a cycle, for a GPU",
+    "easd": "sd that draws from the target where both models are unsure",
+    "ar": "the target alone, the baseline",
+}
+METHODS = tuple(WHEN)
 EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-m, share of the top-m they share
+# Each method's (N, K) when not given: on a CPU every verify row costs compute, a GPU reads the weights once for all.
+SHAPES = {"cpu": {"ar": (1, 1), "sd": (1, 4), "easd": (1, 4), "mdsd": (3, 2), "smc": (3, 2)},
+          "gpu": {"ar": (1, 1), "sd": (1, 4), "easd": (1, 4), "mdsd": (4, 4), "smc": (4, 4)}}
+WEIGHTS = ("auto", *model.FORMATS)
+SLOTS = 4  # requests decoded together by a server, or by the CLI from a .jsonl file
+BATCH = 8  # the most prompts of one generate call decoded together, by default
+CONTEXT = 2048  # the tokens a server's slot holds, by default
 IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
+KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
+         tuple: "three numbers ENTROPY,TOP,SHARE (TOP an integer)"}
 
 
 class UsageError(Exception):
@@ -41,6 +53,12 @@ class UsageError(Exception):
 
 class DeviceFailed(Exception):
     """The device runs nothing more (a CUDA error poisons the context for every later call)."""
+
+
+def require(ok, message, param=None):
+    """A UsageError naming param, the option at fault, unless ok."""
+    if not ok:
+        raise UsageError(message, param)
 
 
 # ---------------------------------------------------------------- settings
@@ -61,105 +79,174 @@ class Shape:
     overlap: bool
 
 
-KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
-         tuple: "three numbers ENTROPY,TOP,SHARE (TOP an integer)"}
-OPTIONAL = {"draft_temperature": float, "target_temperature": float, "particles": int, "draft_len": int}
+def easd_rule(text):
+    """--easd's ENTROPY,TOP,SHARE -> (float, int, float)."""
+    try:
+        entropy, top, share = text.split(",")
+        return float(entropy), int(top), float(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ENTROPY,TOP,SHARE like 1.0,5,0.6, got {text!r}") from None
+
+
+def option(default, help, **keywords):
+    """A Settings field: its default, its --help and argparse's other keywords for it (choices, type, metavar);
+    api_only=True keeps it off the command line."""
+    return field(default=default, metadata={"help": help, **keywords})
+
+
+def defaults_on(method, index):
+    """method's default N (index 0) or K (1) on a CPU and on a GPU, in words."""
+    return f"{SHAPES['cpu'][method][index]} on a CPU, {SHAPES['gpu'][method][index]} on a GPU"
 
 
 @dataclass(frozen=True)
 class Settings:
-    """A request's options; `resolve` fills the defaults that depend on the device, `check` is the one validation
-    (command line, Python API, server), before any weight is read."""
-    method: str = "smc"
-    max_new_tokens: int = 64
-    temperature: float = 0.7  # both models, unless draft_temperature / target_temperature are given
-    draft_temperature: float | None = None
-    target_temperature: float | None = None
-    particles: int | None = None  # smc's N
-    draft_len: int | None = None  # K
-    ess_threshold: float = 0.5
-    lag: int = 16  # smc: collapse onto one particle past this many unsettled tokens (0: never; README, Results)
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    select: str = "sample"  # smc's returned particle: "sample" (in proportion to its weight) or "argmax"
-    cuda_graphs: bool = True
-    power: float = 1.0  # smc's target: the whole sequence's p ** power (normalised)
-    easd: tuple = EASD
-    tree: int = 0  # racer: draft tokens per cycle, a tree at most draft_len deep (0: a chain of draft_len)
-    overlap: bool = False  # MineDraft: two half-batches, one drafting while the other verifies
-
-    def resolve(self, device, chosen=None):
-        """Every default filled. (N, K): ar 1 x 1, sd 1 x 4; smc and mdsd 3 x 2 on a CPU, where every verify row
-        costs compute, 4 x 4 on a GPU, where it reads the weights once (the bench grid); chosen {method: (N, K)}
-        (auto's measured shapes) before those."""
-        many, t = (3, 2) if torch.device(device).type == "cpu" else (4, 4), self.temperature
-        n, k = (chosen or {}).get(self.method) or {"ar": (1, 1), "smc": many, "mdsd": many}.get(self.method, (1, 4))
-        n = self.particles if self.method in ("smc", "mdsd") and self.particles is not None else n
-        return replace(self, particles=n,
-                       draft_len=k if self.method == "ar" or self.draft_len is None else self.draft_len,
-                       draft_temperature=t if self.draft_temperature is None else self.draft_temperature,
-                       target_temperature=t if self.target_temperature is None else self.target_temperature)
-
-    def check(self, vocab=None, draft="model"):
-        """-> self, or a UsageError; draft: "model", "racer" or None; vocab: None while unknown. Types first, so
-        that a JSON "hot" is named, not compared."""
-        for f in fields(self):
-            value, kind = getattr(self, f.name), OPTIONAL.get(f.name, type(f.default))
-            number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa
-            ok = value is None and f.default is None or (
-                number(value) if kind is float else isinstance(value, (tuple, list)) and len(value) == 3 and
-                all(map(number, value)) and isinstance(value[1], int) if kind is tuple else
-                isinstance(value, kind) and (kind is bool or not isinstance(value, bool)))
-            if not ok:
-                raise UsageError(f"{f.name.replace('_', '-')} must be {KINDS[kind]}, got {value!r}", f.name)
-        s, vocab = self.resolve("cpu"), vocab or math.inf
-        entropy, top, share = s.easd
-        for param, ok, message in (
-                ("method", s.method in METHODS, f"unknown method {s.method!r} (choose from {', '.join(METHODS)})"),
-                ("method", s.method == "ar" or draft, f"method {s.method} needs a draft model (--draft)"),
-                ("temperature", min(s.draft_temperature, s.target_temperature) >= 0, "temperatures must be >= 0"),
-                ("temperature", s.method != "smc" or 0 not in (s.draft_temperature, s.target_temperature),
-                 "smc needs temperatures > 0 (greedy has no importance weights); use --method sd or --method ar"),
-                ("particles", s.particles >= 1, f"particles must be at least 1, got {s.particles}"),
-                ("draft_len", s.draft_len >= 1, f"draft-len must be at least 1, got {s.draft_len}"),
-                ("ess_threshold", 0 <= s.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got "
-                 f"{s.ess_threshold}"),
-                ("max_new_tokens", s.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got {s.max_new_tokens}"),
-                ("lag", s.lag >= 0, f"lag must be at least 0 tokens (0: no bound), got {s.lag}"),
-                ("top_k", 0 <= s.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {s.top_k}"),
-                ("top_p", 0 < s.top_p <= 1, f"top-p must lie in (0, 1], got {s.top_p}"),
-                ("seed", 0 <= s.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {s.seed}"),
-                ("top_k", s.method != "smc" or not (s.top_k or s.top_p < 1), "smc cannot honour top-k/top-p (its "
-                 "draft proposes tokens the restricted target forbids); use --method sd or --method ar with them"),
-                ("select", s.select in ("sample", "argmax"), f"select must be 'sample' or 'argmax', got {s.select!r}"),
-                ("power", s.power > 0 and (s.power == 1 or s.method == "smc"),
-                 f"power must be > 0 and is smc's (sd and ar sample the target itself), got {s.power}"),
-                ("tree", 0 <= s.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {s.tree}"),
-                ("easd", entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in "
-                 f"[1, {vocab}] (the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}"),
-                ("method", draft != "racer" or s.method in ("sd", "ar"), f"{s.method} needs a draft model's "
-                 "distribution, and racer drafts are deterministic tokens; use --method sd with --draft racer"),
-                ("tree", not s.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft racer"),
-                ("overlap", not s.overlap or draft == "model" and s.method != "ar", "overlap runs a draft model's "
-                 "drafting beside the target's verifying: use it with a draft model and any method but ar")):
-            if not ok:
-                raise UsageError(message, param)
-        return self
+    """A request's options, the one source of their defaults, types and choices (the CLI's and the server's flags
+    derive from these fields); `resolve` fills the defaults that depend on the device, `check` is the one check."""
+    method: str = option("smc", "; ".join(f"{method}: {when}" for method, when in WHEN.items()), choices=METHODS)
+    max_new_tokens: int = option(64, "the most tokens to generate")
+    temperature: float = option(0.7, "draft and target temperature; 0 = greedy")
+    draft_temperature: float | None = option(None, "the draft's temperature (default: --temperature)")
+    target_temperature: float | None = option(None, "the target's temperature (default: --temperature)")
+    particles: int | None = option(None, f"smc: particles N; mdsd: drafts N (default: {defaults_on('smc', 0)})")
+    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {SHAPES['cpu']['sd'][1]}; smc, "
+                                         f"mdsd {defaults_on('smc', 1)})")
+    ess_threshold: float = option(0.5, "smc: resample when ESS < this * N")
+    # A lag streams smc's text even where its weights never degenerate and so never resample.
+    lag: int = option(16, "smc: collapse onto one particle past this many unsettled tokens (0: never)")
+    top_k: int = option(0, "keep the k likeliest target tokens (0 = all)")
+    top_p: float = option(1.0, "keep the target's top-p nucleus")
+    seed: int = option(0, "the seed of every random draw")
+    select: str = option("sample", "smc's returned particle: drawn in proportion to its weight, or the heaviest",
+                         choices=("sample", "argmax"), api_only=True)
+    cuda_graphs: bool = option(True, "run every cycle eagerly, not as a CUDA graph's replay")
+    power: float = option(1.0, "smc: sample whole sequences from p ** power (normalised; > 1 sharper than the "
+                               "target)")
+    easd: tuple = option(EASD, "easd: reject the draft token where both models' entropies reach ENTROPY nats and their "
+                               "top-TOP tokens share SHARE x TOP, the token among them",
+                         type=easd_rule, metavar="ENTROPY,TOP,SHARE")
+    tree: int = option(0, "--draft racer: draft a tree of up to NODES tokens, at most --draft-len deep, verified in "
+                          "one forward (0: a chain)", metavar="NODES")
+    overlap: bool = option(False, "MineDraft: one half of the slots drafts while the other verifies")
 
     @classmethod
     def of(cls, options):
+        """Settings from a dict of options; an option that does not exist is a UsageError."""
         try:
             return cls(**options)
-        except TypeError as e:  # an option that does not exist
-            raise UsageError(str(e).replace("Settings.__init__() ", "")) from None
+        except TypeError as error:
+            raise UsageError(str(error).replace("Settings.__init__() ", "")) from None
+
+    def resolve(self, device, chosen=None):
+        """Every default filled; chosen {method: (N, K)} (auto's measured shapes) before SHAPES."""
+        kind = "cpu" if torch.device(device).type == "cpu" else "gpu"
+        particles, draft_len = (chosen or {}).get(self.method) or SHAPES[kind][self.method]
+        if self.method in ("smc", "mdsd") and self.particles is not None:
+            particles = self.particles
+        if self.method != "ar" and self.draft_len is not None:
+            draft_len = self.draft_len
+        draft_temperature = self.temperature if self.draft_temperature is None else self.draft_temperature
+        target_temperature = self.temperature if self.target_temperature is None else self.target_temperature
+        return replace(self, particles=particles, draft_len=draft_len, draft_temperature=draft_temperature,
+                       target_temperature=target_temperature)
+
+    def check(self, vocab=None, draft="model"):
+        """-> self, or a UsageError; draft: "model", "racer" or None; vocab: None while unknown."""
+        self.check_types()
+        self.resolve("cpu").check_values(vocab or math.inf, draft)
+        return self
+
+    def check_types(self):
+        """Each option's type and choices, first, so that a JSON "hot" is named, not compared."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            kind = kind_of(f)
+            require(has_kind(value, kind), f"{option_name(f.name)} must be {KINDS[kind]}, got {value!r}", f.name)
+            if "choices" in f.metadata:
+                choices = f.metadata["choices"]
+                require(value in choices, f"unknown {f.name} {value!r} (choose from {', '.join(choices)})", f.name)
+
+    def check_values(self, vocab, draft):
+        """The ranges, and the options that go together, of these resolved settings."""
+        method = self.method
+        greedy = 0 in (self.draft_temperature, self.target_temperature)
+        entropy, top, share = self.easd
+        require(method == "ar" or draft, f"method {method} needs a draft model (--draft)", "method")
+        require(min(self.draft_temperature, self.target_temperature) >= 0, "temperatures must be >= 0", "temperature")
+        require(method != "smc" or not greedy, "smc needs temperatures > 0 (greedy has no importance weights); use "
+                "--method sd or --method ar", "temperature")
+        require(self.particles >= 1, f"particles must be at least 1, got {self.particles}", "particles")
+        require(self.draft_len >= 1, f"draft-len must be at least 1, got {self.draft_len}", "draft_len")
+        require(0 <= self.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got {self.ess_threshold}",
+                "ess_threshold")
+        require(self.max_new_tokens >= 1, f"max-new-tokens must be at least 1, got {self.max_new_tokens}",
+                "max_new_tokens")
+        require(self.lag >= 0, f"lag must be at least 0 tokens (0: no bound), got {self.lag}", "lag")
+        require(0 <= self.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {self.top_k}", "top_k")
+        require(0 < self.top_p <= 1, f"top-p must lie in (0, 1], got {self.top_p}", "top_p")
+        require(0 <= self.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {self.seed}", "seed")
+        require(method != "smc" or not self.restricts(), "smc cannot honour top-k/top-p (its draft proposes tokens the "
+                "restricted target forbids); use --method sd or --method ar with them", "top_k")
+        require(self.power > 0 and (self.power == 1 or method == "smc"), "power must be > 0 and is smc's (sd and ar "
+                f"sample the target itself), got {self.power}", "power")
+        require(0 <= self.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {self.tree}", "tree")
+        require(entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in [1, {vocab}] "
+                f"(the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}", "easd")
+        require(draft != "racer" or method in ("sd", "ar"), f"{method} needs a draft model's distribution, and racer "
+                "drafts are deterministic tokens; use --method sd with --draft racer", "method")
+        require(not self.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft racer", "tree")
+        require(not self.overlap or draft == "model" and method != "ar", "overlap runs a draft model's drafting beside "
+                "the target's verifying: use it with a draft model and any method but ar", "overlap")
+
+    def restricts(self):
+        """Whether top-k or top-p restricts the target."""
+        return bool(self.top_k or self.top_p < 1)
 
     def shape(self, racer_drafts=False):
         """The batch key of these resolved settings."""
-        return Shape(self.method, self.particles, self.draft_len, self.ess_threshold if self.method == "smc" else
-                     0.0, self.power, tuple(self.easd) if self.method == "easd" else None,
-                     bool(self.top_k or self.top_p < 1), (self.tree or self.draft_len) if racer_drafts and
-                     self.method == "sd" else 0, self.cuda_graphs, self.overlap)
+        ess_threshold = 0.0
+        if self.method == "smc":
+            ess_threshold = self.ess_threshold
+        easd = None
+        if self.method == "easd":
+            easd = tuple(self.easd)
+        tree = 0
+        if racer_drafts and self.method == "sd":
+            tree = self.tree or self.draft_len
+        return Shape(method=self.method, particles=self.particles, draft_len=self.draft_len,
+                     ess_threshold=ess_threshold, power=self.power, easd=easd, restrict=self.restricts(), tree=tree,
+                     cuda_graphs=self.cuda_graphs, overlap=self.overlap)
+
+
+def option_name(name):
+    """A Settings field's name as its command-line option says it: draft-len."""
+    return name.replace("_", "-")
+
+
+def kind_of(f):
+    """The type of Settings field f's values (int for `int | None`)."""
+    kinds = [kind for kind in typing.get_args(f.type) if kind is not type(None)]
+    if kinds:
+        return kinds[0]
+    return f.type
+
+
+def is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def has_kind(value, kind):
+    """Whether value is of kind: JSON's true is no number, and easd's rule is three numbers, TOP an integer."""
+    if kind is float:
+        return is_number(value)
+    if kind is tuple:
+        numbers = isinstance(value, (tuple, list)) and len(value) == 3 and all(map(is_number, value))
+        return numbers and isinstance(value[1], int)
+    if kind is bool:
+        return isinstance(value, bool)
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------- requests
@@ -171,42 +258,74 @@ class Request:
     on_text(piece) with new settled text (whole characters; what may begin a stop string is held back),
     on_done(Result) at the end, on_cycle(batch, slot) after each cycle (traces). A stop string ends the text."""
 
-    def __init__(self, ids, s, shape, capacity, stop=(), tokenizer=None, ends=(), drafter=None, on_tokens=None,
+    def __init__(self, ids, settings, shape, capacity, stop=(), tokenizer=None, ends=(), drafter=None, on_tokens=None,
                  on_text=None, on_done=None, on_cycle=None):
-        self.ids, self.s, self.shape, self.capacity, self.stop = ids, s, shape, capacity, list(stop)
-        self.tokenizer, self.ends, self.drafter = tokenizer, ends, drafter  # ends: EOS ids, pad; drafter: racer's
-        self.on_tokens, self.on_text, self.on_done, self.on_cycle = on_tokens, on_text, on_done, on_cycle
-        self.settled, self.shown, self.streamed, self.cycles = [], 0, 0, 0
-        self.start, self.prefill_seconds, self.particle, self.cancelled, self.result = 0.0, 0.0, 0, False, None
+        self.ids = ids
+        self.settings = settings
+        self.shape = shape
+        self.capacity = capacity  # the suffix a slot needs: the new tokens and a draft block
+        self.stop_strings = list(stop)
+        self.tokenizer = tokenizer
+        self.ends = ends  # the EOS ids and the pad
+        self.drafter = drafter  # racer's Retrieval, or None
+        self.on_tokens = on_tokens
+        self.on_text = on_text
+        self.on_done = on_done
+        self.on_cycle = on_cycle
+        self.settled = []  # the tokens that can no longer change
+        self.shown = 0  # the characters of text passed to on_text
+        self.streamed = 0  # the settled tokens passed on before the last cycle
+        self.cycles = 0
+        self.start = 0.0
+        self.prefill_seconds = 0.0
+        self.particle = 0  # the returned particle
+        self.cancelled = False
+        self.result = None
 
     def cancel(self):
         """Thread-safe: the request ends at its batch's next round, with stats["stop"] = "cancelled"."""
         self.cancelled = True
 
-    def stats(self, tokens, stop):
+    def stats(self, tokens, why):
         """The statistics every request has (its method's own: `decode.method_stats`)."""
-        new, seconds = len(until_eos(tokens, self.ends)), time.perf_counter() - self.start if self.start else 0.0
-        return {"method": self.s.method, "prompt_tokens": len(self.ids), "new_tokens": new,
+        new = len(until_eos(tokens, self.ends))
+        seconds = 0.0
+        if self.start:
+            seconds = time.perf_counter() - self.start
+        tokens_per_s = 0.0
+        if seconds > 0:
+            tokens_per_s = round(new / seconds, 2)
+        if not why:
+            why = "eos" if new < len(tokens) else "length"
+        return {"method": self.settings.method, "prompt_tokens": len(self.ids), "new_tokens": new,
                 "seconds": round(seconds, 4), "prefill_seconds": round(self.prefill_seconds, 4),
-                "streamed": min(self.streamed, new), "tokens_per_s": round(new / seconds, 2) if seconds > 0 else 0.0,
-                "cycles": self.cycles, "stop": stop or ("eos" if new < len(tokens) else "length")}
+                "streamed": min(self.streamed, new), "tokens_per_s": tokens_per_s, "cycles": self.cycles, "stop": why}
 
-    def settle(self, tokens):
-        """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request."""
+    def release(self, tokens):
+        """More settled tokens -> "stopped" or "stop" when on_tokens or a stop string ends the request, else None."""
         self.settled += tokens
         tokens = until_eos(self.settled, self.ends)
         if self.on_tokens and self.on_tokens(tokens):
             self.streamed = len(self.settled)
             return "stopped"
-        if self.tokenizer and (self.on_text or self.stop):
+        if self.tokenizer and (self.on_text or self.stop_strings):
             text, cut = self.cut(self.tokenizer.decode(tokens))
             self.show(text, final=cut)
-            return "stop" if cut else None
+            if cut:
+                return "stop"
+        return None
 
     def cut(self, text):
         """-> (text before the first stop string, whether there was one)."""
-        at = min((i for i in (text.find(s) for s in self.stop if s) if i >= 0), default=-1)
-        return (text, False) if at < 0 else (text[:at], True)
+        found = [text.find(string) for string in self.stop_strings if string]
+        found = [at for at in found if at >= 0]
+        if not found:
+            return text, False
+        return text[:min(found)], True
+
+    def holds_stop(self, tokens):
+        """Whether the text of tokens holds a stop string."""
+        return self.cut(self.tokenizer.decode(until_eos(tokens, self.ends)))[1]
 
     def show(self, text, final):
         """Pass on the text not shown yet, holding back (until final) a half-decoded character and a tail that
@@ -214,18 +333,24 @@ class Request:
         end = len(text)
         if not final:
             end = len(text.rstrip("\ufffd"))
-            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+            end -= self.stop_prefix(text[:end])
         if self.on_text and end > self.shown:
             self.on_text(text[self.shown:end])
         self.shown = max(self.shown, end)
 
+    def stop_prefix(self, text):
+        """The length of text's longest tail that begins a stop string."""
+        tails = [k for string in self.stop_strings for k in range(1, len(string)) if text.endswith(string[:k])]
+        return max(tails, default=0)
+
     def finish(self, tokens, stats):
         """The Result from the returned particle's tokens; on_done."""
         tokens = until_eos(tokens, self.ends)
-        text = self.tokenizer.decode(tokens) if self.tokenizer else None
-        if text is not None:
-            text, cut = self.cut(text)
-            stats["stop"] = "stop" if cut else stats["stop"]
+        text = None
+        if self.tokenizer:
+            text, cut = self.cut(self.tokenizer.decode(tokens))
+            if cut:
+                stats["stop"] = "stop"
             self.show(text, final=True)
         self.result = Result(text, tokens, stats)
         if self.on_done:
@@ -247,17 +372,28 @@ def until_eos(tokens, ends):
 # ---------------------------------------------------------------- batches
 
 
+def synchronize(device):
+    """Wait for the device's queued work, so that a host clock times it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Batch:
     """`slots` requests of one shape, each prefilled into a free slot between cycles. The caches and the CUDA graphs
     of `phases` (the cycle, or MineDraft's draft and verify) are made once, here, over empty slots, which append
     nothing. A graph runs every slot; an eager cycle (a CPU, where every row costs) up to the last busy one."""
 
     def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=("cycle",)):
-        self.e, self.shape, self.requests, self.idle_since = e, shape, [None] * slots, time.monotonic()
+        self.e = e
+        self.shape = shape
+        self.requests = [None] * slots
+        self.idle_since = time.monotonic()
         self.st = decode.new_state(e, shape, slots, prefix_cap, suffix_cap)
         start = time.perf_counter()
-        self.graphs = {fn: decode.record(lambda fn=fn: getattr(decode, fn)(e, self.st, shape)) for fn in phases} \
-            if decode.graphs(shape, e.device) else {}
+        self.graphs = {}  # a phase's name -> its CUDA graph's replay
+        if decode.graphs(shape, e.device):
+            for phase in phases:
+                self.graphs[phase] = decode.record(functools.partial(getattr(decode, phase), e, self.st, shape))
         if self.graphs and e.on_phase:
             e.on_phase(self, "record", time.perf_counter() - start)
 
@@ -268,26 +404,31 @@ class Batch:
         """Prefill req into a free slot (False if none); a failure leaves the slot empty."""
         if None not in self.requests:
             return False
-        r, req.start = self.requests.index(None), time.perf_counter()
+        r = self.requests.index(None)
+        req.start = time.perf_counter()
         try:
             decode.prefill_slot(self.e, self.st, self.shape, r, req)
         except BaseException:
             self.leave(r)
             raise
-        self.requests[r], req.prefill_seconds = req, time.perf_counter() - req.start
+        self.requests[r] = req
+        req.prefill_seconds = time.perf_counter() - req.start
         return True
 
     def leave(self, r):
-        self.requests[r], self.idle_since = None, time.monotonic()
+        self.requests[r] = None
+        self.idle_since = time.monotonic()
         decode.empty_slot(self.st, r)
 
     def cycle(self):
         if self.shape.tree:  # racer: each busy slot's draft tree from its request's Retrieval (host work)
-            decode.plant(self.st, [req and req.drafter.draft(self.shape.draft_len, self.shape.tree)
-                                   for req in self.requests])
-        timed = self.e.on_phase and "cycle" not in self.graphs
-        for fn in self.phases() if timed else ("cycle",):
-            self.run(fn)
+            trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
+            decode.plant(self.st, trees)
+        if self.e.on_phase and "cycle" not in self.graphs:
+            for phase in self.phases():
+                self.run_phase(phase)
+        else:
+            self.run_phase("cycle")
         self.cycled()
 
     def phases(self):
@@ -296,24 +437,22 @@ class Batch:
             return ("verify_cycle",)
         return ("draft_block", "verify_cycle")
 
-    def run(self, fn):
-        """decode's fn ("cycle" or a phase of it) as its graph's replay, or eagerly up to the last busy slot; an
-        eager one timed for the engine's on_phase, on this thread's stream, where the engine has one."""
-        if fn in self.graphs:
-            self.graphs[fn]()
+    def run_phase(self, phase):
+        """decode's phase ("cycle" or a part of it) as its graph's replay, or eagerly up to the last busy slot; an
+        eager one timed for the engine's on_phase, with the device synchronised, where the engine has one."""
+        if phase in self.graphs:
+            self.graphs[phase]()
             return
-        busy = 1 + max(i for i, r in enumerate(self.requests) if r)
+        busy = 1 + max(r for r, req in enumerate(self.requests) if req)
         state = self.st.narrow(busy)
         if not self.e.on_phase:
-            getattr(decode, fn)(self.e, state, self.shape)
+            getattr(decode, phase)(self.e, state, self.shape)
             return
-        if self.e.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        synchronize(self.e.device)
         start = time.perf_counter()
-        getattr(decode, fn)(self.e, state, self.shape)
-        if self.e.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self.e.on_phase(self, fn, time.perf_counter() - start)
+        getattr(decode, phase)(self.e, state, self.shape)
+        synchronize(self.e.device)
+        self.e.on_phase(self, phase, time.perf_counter() - start)
 
     def cycled(self):
         for r, req in enumerate(self.requests):
@@ -322,49 +461,71 @@ class Batch:
                 if req.on_cycle:
                     req.on_cycle(self, r)
 
-    def collect(self, stop=None):
+    def collect(self, reason=None):
         """Read every slot's flags and the history's new part (the host's one read of a round), pass settled
-        tokens on, end the requests that are done, cancelled, or (stop given, e.g. "interrupted") all of them."""
+        tokens on, end the requests that are done, cancelled, or (reason given, e.g. "interrupted") all of them."""
         busy = [(r, req) for r, req in enumerate(self.requests) if req]
         if not busy:
             return
-        flags = self.st.flags.tolist()
-        lo = min(min(len(req.settled), req.drafter.seen if req.drafter else math.inf) for _, req in busy)
-        rows = self.st.hist[:, 0, 1 + lo:1 + max(flags[r][3] for r, _ in busy)].tolist()
-        cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)] if self.shape.tree else None
+        flags = self.st.flags.tolist()  # [R, 4]: done, settled count, degenerate, length
+        lo = min(unread(req) for _, req in busy)
+        hi = max(flags[r][3] for r, _ in busy)
+        rows = self.st.hist[:, 0, 1 + lo:1 + hi].tolist()  # [R, hi - lo] particle 0's: settled tokens are everyone's
+        cues = None
+        if self.shape.tree:
+            cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)]
         for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:
                 req.drafter.update(rows[r][req.drafter.seen - lo:length - lo], zip(cues[0][r], cues[1][r]), req.cycles)
-            why = stop or ("degenerate" if degenerate else "cancelled" if req.cancelled else None)
-            count = min(count, req.s.max_new_tokens)
+            why = reason
+            if not why and degenerate:
+                why = "degenerate"
+            elif not why and req.cancelled:
+                why = "cancelled"
+            count = min(count, req.settings.max_new_tokens)
             if why is None and count > len(req.settled):
-                why = req.settle(rows[r][len(req.settled) - lo:count - lo])
-            if why is None and not done and req.stop and self.shape.particles > 1:
+                why = req.release(rows[r][len(req.settled) - lo:count - lo])
+            if why is None and not done and req.stop_strings and self.shape.particles > 1:
                 done = self.stop_particles(r, req, length)
             if why or done:
-                tokens = req.settled if why else self.returned(r, req)
-                req.finish(tokens, req.stats(tokens, why) | decode.method_stats(self.st, r, req))
-                self.leave(r)
+                self.finish_slot(r, req, why)
             else:
                 req.streamed = len(req.settled)
+
+    def finish_slot(self, r, req, why):
+        """Finish slot r's request: with what settled when `why` ends it early, else with its returned particle."""
+        if why:
+            tokens = req.settled
+        else:
+            tokens = self.returned(r, req)
+        req.finish(tokens, req.stats(tokens, why) | decode.method_stats(self.st, r, req))
+        self.leave(r)
 
     def stop_particles(self, r, req, length):
         """A particle whose text holds a stop string ends there, as at an EOS (its tokens drafted past it that
         cycle weigh p/q, 1 in expectation, so the prefix keeps its distribution) -> whether all have ended.
         Otherwise a request would end only once its particles agree on the text up to the string."""
-        ended = [i for i, tokens in enumerate(self.st.hist[r, :, 1:1 + length].tolist())
-                 if req.cut(self.e.tokenizer.decode(until_eos(tokens, req.ends)))[1]]
+        histories = self.st.hist[r, :, 1:1 + length].tolist()  # [N, length]
+        ended = [i for i, tokens in enumerate(histories) if req.holds_stop(tokens)]
         self.st.finished[r, ended] = True
         return bool(self.st.finished[r].all())
 
     def returned(self, r, req):
         """Slot r's returned particle's tokens."""
-        req.particle = decode.pick(self.st, r, req.s.select)
-        return self.st.hist[r, req.particle, 1:1 + min(int(self.st.gen_len[r]), req.s.max_new_tokens)].tolist()
+        req.particle = decode.pick(self.st, r, req.settings.select)
+        length = min(int(self.st.gen_len[r]), req.settings.max_new_tokens)
+        return self.st.hist[r, req.particle, 1:1 + length].tolist()
 
     def close(self):
-        pass
+        """A plain batch holds no threads."""
+
+
+def unread(req):
+    """The first generated token req has not read yet (racer's drafter reads unsettled ones too)."""
+    if req.drafter:
+        return min(len(req.settled), req.drafter.seen)
+    return len(req.settled)
 
 
 class Pair:
@@ -372,17 +533,23 @@ class Pair:
     other, on two threads (a CPU: half of the cores each; CUDA: a stream each, replaying the half's graphs). A
     request's tokens are those it gets without the overlap. A half is read and refilled only between its verify
     and its next draft; the first busy one drafts alone at the start, then the halves alternate."""
+    PHASES = ("draft_block", "verify_cycle")
 
-    def __init__(self, engine, shape, slots, prefix_cap, suffix_cap):
-        if slots < 2:
-            raise UsageError("overlap needs at least 2 slots, one for each half")
-        self.halves = [Batch(engine, shape, (slots + i) // 2, prefix_cap, suffix_cap, ("draft_block", "verify_cycle"))
-                       for i in (1, 0)]
-        self.drafted, self.cuda = [False, False], engine.device.type == "cuda"
-        where = torch.cuda.current_device() if self.cuda else max(1, torch.get_num_threads() // 2)
+    def __init__(self, e, shape, slots, prefix_cap, suffix_cap):
+        check_slots(slots, overlap=True)
+        first = Batch(e, shape, (slots + 1) // 2, prefix_cap, suffix_cap, self.PHASES)
+        second = Batch(e, shape, slots // 2, prefix_cap, suffix_cap, self.PHASES)
+        self.halves = [first, second]
+        self.drafted = [False, False]  # whether a half's drafts wait for their verify
+        self.cuda = e.device.type == "cuda"
+        if self.cuda:
+            where = torch.cuda.current_device()
+        else:
+            where = max(1, torch.get_num_threads() // 2)
         self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
 
     def start_thread(self, where):
+        """A pool thread's device and stream (CUDA), or its share of the cores (a CPU)."""
         if self.cuda:
             torch.cuda.set_device(where)
             torch.cuda.set_stream(torch.cuda.Stream())
@@ -403,14 +570,15 @@ class Pair:
     def admit(self, req):
         return any(not d and h.admit(req) for h, d in zip(self.halves, self.drafted))
 
-    def collect(self, stop=None):
+    def collect(self, reason=None):
         for h, d in zip(self.halves, self.drafted):
-            if stop or not d:
-                h.collect(stop)
+            if reason or not d:
+                h.collect(reason)
 
-    def run(self, half, fn):
+    def run_half(self, half, phase):
+        """half's phase, on a pool thread."""
         with torch.inference_mode():
-            half.run(fn)
+            half.run_phase(phase)
             if self.cuda:
                 torch.cuda.current_stream().synchronize()
 
@@ -418,11 +586,10 @@ class Pair:
         """The drafted half verifies while the other drafts; both jobs end before an error in either is raised."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
-        phases = ["verify_cycle" if d else "draft_block" if h.busy() else None
-                  for h, d in zip(self.halves, self.drafted)]
+        phases = [next_phase(h, d) for h, d in zip(self.halves, self.drafted)]
         if "verify_cycle" not in phases and phases[0] == "draft_block":
             phases[1] = None  # the halves start apart
-        jobs = [self.pool.submit(self.run, h, p) for h, p in zip(self.halves, phases) if p]
+        jobs = [self.pool.submit(self.run_half, h, p) for h, p in zip(self.halves, phases) if p]
         wait(jobs)
         for job in jobs:
             job.result()
@@ -435,6 +602,15 @@ class Pair:
         self.pool.shutdown()
 
 
+def next_phase(half, drafted):
+    """A half's next phase: a drafted half verifies, a busy one drafts, an empty one rests (None)."""
+    if drafted:
+        return "verify_cycle"
+    if half.busy():
+        return "draft_block"
+    return None
+
+
 # ---------------------------------------------------------------- scheduler
 
 
@@ -443,35 +619,47 @@ class Scheduler:
     caps (prompt, rest) tokens, made at the shape's first request, dropped once idle for idle_s. raise_errors
     (generate): a failure raises; else (serve) it ends its batch's requests "error", unless the device failed."""
 
-    def __init__(self, engine, slots, caps, raise_errors, idle_s=IDLE_S):
-        self.engine, self.slots, self.caps, self.raise_errors, self.idle_s = engine, slots, caps, raise_errors, idle_s
-        self.batches, self.waiting = {}, []
+    def __init__(self, e, slots, caps, raise_errors, idle_s=IDLE_S):
+        self.e = e
+        self.slots = slots
+        self.caps = caps
+        self.raise_errors = raise_errors
+        self.idle_s = idle_s
+        self.batches = {}  # Shape -> its Batch or Pair
+        self.waiting = []
 
     def busy(self):
         return bool(self.waiting) or any(b.busy() for b in self.batches.values())
 
-    def serving(self, inbox, until_idle):
+    def rounds(self, inbox, until_idle):
         """Take Requests from inbox until None arrives (what still runs ends "cancelled") or, with until_idle,
         until none is left; yields after every round."""
         while not until_idle or self.busy() or not inbox.empty():
-            try:  # idle: wait for work, waking to drop idle batches
-                items = [] if self.busy() else [inbox.get(timeout=self.idle_s if self.batches else None)]
-            except queue.Empty:
-                items = []
-            while not inbox.empty():  # this loop is the queue's one reader
-                items.append(inbox.get())
+            items = self.take(inbox)
             self.waiting += [item for item in items if item is not None]
             if None in items:
-                return self.stop("cancelled")
+                self.end_all("cancelled")
+                return
             self.round()
             yield
+
+    def take(self, inbox):
+        """Everything in inbox; when idle, first wait for work, waking to drop idle batches."""
+        items = []
+        if not self.busy():
+            timeout = self.idle_s if self.batches else None
+            with contextlib.suppress(queue.Empty):
+                items.append(inbox.get(timeout=timeout))
+        while not inbox.empty():  # this loop is the queue's one reader
+            items.append(inbox.get())
+        return items
 
     def round(self):
         """Collect every batch (ending what the last cycle finished), admit waiting requests (and collect their
         batches: a request can be done as it is admitted), cycle the busy batches, drop idle ones."""
         for key, b in list(self.batches.items()):
             self.guarded(key, b.collect)
-        for key in self.admit():
+        for key in self.admit_waiting():
             self.guarded(key, self.batches[key].collect)
         for key, b in list(self.batches.items()):
             if b.busy():
@@ -481,19 +669,19 @@ class Scheduler:
     def guarded(self, key, fn):
         try:
             fn()
-        except Exception as e:
+        except Exception as error:
             if self.raise_errors:
                 raise
             b = self.batches.pop(key)
             b.close()
-            self.failed([req for req in b.requests if req], e)
+            self.failed([req for req in b.requests if req], error)
 
     def failed(self, requests, error):
         self.end(requests, "error", error)
-        if not self.engine.device_ok():
+        if not self.e.device_ok():
             raise DeviceFailed(f"the device failed and can run nothing more: {' '.join(str(error).split())}")
 
-    def admit(self):
+    def admit_waiting(self):
         """Move waiting requests into free slots of their shape's batch -> the keys of the batches that took one."""
         took = set()
         for req in list(self.waiting):
@@ -508,22 +696,23 @@ class Scheduler:
                 if self.batch(req.shape).admit(req):
                     self.waiting.remove(req)
                     took.add(req.shape)
-            except Exception as e:
+            except Exception as error:
                 if self.raise_errors:
                     raise
                 self.waiting.remove(req)
-                self.failed([req], e)
+                self.failed([req], error)
         return took
 
     def batch(self, shape):
         """shape's batch, made if there is none (after dropping idle batches if memory is short)."""
         if shape not in self.batches:
-            need = decode.batch_bytes(self.engine, shape, self.slots, self.caps)
-            if need > decode.free_bytes(self.engine.device):
+            need = decode.batch_bytes(self.e, shape, self.slots, self.caps)
+            if need > decode.free_bytes(self.e.device):
                 self.evict(0.0)
-            check_fits(need, self.engine.device, f"{self.slots} slots' KV caches and logits",
+            check_fits(need, self.e.device, f"{self.slots} slots' KV caches and logits",
                        "lower the slots, particles, draft length or context")
-            self.batches[shape] = (Pair if shape.overlap else Batch)(self.engine, shape, self.slots, *self.caps)
+            kind = Pair if shape.overlap else Batch
+            self.batches[shape] = kind(self.e, shape, self.slots, *self.caps)
         return self.batches[shape]
 
     def evict(self, idle_s):
@@ -534,20 +723,23 @@ class Scheduler:
 
     def end(self, requests, why, error=None):
         """End requests with what they made so far, stats["stop"] = why (an error's message in stats["error"])."""
-        error = {"error": " ".join(str(error).split())} if error else {}
+        said = {}
+        if error:
+            said = {"error": " ".join(str(error).split())}
         for req in requests:
-            req.finish(req.settled, req.stats(req.settled, why) | error)
+            req.finish(req.settled, req.stats(req.settled, why) | said)
 
-    def stop(self, why, error=None):
+    def end_all(self, why, error=None):
         """End every request, running and waiting; after an error the device is not read again."""
         running = []
         for b in self.batches.values():
             if error is None:
-                b.collect(stop=why)
+                b.collect(why)
             running += [req for req in b.requests if req]
             b.close()
         self.end(running + self.waiting, why, error)
-        self.batches, self.waiting = {}, []
+        self.batches = {}
+        self.waiting = []
 
 
 def check_fits(need, device, what, advice):
@@ -556,31 +748,41 @@ def check_fits(need, device, what, advice):
                          f"free on {device}; {advice}")
 
 
+def check_slots(slots, overlap):
+    """Slots a batch can run: one at least, two under overlap (a half each)."""
+    require(slots >= 1, f"--slots must be at least 1, got {slots}", "slots")
+    require(slots >= 2 or not overlap, "overlap needs at least 2 slots, one for each half", "overlap")
+
+
 def check_memory(e, requests, slots):
     """The unread weights and the batches these requests need fit in free memory (or a UsageError) -> the caps
     (prompt, suffix) of a slot that holds any of them."""
-    caps, shapes = (max(len(r.ids) for r in requests), max(r.capacity for r in requests)), {r.shape for r in requests}
+    caps = (max(len(r.ids) for r in requests), max(r.capacity for r in requests))
+    shapes = {r.shape for r in requests}
     need = decode.unread_bytes(e) + sum(decode.batch_bytes(e, shape, slots, caps) for shape in shapes)
-    check_fits(need, e.device, ("the weights, " if e.opened[0] else "") + f"{slots} slots' KV caches and logits",
-               "lower --slots, --particles, --draft-len or --max-new-tokens")
+    what = f"{slots} slots' KV caches and logits"
+    if e.opened[0]:
+        what = "the weights, " + what
+    check_fits(need, e.device, what, "lower --slots, --particles, --draft-len or --max-new-tokens")
     return caps
 
 
-def capacity(e, prompt_len, s, shape, context=None):
+def capacity(e, prompt_len, settings, shape, context=None):
     """The context's checks -> the suffix a request needs: its budget and a draft block of lookahead."""
-    extra = 0 if s.method == "ar" else max(shape.tree, s.draft_len)  # what a cycle writes ahead
-    configs = [c for c in (e.config, e.draft_config if s.method != "ar" else None) if c is not None]
-    context = min([c.max_seq_len for c in configs] + [context or math.inf])
-    if prompt_len >= context:
-        raise UsageError(f"the prompt is {prompt_len} tokens, longer than the context of {context}")
-    if prompt_len + extra + 1 > context:
-        raise UsageError(f"{'tree' if shape.tree > s.draft_len else 'draft-len'} {extra} does not fit the context "
-                         f"of {context} after a {prompt_len}-token prompt; use at most {context - prompt_len - 1}",
-                         "draft_len")
-    if prompt_len + s.max_new_tokens + extra > context:
-        raise UsageError(f"max-new-tokens {s.max_new_tokens} does not fit the context of {context} after a "
-                         f"{prompt_len}-token prompt; use at most {context - prompt_len - extra}", "max_new_tokens")
-    return s.max_new_tokens + extra
+    lookahead = 0  # what a cycle writes past the new tokens
+    configs = [e.config]
+    if settings.method != "ar":
+        lookahead = max(shape.tree, settings.draft_len)
+        configs.append(e.draft_config)
+    context = min([c.max_seq_len for c in configs if c is not None] + [context or math.inf])
+    require(prompt_len < context, f"the prompt is {prompt_len} tokens, longer than the context of {context}")
+    what = "tree" if shape.tree > settings.draft_len else "draft-len"
+    require(prompt_len + lookahead + 1 <= context, f"{what} {lookahead} does not fit the context of {context} after a "
+            f"{prompt_len}-token prompt; use at most {context - prompt_len - 1}", "draft_len")
+    require(prompt_len + settings.max_new_tokens + lookahead <= context, f"max-new-tokens {settings.max_new_tokens} "
+            f"does not fit the context of {context} after a {prompt_len}-token prompt; use at most "
+            f"{context - prompt_len - lookahead}", "max_new_tokens")
+    return settings.max_new_tokens + lookahead
 
 
 # ---------------------------------------------------------------- engine
@@ -633,15 +835,18 @@ class Engine:
         return self
 
     def encode(self, prompt):
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise UsageError("this engine has no tokenizer: give the prompt as token ids")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise UsageError("a prompt is text or a list of token ids")
-        if not ids or isinstance(prompt, str) and not prompt.strip():
-            raise UsageError("the prompt is empty or only whitespace")
-        if not all(0 <= i < self.config.vocab_size for i in ids):
-            raise UsageError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        """A prompt (text, or ids) -> its checked ids."""
+        if isinstance(prompt, str):
+            require(self.tokenizer is not None, "this engine has no tokenizer: give the prompt as token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = prompt
+        is_ids = isinstance(ids, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        require(is_ids, "a prompt is text or a list of token ids")
+        blank = isinstance(prompt, str) and not prompt.strip()
+        require(ids and not blank, "the prompt is empty or only whitespace")
+        vocab = self.config.vocab_size
+        require(all(0 <= i < vocab for i in ids), f"prompt token ids must lie in [0, {vocab})")
         return list(ids)
 
     def request(self, prompt, stop=(), on_tokens=None, on_text=None, on_done=None, on_cycle=None, context=None,
@@ -654,34 +859,45 @@ class Engine:
                 self.draft_config and s.method not in self.chosen:  # measured once, at the method's first request
             self.chosen[s.method], line = decode.choose_shape(self, s.method)
             print(line, file=sys.stderr)
-        s, stop = s.resolve(self.device, self.chosen), [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
-            raise UsageError("stop must be a string or a list of non-empty strings", "stop")
-        if stop and self.tokenizer is None:
-            raise UsageError("stop strings need a tokenizer: this engine's models have none", "stop")
-        ids, shape = self.encode(prompt), s.shape(self.racer)
-        return Request(ids, s, shape, capacity(self, len(ids), s, shape, context), stop, self.tokenizer, self.ends,
-                       racer.Retrieval(ids, chain=not s.tree) if shape.tree else None, on_tokens, on_text, on_done,
-                       on_cycle)
+        settings = s.resolve(self.device, self.chosen)
+        if isinstance(stop, str):
+            stop = [stop]
+        strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)
+        require(strings, "stop must be a string or a list of non-empty strings", "stop")
+        require(not stop or self.tokenizer is not None, "stop strings need a tokenizer: this engine's models have "
+                "none", "stop")
+        ids = self.encode(prompt)
+        shape = settings.shape(self.racer)
+        drafter = None
+        if shape.tree:
+            drafter = racer.Retrieval(ids, chain=not settings.tree)
+        return Request(ids, settings, shape, capacity(self, len(ids), settings, shape, context), stop, self.tokenizer,
+                       self.ends, drafter, on_tokens, on_text, on_done, on_cycle)
 
     def requests(self, prompts, **options):
         """Checked Requests for a list of prompts, each text, ids, or {"prompt": ..., **options of its own}."""
         out = []
-        for i, p in enumerate(prompts):
+        for i, prompt in enumerate(prompts):
             try:
-                out.append(self.request(**(options | p)) if isinstance(p, dict) else self.request(p, **options))
-            except (UsageError, TypeError) as e:
-                raise UsageError(f"prompt {i + 1}: {e}", getattr(e, "param", None)) from None
+                if isinstance(prompt, dict):
+                    out.append(self.request(**(options | prompt)))
+                else:
+                    out.append(self.request(prompt, **options))
+            except (UsageError, TypeError) as error:
+                raise UsageError(f"prompt {i + 1}: {error}", getattr(error, "param", None)) from None
         return out
 
     def generate(self, prompt, on_tokens=None, slots=None, **options):
         """prompt: text, ids or {"prompt": ..., **its options} -> Result(text, tokens, stats); a list of prompts ->
-        [Result], decoded together, `slots` at a time (default: up to 8), each with its own randomness. options:
+        [Result], decoded together, `slots` at a time (default: up to BATCH), each with its own randomness. options:
         Settings' fields, and stop. on_tokens(settled tokens), called as more settle, stops the request by returning
         True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight)."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
-        one = options | prompt if isinstance(prompt, dict) else options | {"prompt": prompt}
+        if isinstance(prompt, dict):
+            one = options | prompt
+        else:
+            one = options | {"prompt": prompt}
         return self.run([self.request(on_tokens=on_tokens, **one)], 1)[0]
 
     def run(self, requests, slots=None):
@@ -693,40 +909,45 @@ class Engine:
     def stream(self, prompts, slots=None, **options):
         """generate's list form as it goes: yields (i, text, None) as the i-th prompt's text settles, then
         (i, "", Result) when it ends (models without a tokenizer: the Results only)."""
-        events, requests = [], self.requests(prompts, **options)
+        events = []
+        requests = self.requests(prompts, **options)
         for i, req in enumerate(requests):
-            req.on_text = lambda piece, i=i: events.append((i, piece, None))
-            req.on_done = lambda result, i=i: events.append((i, "", result))
+            req.on_text = functools.partial(on_event, events, i, done=False)
+            req.on_done = functools.partial(on_event, events, i, done=True)
         for _ in self.serving(requests, slots):
             yield from events
             events.clear()
         yield from events
 
-    def serve(self, inbox, slots=4, context=2048, idle_s=IDLE_S):
+    def serve(self, inbox, slots=SLOTS, context=CONTEXT, idle_s=IDLE_S):
         """Decode the Requests put in inbox (a queue.Queue) until None arrives (what still runs ends "cancelled").
         context: the tokens a slot holds (a pair (prompt, rest) for each apart; check requests with request(context=)).
         A failing batch ends its requests "error" and serving goes on; a failed device ends them all: DeviceFailed."""
-        for _ in self.serving(inbox, slots, context if isinstance(context, tuple) else (context,) * 2, idle_s):
+        caps = context if isinstance(context, tuple) else (context, context)
+        for _ in self.serving(inbox, slots, caps, idle_s):
             pass
 
     def serving(self, inbox, slots=None, caps=None, idle_s=IDLE_S):
         """The Scheduler's loop, yielding after every round, over a list of Requests (checked to fit, `slots` at a
-        time, default up to 8, until all end) or a queue.Queue (slots of caps tokens, until None arrives)."""
-        if until_idle := isinstance(inbox, list):
-            requests, slots, inbox = inbox, slots or min(len(inbox), 8), queue.Queue()
+        time, default up to BATCH, until all end) or a queue.Queue (slots of caps tokens, until None arrives)."""
+        until_idle = isinstance(inbox, list)
+        if until_idle:
+            requests = inbox
+            slots = slots or min(len(requests), BATCH)
             caps = check_memory(self, requests, slots)
             self.load(requests[0].shape)
+            inbox = queue.Queue()
             for req in requests:
                 inbox.put(req)
         sched = Scheduler(self.load(), slots, caps, until_idle, idle_s)
         with torch.inference_mode():
             try:
-                yield from sched.serving(inbox, until_idle)
+                yield from sched.rounds(inbox, until_idle)
             except KeyboardInterrupt:
-                sched.stop("interrupted")
-            except DeviceFailed as e:
-                self.failure = str(e)
-                sched.stop("error", e)
+                sched.end_all("interrupted")
+            except DeviceFailed as error:
+                self.failure = str(error)
+                sched.end_all("error", error)
                 raise
             finally:  # what an error left (until_idle raises): the overlap's threads
                 for b in sched.batches.values():
@@ -740,20 +961,47 @@ class Engine:
             return False
 
 
+def on_event(events, i, value, done):
+    """Engine.stream's callbacks: the i-th prompt's text piece, or its Result (done), as an event."""
+    if done:
+        events.append((i, "", value))
+    else:
+        events.append((i, value, None))
+
+
 # ---------------------------------------------------------------- command line
 
 
 def default_pair():
     """(draft, target) GGUF files of the default Qwen2.5-Coder pair, fetched into weights/ if missing."""
-    sys.path.insert(0, os.path.join(ROOT, "weights"))
-    import fetch
+    from weights import fetch
     return tuple(fetch.fetch_gguf(name) for name in fetch.DEFAULT_PAIR)
+
+
+def model_paths(target, draft):
+    """(target, draft) as a command line gives them: without --target, the default pair's (racer drafts stay)."""
+    require(draft in (None, "racer") or target, "--draft needs --target")
+    if target:
+        return target, draft
+    pair_draft, pair_target = default_pair()
+    if draft == "racer":
+        return pair_target, draft
+    return pair_target, pair_draft
+
+
+def device_of(name):
+    """torch.device(name), or a UsageError naming the choices."""
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use cpu or cuda") from None
 
 
 def apply_chat(tokenizer, messages):
     """messages (a list of {"role", "content"}, or one text: a user message) in the tokenizer's chat template,
     ending where the reply begins; the texts joined by newlines when there is no template."""
-    messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
     if not tokenizer or not tokenizer.chat_template:
         return "\n".join(m["content"] for m in messages)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -771,9 +1019,14 @@ SUMMARY = {"easd": ", {triggers} easd rejections", "mdsd": ", {particles} drafts
 
 
 def summary(stats):
-    more = ", {cycles} cycles, acceptance {acceptance:.2f}" if "acceptance" in stats else ""
-    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s" + more + SUMMARY.get(stats["method"], "")
-    return line.format(**stats) + (", interrupted" if stats["stop"] == "interrupted" else "") + "]"
+    """The CLI's closing line: new tokens, speed and the method's statistics."""
+    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s"
+    if "acceptance" in stats:
+        line += ", {cycles} cycles, acceptance {acceptance:.2f}"
+    line += SUMMARY.get(stats["method"], "")
+    if stats["stop"] == "interrupted":
+        line += ", interrupted"
+    return line.format(**stats) + "]"
 
 
 def read_prompt(path):
@@ -781,140 +1034,179 @@ def read_prompt(path):
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
-    except OSError as e:
-        raise UsageError(f"{path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it "
-                         "as UTF-8") from None
+    except OSError as error:
+        raise UsageError(f"{path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+                         "save it as UTF-8") from None
 
 
 def read_jsonl(path):
     """The prompts of a JSONL file: one {"prompt": text, ...its own options} per line."""
     items = []
     for n, line in enumerate(read_prompt(path).splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            item = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{path}:{n}: not JSON ({e.msg})") from None
-        if item is not None and not (isinstance(item, dict) and isinstance(item.get("prompt"), str)):
-            raise UsageError(f'{path}:{n}: expected an object with a "prompt" string')
-        items += [item] if item else []
-    if not items:
-        raise UsageError(f"{path}: no prompts")
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{path}:{n}: not JSON ({error.msg})") from None
+        require(isinstance(item, dict) and isinstance(item.get("prompt"), str),
+                f'{path}:{n}: expected an object with a "prompt" string')
+        items.append(item)
+    require(items, f"{path}: no prompts")
     return items
 
 
-def easd_rule(text):
-    try:
-        entropy, top, share = text.split(",")
-        return float(entropy), int(top), float(share)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ENTROPY,TOP,SHARE like 1.0,5,0.6, got {text!r}") from None
+def add_models(parser):
+    """The options engine.py and server.py share: the models, their device and their weights' format."""
+    parser.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: the weights/ "
+                        "pair's)")
+    parser.add_argument("--draft", help="draft model, same vocabulary as the target (default: the weights/ pair's); "
+                        "racer: drafts from retrieval and the target's own logits, no draft model (sd)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda (default %(default)s)")
+    parser.add_argument("--weights", choices=WEIGHTS, default=WEIGHTS[0], help="matmul weights' format (activations "
+                        "in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured "
+                        "(CPU) (default %(default)s)")
+
+
+def add_settings(parser, names, unset=()):
+    """Settings' fields `names` as parser's options, each with its type, choices, help and default (None for those
+    in `unset`, which the caller fills) -> {name: its argparse action}."""
+    actions = {}
+    for f in fields(Settings):
+        if f.name in names:
+            flag, keywords = argument(f, f.name in unset)
+            actions[f.name] = parser.add_argument(flag, **keywords)
+    return actions
+
+
+def argument(f, unset):
+    """(flag, argparse's keywords) of Settings' field f: a True switch is turned off by --no-NAME."""
+    keywords = {key: value for key, value in f.metadata.items() if key != "api_only"}
+    flag = "--" + option_name(f.name)
+    if kind_of(f) is bool and f.default:
+        return "--no-" + option_name(f.name), keywords | {"dest": f.name, "action": "store_false"}
+    if kind_of(f) is bool:
+        return flag, keywords | {"action": "store_true"}
+    keywords.setdefault("type", kind_of(f))
+    if unset:
+        return flag, keywords | {"default": None}
+    if f.default is not None:
+        keywords["help"] += " (default %(default)s)"
+    return flag, keywords | {"default": f.default}
+
+
+def command_line_settings():
+    """The names of the Settings fields the command line sets."""
+    return [f.name for f in fields(Settings) if not f.metadata.get("api_only")]
 
 
 def parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add = p.add_argument
-    add("--target", help="target model: Hugging Face directory or .gguf file (default: weights/ pair)")
-    add("--draft", help="draft model, same vocabulary as the target; racer: drafts from retrieval and the target's "
-        "own logits, no draft model (sd)")
-    add("--method", choices=METHODS, default="smc")
-    add("--prompt", default=DEFAULT_PROMPT)
-    add("--prompt-file", help='read the prompt from this file instead; a .jsonl file holds one {"prompt": ...} per '
-        "line (with options of its own) and gives one JSON result per line")
-    add("--slots", type=int, default=4, help="prompts of a .jsonl file decoded together")
-    add("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    add("--max-new-tokens", type=int, default=64)
-    add("--temperature", type=float, default=0.7, help="draft and target temperature; 0 = greedy")
-    add("--draft-temperature", type=float)
-    add("--target-temperature", type=float)
-    add("--top-k", type=int, default=0, help="keep the k likeliest target tokens (0 = all)")
-    add("--top-p", type=float, default=1.0, help="keep the target's top-p nucleus")
-    add("--particles", type=int, help="smc: particles N; mdsd: drafts N (default: 3 on a CPU, 4 on a GPU)")
-    add("--draft-len", type=int, help="draft tokens K per cycle (default: sd 4; smc, mdsd 2 on a CPU, 4 on a GPU)")
-    add("--ess-threshold", type=float, default=0.5, help="smc: resample when ESS < this * N")
-    add("--lag", type=int, default=Settings.lag, help="smc: collapse onto one particle past this many unsettled tokens")
-    add("--easd", type=easd_rule, default=EASD, metavar="ENTROPY,TOP,SHARE", help="easd: reject the draft token "
-        "where both models' entropies reach ENTROPY nats and their top-TOP tokens share SHARE x TOP, the token "
-        "among them (default %(default)s)")
-    add("--power", type=float, default=1.0, help="smc: sample whole sequences from p ** power (normalised; > 1 "
-        "sharper than the target)")
-    add("--tree", type=int, default=0, metavar="NODES", help="--draft racer: draft a tree of up to NODES tokens, at "
-        "most --draft-len deep, verified in one forward (default: a chain)")
-    add("--overlap", action="store_true", help="MineDraft: one half of the slots drafts while the other verifies")
-    add("--seed", type=int, default=0)
-    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    add("--weights", choices=["auto", *model.FORMATS], default="auto", help="matmul weights' format "
-        "(activations in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured (CPU)")
-    add("--no-cuda-graphs", action="store_true", help="run every cycle eagerly")
-    add("--json", action="store_true", help="print one JSON object: text, tokens, stats")
-    add("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, phase times")
+    p = argparse.ArgumentParser(description=__doc__.rsplit("\n", 1)[0])  # the docstring's first sentence
+    add_models(p)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default %(default)r)")
+    p.add_argument("--prompt-file", help='read the prompt from this file instead; a .jsonl file holds one {"prompt": '
+                   "...} per line (with options of its own) and gives one JSON result per line")
+    p.add_argument("--slots", type=int, default=SLOTS, help="prompts of a .jsonl file decoded together (default "
+                   "%(default)s)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    add_settings(p, command_line_settings())
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    p.add_argument("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, "
+                   "phase times")
     return p
 
 
 def prepare(args, batch, world):
     """-> (engine, requests, prompt), every check done before a weight is read or the prompt echoed."""
-    options = {f.name: getattr(args, f.name) for f in fields(Settings) if f.name not in ("select", "cuda_graphs")}
-    options["cuda_graphs"] = not args.no_cuda_graphs
-    Settings.of(options).check(None, "racer" if args.draft == "racer" else "model")  # before the pair is fetched
-    for bad, message in ((world > 1 and not args.target, "under torchrun give --target (and --draft): fetch the "
-                          "default pair first with python weights/fetch.py, so that the ranks do not fetch it at once"),
-                         (args.draft not in (None, "racer") and not args.target, "--draft needs --target"),
-                         (args.slots < 1, f"--slots must be at least 1, got {args.slots}"),
-                         (args.trace and batch, "--trace follows one prompt; give --prompt or a text --prompt-file")):
-        if bad:
-            raise UsageError(message)
-    prompt = (read_jsonl if batch else read_prompt)(args.prompt_file) if args.prompt_file else args.prompt
-    if not batch and not prompt.strip():
-        raise UsageError(f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
-    draft, target = (args.draft, args.target) if args.target else default_pair()
-    e = Engine(target, "racer" if args.draft == "racer" else draft, args.device, args.weights)
-    if args.chat and not (e.tokenizer and e.tokenizer.chat_template):
-        raise UsageError(f"--chat: {target} has no chat template; give the prompt as the model should read it")
-    chat = (lambda text: apply_chat(e.tokenizer, text)) if args.chat else (lambda text: text)
-    requests = e.requests([item | {"prompt": chat(item["prompt"])} for item in prompt], **options) if batch \
-        else [e.request(chat(prompt), **options)]
-    args.slots = args.slots if args.overlap else min(args.slots, len(requests))  # no caches for absent prompts
+    options = {name: getattr(args, name) for name in command_line_settings()}
+    drafts = "model"
+    if args.draft == "racer":
+        drafts = "racer"
+    Settings.of(options).check(None, drafts)  # before the pair is fetched
+    require(world == 1 or args.target, "under torchrun give --target (and --draft): fetch the default pair first "
+            "with python weights/fetch.py, so that the ranks do not fetch it at once")
+    check_slots(args.slots, args.overlap)
+    require(not (args.trace and batch), "--trace follows one prompt; give --prompt or a text --prompt-file")
+    prompt = args.prompt
+    if args.prompt_file and batch:
+        prompt = read_jsonl(args.prompt_file)
+    elif args.prompt_file:
+        prompt = read_prompt(args.prompt_file)
+    if not batch:
+        require(prompt.strip(), f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
+    target, draft = model_paths(args.target, args.draft)
+    e = Engine(target, draft, args.device, args.weights)
+    if args.chat:
+        require(e.tokenizer and e.tokenizer.chat_template, f"--chat: {target} has no chat template; give the prompt "
+                "as the model should read it")
+
+    def as_read(text):
+        """The prompt as the model reads it: in its chat template under --chat."""
+        if args.chat:
+            return apply_chat(e.tokenizer, text)
+        return text
+    if batch:
+        requests = e.requests([item | {"prompt": as_read(item["prompt"])} for item in prompt], **options)
+    else:
+        requests = [e.request(as_read(prompt), **options)]
+    if not args.overlap:
+        args.slots = min(args.slots, len(requests))  # no caches for absent prompts
     check_memory(e, requests, args.slots)
     return e, requests, prompt
 
 
+def print_piece(piece):
+    print(piece, end="", flush=True)
+
+
+def fail(rank, message):
+    """Exit with status 1, saying why on rank 0 (the other ranks' output goes nowhere)."""
+    if rank:
+        sys.exit(1)
+    sys.exit(f"error: {message}")
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
-    try:
-        args.device = torch.device(args.device)
-    except RuntimeError:
-        sys.exit(f"error: unknown device {args.device!r}; use cpu or cuda")
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
-    rank, world = model.init_distributed(args.device)  # under torchrun; only rank 0 speaks
-    sys.stdout = open(os.devnull, "w") if rank else sys.stdout
+    rank = 0
     try:
+        args.device = device_of(args.device)
+        rank, world = model.init_distributed(args.device)  # under torchrun; only rank 0 speaks
+        if rank:
+            sys.stdout = open(os.devnull, "w")
         e, requests, prompt = prepare(args, batch, world)
         if not (batch or args.json):
-            requests[0].on_text = lambda piece: print(piece, end="", flush=True)
-            print("" if args.chat else prompt, end="", flush=True)
+            requests[0].on_text = print_piece
+            if not args.chat:
+                print(prompt, end="", flush=True)
         if args.trace and rank == 0:
             import plot
             tracer = plot.Tracer(args.trace, e, requests[0])
             requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
         results = e.run(requests, args.slots)
     except (model.LoadError, UsageError) as error:
-        sys.exit(1 if rank else f"error: {error}")
+        fail(rank, error)
     except KeyboardInterrupt:
         sys.exit(130)
     if world > 1:
         torch.distributed.destroy_process_group()
-    for r in results if batch or args.json else []:
-        print(json.dumps({"text": r.text, "tokens": r.tokens, "stats": r.stats}), flush=True)
-    if not (batch or args.json):
+    if batch or args.json:
+        for result in results:
+            print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}), flush=True)
+    else:
         print()
-        print(summary(results[0].stats), file=sys.stdout if rank else sys.stderr)
-    stop = results[0].stats["stop"]
-    if stop == "interrupted":
+        if not rank:
+            print(summary(results[0].stats), file=sys.stderr)
+    ending = results[0].stats["stop"]
+    if ending == "interrupted":
         sys.exit(130)
-    if stop == "degenerate" and not batch:  # a batch reports it in its JSON lines
-        sys.exit(1 if rank else "error: smc stopped: no particle kept a positive weight, or one is NaN (the models' "
-                 "log-probabilities are not finite); the text above is what had settled")
+    if ending == "degenerate" and not batch:  # a batch reports it in its JSON lines
+        fail(rank, "smc stopped: no particle kept a positive weight, or one is NaN (the models' log-probabilities "
+             "are not finite); the text above is what had settled")
 
 
 if __name__ == "__main__":

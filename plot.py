@@ -32,7 +32,7 @@ class Tracer:
         self.resamples = 0
         self.file = open(path + ".tmp", "w")
         atexit.register(self.discard)
-        s = request.s
+        s = request.settings
         self.write({"kind": "start", "method": s.method, "particles": s.particles, "draft_len": s.draft_len,
                     "ess_threshold": s.ess_threshold, "draft_temperature": s.draft_temperature,
                     "target_temperature": s.target_temperature, "seed": s.seed, "max_new_tokens": s.max_new_tokens,

@@ -606,7 +606,7 @@ def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, bud
     recorded = []
 
     def record(fn):
-        recorded.append(fn.__defaults__[0])  # the phase the lambda records
+        recorded.append(fn.func.__name__)  # the phase the partial records
         fn()
         return fn
     e = engine.Engine(TARGET, DRAFT)
@@ -769,13 +769,13 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = [r | {"top_p": 1.0} for r in mixed_requests(method)] + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
     alone = [e.generate(**(options | r)) for r in requests]  # one shape: top-p would make a batch of its own
-    rounds, run = [], engine.Batch.run
+    rounds, run = [], engine.Batch.run_phase
     phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
     def traced(batch, fn):
         rounds.append((threading.get_ident(), id(batch), phases[fn]))
         return run(batch, fn)
-    monkeypatch.setattr(engine.Batch, "run", traced)
+    monkeypatch.setattr(engine.Batch, "run_phase", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     halves = sorted({b for _, b, _ in rounds})
@@ -949,7 +949,7 @@ def test_idle_batches_are_dropped():
     for method in ("sd", "smc", "ar"):
         inbox.put(e.request(PROMPT, method=method, max_new_tokens=6, on_done=done.append))
         with torch.inference_mode():
-            for _ in sched.serving(inbox, True):
+            for _ in sched.rounds(inbox, True):
                 batches.append({s.method for s in sched.batches})
     assert len(done) == 3 and all(r.stats["stop"] == "length" for r in done)
     assert all(len(b) <= 1 for b in batches) and not sched.batches
@@ -1336,6 +1336,22 @@ def test_cli_help_describes_the_program_in_full(capsys):
     with pytest.raises(SystemExit):
         engine.main(["--help"])
     assert "from the command line or from Python." in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_options_derive_from_settings_and_say_their_defaults(capsys):
+    """Settings is the one source of the CLI's defaults, types and choices; --help says each default and, for
+    --method, when to choose each method."""
+    args = engine.parser().parse_args([])
+    assert {name: getattr(args, name) for name in engine.command_line_settings()} == \
+        {name: getattr(engine.Settings(), name) for name in engine.command_line_settings()}
+    assert engine.parser().parse_args(["--no-cuda-graphs", "--easd", "2,3,0.5"]).cuda_graphs is False
+    with pytest.raises(SystemExit):
+        engine.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{method}: {when}" in text for method, when in engine.WHEN.items())
+    assert "(default 64)" in text and "(default 0.7)" in text and "(default 16)" in text
+    with pytest.raises(engine.UsageError, match=r"unknown select 'best' \(choose from sample, argmax\)"):
+        engine.Settings(select="best").check()
 
 
 def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):

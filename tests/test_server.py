@@ -266,6 +266,9 @@ BAD = [  # (body, param or None, words of the message)
     ({"method": "smc", "temperature": 0}, "temperature", "smc"),
     ({"method": "sd", "top_k": V + 1}, "top_k", f"top-k must lie in [0, {V}]"),  # a crash, then a CUDA poison
     ({"seed": 2 ** 63}, "seed", "seed must lie in [0, 2**63)"),
+    ({"max_tokens": "x"}, "max_tokens", "max_tokens must be an integer, got 'x'"),  # Settings' check, the API's name
+    ({"temperature": "hot"}, "temperature", "temperature must be a finite number, got 'hot'"),
+    ({"stream": 1}, "stream", "stream must be true or false"),
 ]
 
 
@@ -334,6 +337,19 @@ def test_load(server):
         finishes = list(pool.map(run, range(200), timeout=120))
     assert finishes == ["length"] * 200
     assert server.get("/health") == (200, {"status": "ok", "requests": 0})
+
+
+def test_flags_derive_from_settings():
+    """The server's flags for request defaults are Settings' fields, with their types, choices and defaults; a
+    request that names no method gets the one that suits the models."""
+    import engine
+    import server
+    args = server.parser().parse_args([])
+    assert {name: getattr(args, name) for name in server.SERVED} == \
+        {name: getattr(engine.Settings(), name) for name in server.SERVED} | {"method": None}
+    assert [server.default_method(d) for d in ("racer", "draft.gguf", None)] == ["sd", "smc", "ar"]
+    with pytest.raises(SystemExit):
+        server.parser().parse_args(["--method", "beam"])
 
 
 def test_health_and_new_requests_say_why_once_the_device_failed(monkeypatch):
