@@ -96,8 +96,8 @@ def test_attention_splits_share_the_live_keys_not_the_capacity():
     load nothing and stay empty (lse = -inf, output 0)."""
     N, T, G, D, S, live = 2, 1, 2, 16, 4096, 100
     q, _, _, sk, sv, _, slen = attention_inputs(N, T, 1, G, D, torch.float32, (1,), (live,), 16, S)
-    plan = kernels._attention_plan(q, S, T * G)
-    splits, block_n = plan[0], plan[2]
+    plan = kernels.attention_launch(T * G, S, D, q.dtype, kernels.launch_target(q))
+    splits, block_n = plan[0], plan[1]["BLOCK_N"]
     lse = q.new_empty(1, N, T, G, splits)
     out = q.new_empty(*lse.shape, D)
     kernels._attend_splits(q, sk, sv, slen, out, lse, 0, plan, D ** -0.5, True)
@@ -115,7 +115,9 @@ def test_merge_of_splits_with_empty_ones_matches_reference():
     case = (2, 2, 2, 2, 16, torch.float32, (0, 40), (3, 50), 48, 256)
     q, pk, pv, sk, sv, plen, slen = attention_inputs(*case)
     N, T, G = case[0], case[1], case[3]
-    assert kernels._attention_plan(q, 48, N * T * G)[0] > 1 and kernels._attention_plan(q, 256, T * G)[0] > 1
+    smem, D = kernels.launch_target(q), case[4]
+    assert kernels.attention_launch(N * T * G, 48, D, q.dtype, smem)[0] > 1
+    assert kernels.attention_launch(T * G, 256, D, q.dtype, smem)[0] > 1
     out = kernels.particle_attention(q, pk, pv, sk, sv, plen, slen, 0.25)
     assert out.isfinite().all()
     torch.testing.assert_close(out, kernels.particle_attention_ref(q, pk, pv, sk, sv, plen, slen, 0.25),
