@@ -214,13 +214,19 @@ def _split_len(capacity, rows, block_n):
     return block_n * max(triton.cdiv(tiles, MAX_SPLITS), triton.cdiv(rows, block_n))
 
 
-def _attention_blocks(rows, D, elem, smem):
-    """(BLOCK_M, BLOCK_N, num_stages): the largest whose estimated shared memory fits `smem` bytes per program. The
-    estimate (a Q tile, num_stages K and V tiles, an fp32 [BLOCK_M, BLOCK_N] scratch) bounds what Triton 3.6 and 3.9
-    allocate on sm_80 and sm_90. fp32 D=128, 128 rows: (128, 64, 2) on H100, (128, 32, 2) A100, (64, 32, 1) RTX 4090."""
+def _attention_blocks(rows, D, elem, smem, tree=False):
+    """(BLOCK_M, BLOCK_N, num_stages): the largest whose estimated shared memory fits `smem` bytes per program (a Q
+    tile, num_stages K and V tiles, an fp32 [BLOCK_M, BLOCK_N] scratch: above what Triton allocates on sm_80 and sm_90)
+    among tiles that spill no register there (tests/test_compile.py): float32's ieee dots run on FMA units from
+    registers (16 keys, 4096 / D rows); at D >= 128 bf16 takes 32 keys, a tree's masks at most 64 rows."""
     top = min(max(triton.next_power_of_2(rows), 16), 128)
+    keys = ((64, 3), (64, 2), (32, 2), (32, 1))
+    if elem == 4:
+        top, keys = min(top, max(16, 4096 // D)), ((16, 2), (16, 1))
+    elif D >= 128:
+        top, keys = min(top, 64) if tree else top, ((32, 3), (32, 2), (32, 1))
     for block_m in (m for m in (128, 64, 32, 16) if m <= top):
-        for block_n, stages in ((64, 3), (64, 2), (32, 2), (32, 1)):
+        for block_n, stages in keys:
             if elem * D * (block_m + 2 * block_n * stages) + 4 * block_m * block_n <= smem:
                 return block_m, block_n, stages
     return 16, 16, 1
@@ -245,16 +251,18 @@ def _precision(dtype, smem):
     return "ieee" if smem is None or dtype == torch.float32 else "tf32"
 
 
-def attention_launch(rows, capacity, D, dtype, smem):
+def attention_launch(rows, capacity, D, dtype, smem, tree=False):
     """(splits, the kernel's launch options) of an attention pass of `rows` query rows a program over a cache of
-    `capacity` keys of head dim D in dtype, for `smem` (`launch_target`): shapes only, for CUDA graphs."""
+    `capacity` keys of head dim D in dtype, for `smem` (`launch_target`), by a tree's masks or not: shapes only, for
+    CUDA graphs. A tree's masks take registers: 8 warps from half the tile that other passes take them at."""
     if smem is None:
         block_m, block_n, stages = min(max(triton.next_power_of_2(rows), 16), 128), 16, 1
     else:
-        block_m, block_n, stages = _attention_blocks(rows, D, dtype.itemsize, smem)
+        block_m, block_n, stages = _attention_blocks(rows, D, dtype.itemsize, smem, tree)
     splits = triton.cdiv(capacity, _split_len(capacity, rows, block_n))
+    wide = block_m * D >= (8192 if tree else 16384)
     return splits, dict(BLOCK_M=block_m, BLOCK_N=block_n, D=D, UPCAST=smem is None, PRECISION=_precision(dtype, smem),
-                        num_warps=8 if block_m * D >= 16384 else 4, num_stages=stages)
+                        num_warps=8 if wide else 4, num_stages=stages)
 
 
 def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree=None):
@@ -283,7 +291,8 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     assert prefix_k.stride() == prefix_v.stride() and suffix_k.stride() == suffix_v.stride()
     G, P, S = Hq // prefix_k.shape[1], prefix_k.shape[2], suffix_k.shape[3]
     smem = launch_target(q)
-    prefix, suffix = attention_launch(N * T * G, P, D, q.dtype, smem), attention_launch(T * G, S, D, q.dtype, smem)
+    prefix = attention_launch(N * T * G, P, D, q.dtype, smem)
+    suffix = attention_launch(T * G, S, D, q.dtype, smem, tree is not None)
     lse = q.new_empty(R, N, T, Hq, prefix[0] + suffix[0], dtype=torch.float32)
     out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
     _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix, scale, False)
@@ -652,8 +661,18 @@ def quantized_matmul_launch(M, dtype, smem):
     """The launch options of `_quantized_matmul_kernel` for M rows of activations in dtype, for `smem`
     (`launch_target`). Tiles by M: decoding's few rows only read the weight (narrow column blocks give many
     programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows."""
-    block_m, block_n, block_k, warps, stages = (16, 16, 256, 4, 4) if M <= 16 else \
-        (min(64, triton.next_power_of_2(M)), 64, 64, 4, 3) if M <= 64 else (128, 128, 64, 8, 3)
+    if dtype == torch.float32:  # ieee dots run on FMA units from registers: larger tiles spill tens of KB
+        tile = (16, 32, 32, 4, 2) if M <= 16 else (32, 64, 16, 4, 2)
+    elif M <= 16:
+        tile = (16, 16, 256, 4, 4)
+    elif M <= 64:
+        tile = (min(64, triton.next_power_of_2(M)), 64, 64, 4, 3)
+    else:
+        tile = (128, 128, 64, 8, 3)
+    block_m, block_n, block_k, warps, stages = tile
+    # fewer stages where the estimate (stages x an activation and two weight-sized tiles) passes smem; one fits 64 KB
+    while smem is not None and stages > 1 and stages * block_k * (block_m + 2 * block_n) * dtype.itemsize > smem:
+        stages -= 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(dtype, smem), num_warps=warps,
                 num_stages=stages)
 
