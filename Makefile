@@ -11,6 +11,7 @@
 # With two GPUs or more, the same ar and smc at tensor-parallel 2 (torchrun, nccl), to set against the TP=1 line.
 .PHONY: gpu-check
 gpu-check:
+	-python -m pytest -q tests/test_compile.py
 	-python -m pytest -q tests/test_kernels.py
 	-python -m pytest -q tests/test_engine.py -k cuda_graphs
 	-python -m pytest -q tests/test_model.py -k through_triton

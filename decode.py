@@ -386,14 +386,16 @@ RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "mdsd": sd_cycle, "sm
 
 def record(fn):
     """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
-    kernels) so that the capture records warm kernels."""
+    kernels) so that the capture records warm kernels. Each graph is captured on a stream of its own: cuBLAS keeps a
+    workspace per stream, which graphs captured on torch's one capture stream would share, and MineDraft's halves
+    replay theirs at once; a graph freed with its batch then frees no workspace that another replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         fn()
     return graph.replay
 
@@ -497,13 +499,25 @@ def unread_bytes(e):
 
 
 def batch_bytes(e, shape, slots, caps):
-    """Memory a batch takes: its KV caches, each in its model's activations' dtype, and a cycle's float32 logits with
-    a few copies."""
+    """Memory a batch takes: its KV caches, each in its model's activations' dtype, and a cycle's working memory
+    (`cycle_bytes`). On CUDA graphs every graph keeps that in a private pool of its own: one for a batch, four for
+    MineDraft's pair (a draft and a verify graph for each half)."""
     draft_dtype = e.draft.embed.dtype if e.draft else model.FORMATS.get(e.draft_weights, e.dtype)
     drafted = e.draft_config and shape.method != "ar"
     models = [(e.config, e.dtype)] + ([(e.draft_config, draft_dtype)] if drafted else [])
     need = sum(model.KVCache.nbytes(c, shape.particles, *caps, dtype, slots) for c, dtype in models)
-    return need + 4 * slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size * 4
+    if not graphs(shape, e.device):
+        return need + cycle_bytes(e, shape, slots)
+    if shape.overlap:
+        return need + 4 * cycle_bytes(e, shape, -(-slots // 2))
+    return need + cycle_bytes(e, shape, slots)
+
+
+def cycle_bytes(e, shape, slots):
+    """A cycle's working memory over `slots` slots: its float32 logits [R, N, K+1, V] with a few copies, and where
+    requests restrict (top-k, top-p) what `restrict` sorts: their float32 values and int64 indices."""
+    logits = slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size
+    return 4 * logits * 4 + shape.restrict * logits * (4 + 8)
 
 
 # ---------------------------------------------------------------- the weight format this machine runs fastest

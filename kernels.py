@@ -214,13 +214,19 @@ def _split_len(capacity, rows, block_n):
     return block_n * max(triton.cdiv(tiles, MAX_SPLITS), triton.cdiv(rows, block_n))
 
 
-def _attention_blocks(rows, D, elem, smem):
-    """(BLOCK_M, BLOCK_N, num_stages): the largest whose estimated shared memory fits `smem` bytes per program. The
-    estimate (a Q tile, num_stages K and V tiles, an fp32 [BLOCK_M, BLOCK_N] scratch) bounds what Triton 3.6 and 3.9
-    allocate on sm_80 and sm_90. fp32 D=128, 128 rows: (128, 64, 2) on H100, (128, 32, 2) A100, (64, 32, 1) RTX 4090."""
+def _attention_blocks(rows, D, elem, smem, tree=False):
+    """(BLOCK_M, BLOCK_N, num_stages): the largest whose estimated shared memory fits `smem` bytes per program (a Q
+    tile, num_stages K and V tiles, an fp32 [BLOCK_M, BLOCK_N] scratch: above what Triton allocates on sm_80 and sm_90)
+    among tiles that spill no register there (tests/test_compile.py): float32's ieee dots run on FMA units from
+    registers (16 keys, 4096 / D rows); at D >= 128 bf16 takes 32 keys, a tree's masks at most 64 rows."""
     top = min(max(triton.next_power_of_2(rows), 16), 128)
+    keys = ((64, 3), (64, 2), (32, 2), (32, 1))
+    if elem == 4:
+        top, keys = min(top, max(16, 4096 // D)), ((16, 2), (16, 1))
+    elif D >= 128:
+        top, keys = min(top, 64) if tree else top, ((32, 3), (32, 2), (32, 1))
     for block_m in (m for m in (128, 64, 32, 16) if m <= top):
-        for block_n, stages in ((64, 3), (64, 2), (32, 2), (32, 1)):
+        for block_n, stages in keys:
             if elem * D * (block_m + 2 * block_n * stages) + 4 * block_m * block_n <= smem:
                 return block_m, block_n, stages
     return 16, 16, 1
@@ -233,27 +239,43 @@ def _shared_memory(device):
     return smem or triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
 
-def _attention_plan(q, capacity, rows):
-    """(splits, BLOCK_M, BLOCK_N, num_stages) for a pass of `rows` query rows per program over a cache
-    of `capacity` keys; shapes only, for CUDA graphs. The interpreter keeps small blocks (it is slow)."""
-    blocks = (min(max(triton.next_power_of_2(rows), 16), 128), 16, 1) if INTERPRET else \
-        _attention_blocks(rows, q.shape[-1], q.element_size(), _shared_memory(q.get_device()))
-    return triton.cdiv(capacity, _split_len(capacity, rows, blocks[1])), *blocks
+def launch_target(t):
+    """What a launch on tensor t's device chooses its blocks for: the shared memory one program may use there
+    (bytes), or None under the interpreter, which keeps small blocks (it is slow)."""
+    return None if INTERPRET else _shared_memory(t.get_device())
+
+
+def _precision(dtype, smem):
+    """tl.dot's input precision: ieee for float32 operands and for the interpreter (its half-precision dot is
+    broken), tf32 otherwise (only float32 operands care)."""
+    return "ieee" if smem is None or dtype == torch.float32 else "tf32"
+
+
+def attention_launch(rows, capacity, D, dtype, smem, tree=False):
+    """(splits, the kernel's launch options) of an attention pass of `rows` query rows a program over a cache of
+    `capacity` keys of head dim D in dtype, for `smem` (`launch_target`), by a tree's masks or not: shapes only, for
+    CUDA graphs. A tree's masks take registers: 8 warps from half the tile that other passes take them at."""
+    if smem is None:
+        block_m, block_n, stages = min(max(triton.next_power_of_2(rows), 16), 128), 16, 1
+    else:
+        block_m, block_n, stages = _attention_blocks(rows, D, dtype.itemsize, smem, tree)
+    splits = triton.cdiv(capacity, _split_len(capacity, rows, block_n))
+    wide = block_m * D >= (8192 if tree else 16384)
+    return splits, dict(BLOCK_M=block_m, BLOCK_N=block_n, D=D, UPCAST=smem is None, PRECISION=_precision(dtype, smem),
+                        num_warps=8 if wide else 4, num_stages=stages)
 
 
 def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree=None):
     (R, N, T, Hq, D), Hkv = q.shape, k.shape[-3]
     G = Hq // Hkv
-    splits, block_m, block_n, stages = plan
+    splits, options = plan
     rows = T * G if causal else N * T * G
-    grid = (R * Hkv * (N if causal else 1), triton.cdiv(rows, block_m), splits)
+    grid = (R * Hkv * (N if causal else 1), triton.cdiv(rows, options["BLOCK_M"]), splits)
     sk_n = k.stride(1) if causal else 0  # the prefix is shared: every particle reads the same rows
-    precision = "ieee" if INTERPRET or q.dtype == torch.float32 else "tf32"  # only fp32 operands care
     bits = lengths if tree is None else tree.contiguous().view(torch.uint8)  # [R, T, T] bytes; a view, no copy
     _attention_split_kernel[grid](q, k, v, lengths, bits, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n,
                                   *k.stride()[-3:-1], *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal,
-                                  TREE=tree is not None, BLOCK_M=block_m, BLOCK_N=block_n, D=D, UPCAST=INTERPRET,
-                                  PRECISION=precision, num_warps=8 if block_m * D >= 16384 else 4, num_stages=stages)
+                                  TREE=tree is not None, **options)
 
 
 def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
@@ -268,7 +290,9 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     assert q.stride(-1) == prefix_k.stride(-1) == suffix_k.stride(-1) == 1
     assert prefix_k.stride() == prefix_v.stride() and suffix_k.stride() == suffix_v.stride()
     G, P, S = Hq // prefix_k.shape[1], prefix_k.shape[2], suffix_k.shape[3]
-    prefix, suffix = _attention_plan(q, P, N * T * G), _attention_plan(q, S, T * G)
+    smem = launch_target(q)
+    prefix = attention_launch(N * T * G, P, D, q.dtype, smem)
+    suffix = attention_launch(T * G, S, D, q.dtype, smem, tree is not None)
     lse = q.new_empty(R, N, T, Hq, prefix[0] + suffix[0], dtype=torch.float32)
     out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
     _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix, scale, False)
@@ -339,22 +363,28 @@ def _vocab_chunk_kernel(logits_ptr, stride_b, V, M, temp_ptr, rng_ptr, max_ptr, 
         tl.store(at_ptr + out, best_at.to(tl.int64))
 
 
+def vocab_launch(V, M, smem):
+    """(chunks a row, the kernel's launch options) of `_vocab_chunk_kernel` over rows of V logits, M rows a request, for
+    `smem` (`launch_target`). Rows are cut into chunks so one request's M rows spread over ~256 programs (the whole
+    GPU); sized by M, not B, so a request's partial sums come out the same to the bit in any batch."""
+    block_v = 256 if smem is None else 2048
+    tiles = triton.cdiv(V, block_v)
+    chunk = block_v * triton.cdiv(tiles, min(tiles, triton.cdiv(256, M)))
+    return triton.cdiv(V, chunk), dict(CHUNK=chunk, BLOCK_V=block_v, num_warps=8)
+
+
 def _vocab_chunks(logits, temperature, rng, noise):
     """Per (row, chunk) partials [B, C] of `_vocab_chunk_kernel`: max, sum and, given rng, key, x, index.
-    temperature float32 [R]. Rows are cut into chunks so one request's M rows spread over ~256 programs (the
-    whole GPU); sized by M, not B, so a request's partial sums come out the same to the bit in any batch."""
+    temperature float32 [R]."""
     B, V = logits.shape
     M = B // len(temperature)
     assert M * len(temperature) == B, "rows are grouped by request: B must be a multiple of R"
     assert M * V < 2**32 and logits.stride(-1) == 1, "Philox element offsets are 32-bit"
-    block_v = 256 if INTERPRET else 2048
-    tiles = triton.cdiv(V, block_v)
-    chunk = block_v * triton.cdiv(tiles, min(tiles, triton.cdiv(256, M)))
-    floats = torch.empty(4, B, triton.cdiv(V, chunk), dtype=torch.float32, device=logits.device)
+    chunks, options = vocab_launch(V, M, launch_target(logits))
+    floats = torch.empty(4, B, chunks, dtype=torch.float32, device=logits.device)
     at = torch.empty(floats.shape[1:], dtype=torch.int64, device=logits.device)
-    _vocab_chunk_kernel[floats.shape[1:]](
-        logits, logits.stride(0), V, M, temperature, at if rng is None else rng, *floats, at,
-        CHUNK=chunk, SAMPLE=rng is not None, NOISE=noise, BLOCK_V=block_v, num_warps=8)
+    _vocab_chunk_kernel[floats.shape[1:]](logits, logits.stride(0), V, M, temperature, at if rng is None else rng,
+                                          *floats, at, SAMPLE=rng is not None, NOISE=noise, **options)
     return (*floats, at)
 
 
@@ -456,6 +486,11 @@ def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, d
     tl.store(degenerate_ptr + r, empty | (tl.sum(nan.to(tl.int32), 0) > 0))
 
 
+def resample_launch(N, smem):
+    """The launch options of `_resample_kernel` for N particles: one block holds them all (any target)."""
+    return dict(BLOCK=max(triton.next_power_of_2(N), 2))
+
+
 def resample(logw, threshold, rng):
     """Systematic resampling per request by log-weights logw [R, N] float32. Weights: softmax(logw), NaN read as -inf
     (weight 0), an all -inf row as uniform. ESS = clamp(1 / sum(w^2), 1, N). A row resamples iff ESS < threshold * N
@@ -471,7 +506,7 @@ def resample(logw, threshold, rng):
     ancestors, ess = logw.new_empty(R, N, dtype=torch.int64), logw.new_empty(R, dtype=torch.float32)
     resampled, degenerate = (logw.new_empty(R, dtype=torch.bool) for _ in range(2))
     _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N,
-                           _ess_limit(threshold, N), BLOCK=max(triton.next_power_of_2(N), 2))  # fp32, as the ref
+                           _ess_limit(threshold, N), **resample_launch(N, launch_target(logw)))  # fp32, as the ref
     rng[:, 1].add_(1)
     return ancestors, ess, resampled, degenerate
 
@@ -514,6 +549,15 @@ def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st
         tl.store(dst + rows, block, mask=mask)
 
 
+def gather_launch(L, R, N, H, S, D, smem):
+    """(row blocks a program's grid axis 1 has, the launch options) of `_gather_kernel` over a cache [L, R, N, H, S, D]:
+    registers bounded by the block, ~4096 programs to fill a GPU (any target)."""
+    block_p, block_d = triton.next_power_of_2(N), triton.next_power_of_2(D)
+    block_s = max(1, min(triton.next_power_of_2(S), 8192 // (block_p * block_d)))
+    blocks = max(1, min(triton.cdiv(S, block_s), triton.cdiv(4096, L * R * H)))
+    return blocks, dict(BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
+
+
 def gather_suffix(cache, ancestors, length):
     """In place, for cache [L, R, N, H, S, D] (a suffix KV cache, all layers in one launch) or a token history
     [R, N, S]: rows [0, length[r]) of each particle i whose ancestors[r, i] != i become a copy of its ancestor's; no
@@ -523,11 +567,8 @@ def gather_suffix(cache, ancestors, length):
     view = _as_6d(cache)
     L, R, N, H, S, D = view.shape
     assert view.stride(-1) == 1
-    block_p, block_d = triton.next_power_of_2(N), triton.next_power_of_2(D)
-    block_s = max(1, min(triton.next_power_of_2(S), 8192 // (block_p * block_d)))  # bounded registers
-    blocks = max(1, min(triton.cdiv(S, block_s), triton.cdiv(4096, L * R * H)))  # ~4096 programs fill a GPU
-    _gather_kernel[(L * R * H, blocks)](view, ancestors.contiguous(), length, N, R, H, D, *view.stride()[:5],
-                                        BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
+    blocks, options = gather_launch(L, R, N, H, S, D, launch_target(cache))
+    _gather_kernel[(L * R * H, blocks)](view, ancestors.contiguous(), length, N, R, H, D, *view.stride()[:5], **options)
     return cache
 
 
@@ -616,19 +657,35 @@ def _quantized_matmul_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, INT4: tl.con
     tl.store(out_ptr + _offset(m, N)[:, None] + n[None, :], acc, mask=(m < M)[:, None] & (n < N)[None, :])
 
 
+def quantized_matmul_launch(M, dtype, smem):
+    """The launch options of `_quantized_matmul_kernel` for M rows of activations in dtype, for `smem`
+    (`launch_target`). Tiles by M: decoding's few rows only read the weight (narrow column blocks give many
+    programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows."""
+    if dtype == torch.float32:  # ieee dots run on FMA units from registers: larger tiles spill tens of KB
+        tile = (16, 32, 32, 4, 2) if M <= 16 else (32, 64, 16, 4, 2)
+    elif M <= 16:
+        tile = (16, 16, 256, 4, 4)
+    elif M <= 64:
+        tile = (min(64, triton.next_power_of_2(M)), 64, 64, 4, 3)
+    else:
+        tile = (128, 128, 64, 8, 3)
+    block_m, block_n, block_k, warps, stages = tile
+    # fewer stages where the estimate (stages x an activation and two weight-sized tiles) passes smem; one fits 64 KB
+    while smem is not None and stages > 1 and stages * block_k * (block_m + 2 * block_n) * dtype.itemsize > smem:
+        stages -= 1
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(dtype, smem), num_warps=warps,
+                num_stages=stages)
+
+
 def quantized_matmul(x, q, scale):
     """x [M, in] @ w.T -> [M, out] in x's dtype, in Triton: q int8 [out, in] with scale [out], or q uint8 [out, in / 2]
-    (pack_int4) with scale_zero [in / 32, out, 2]. Tiles by M: decoding's few rows only read the weight (narrow column
-    blocks give many programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows."""
+    (pack_int4) with scale_zero [in / 32, out, 2]."""
     (M, K), N, int4 = x.shape, q.shape[0], q.dtype == torch.uint8
     assert q.shape[1] * (1 + int4) == K and K % (INT4_GROUP if int4 else 1) == 0 and scale.is_contiguous()
-    block_m, block_n, block_k, warps, stages = (16, 16, 256, 4, 4) if M <= 16 else \
-        (min(64, triton.next_power_of_2(M)), 64, 64, 4, 3) if M <= 64 else (128, 128, 64, 8, 3)
+    options = quantized_matmul_launch(M, x.dtype, launch_target(x))
     out = x.new_empty(M, N)
-    precision = "ieee" if INTERPRET or x.dtype == torch.float32 else "tf32"  # the interpreter's half tl.dot is broken
-    _quantized_matmul_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-        x.contiguous(), q.contiguous(), scale, out, M, N, K, INT4=int4, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=precision, num_warps=warps, num_stages=stages)
+    grid = (triton.cdiv(N, options["BLOCK_N"]), triton.cdiv(M, options["BLOCK_M"]))
+    _quantized_matmul_kernel[grid](x.contiguous(), q.contiguous(), scale, out, M, N, K, INT4=int4, **options)
     return out
 
 

@@ -96,8 +96,8 @@ def test_attention_splits_share_the_live_keys_not_the_capacity():
     load nothing and stay empty (lse = -inf, output 0)."""
     N, T, G, D, S, live = 2, 1, 2, 16, 4096, 100
     q, _, _, sk, sv, _, slen = attention_inputs(N, T, 1, G, D, torch.float32, (1,), (live,), 16, S)
-    plan = kernels._attention_plan(q, S, T * G)
-    splits, block_n = plan[0], plan[2]
+    plan = kernels.attention_launch(T * G, S, D, q.dtype, kernels.launch_target(q))
+    splits, block_n = plan[0], plan[1]["BLOCK_N"]
     lse = q.new_empty(1, N, T, G, splits)
     out = q.new_empty(*lse.shape, D)
     kernels._attend_splits(q, sk, sv, slen, out, lse, 0, plan, D ** -0.5, True)
@@ -115,7 +115,9 @@ def test_merge_of_splits_with_empty_ones_matches_reference():
     case = (2, 2, 2, 2, 16, torch.float32, (0, 40), (3, 50), 48, 256)
     q, pk, pv, sk, sv, plen, slen = attention_inputs(*case)
     N, T, G = case[0], case[1], case[3]
-    assert kernels._attention_plan(q, 48, N * T * G)[0] > 1 and kernels._attention_plan(q, 256, T * G)[0] > 1
+    smem, D = kernels.launch_target(q), case[4]
+    assert kernels.attention_launch(N * T * G, 48, D, q.dtype, smem)[0] > 1
+    assert kernels.attention_launch(T * G, 256, D, q.dtype, smem)[0] > 1
     out = kernels.particle_attention(q, pk, pv, sk, sv, plen, slen, 0.25)
     assert out.isfinite().all()
     torch.testing.assert_close(out, kernels.particle_attention_ref(q, pk, pv, sk, sv, plen, slen, 0.25),
@@ -133,8 +135,21 @@ def test_attention_blocks_fit_shared_memory(smem, D, elem):
         block_m, block_n, stages = kernels._attention_blocks(rows, D, elem, smem)
         assert elem * D * (block_m + 2 * block_n * stages) + 4 * block_m * block_n <= smem
         assert 16 <= block_m <= 128 and block_n >= 16 and stages >= 1
-    if smem == 232448 and D == 128:  # an H100 takes the largest blocks, fp32 with one stage fewer
-        assert kernels._attention_blocks(128, D, elem, smem) == (128, 64, 3 if elem == 2 else 2)
+    if smem == 232448 and D == 128:  # an H100: bf16 128 rows of 32 keys (a tree's masks 64), fp32 FMA-sized tiles
+        assert kernels._attention_blocks(128, D, elem, smem) == ((128, 32, 3) if elem == 2 else (32, 16, 2))
+        assert kernels._attention_blocks(128, D, elem, smem, tree=True)[0] == (64 if elem == 2 else 32)
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="no triton")
+@pytest.mark.parametrize("smem", [166912, 101376, 232448, 65536], ids=["A100", "RTX4090", "H100", "MI300"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantized_matmul_tiles_fit_shared_memory(smem, dtype):
+    """The matmul's tile for every row count fits the program's shared memory by its estimate (stages x an activation
+    and two weight-sized tiles: above what Triton allocates, int4 included); float32's stay small (FMA dots)."""
+    for M in (1, 8, 16, 40, 64, 130, 4000):
+        o = kernels.quantized_matmul_launch(M, dtype, smem)
+        assert o["num_stages"] * o["BLOCK_K"] * (o["BLOCK_M"] + 2 * o["BLOCK_N"]) * dtype.itemsize <= smem
+        assert dtype != torch.float32 or o["BLOCK_M"] * o["BLOCK_N"] <= 2048
 
 
 def test_reference_matches_sdpa_on_one_particle():
