@@ -35,7 +35,9 @@ import torch
 
 import decode
 import engine
+import formats
 import kernels
+import loading
 import model
 import quality
 
@@ -114,13 +116,13 @@ def copy_bandwidth(device, repeats=5):
 
 def random_model(shape, device, dtype, seed, world=1, weights=None):
     """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed, its matmul
-    weights in format `weights` (model.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
+    weights in format `weights` (formats.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
     a tensor-parallel rank's shard (random too, the same on every rank, so every rank's logits agree)."""
     vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
     c = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
                      n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
                      rope_theta=500000.0, max_seq_len=8192)
-    dtype = model.weight_format(weights, device) if weights else dtype
+    dtype = formats.weight_format(weights, device) if weights else dtype
     m = model.Transformer(model.shard_config(c, world), device, dtype)
     g = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
@@ -129,7 +131,7 @@ def random_model(shape, device, dtype, seed, world=1, weights=None):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-    model.convert_weights(m, weights)
+    formats.convert_weights(m, weights)
     return m
 
 
@@ -154,7 +156,7 @@ def ar_engine(pair, paths, args):
     if not pair.auto or "ar" not in args.methods:
         return pair
     ar_shape = engine.Settings(method="ar").resolve(pair.device).shape()
-    (fmt, _), line = decode.choose_weights(engine.Engine(paths[1], None, pair.device, "auto"), ar_shape)
+    (fmt, _), line = engine.Engine(paths[1], None, pair.device, "auto").measurement.choose_weights(ar_shape)
     print(f"ar's {line}", file=sys.stderr)
     return pair if fmt == pair.weights else engine.Engine(paths[1], None, pair.device, fmt).load()
 
@@ -467,8 +469,7 @@ def peer_models(paths, args):
     """-> (target, draft): the pair as transformers models, same dtype; a GGUF file through the bf16 directory it is
     converted to once, beside it (weights/fetch.py's conversion: the same values the engine reads from the file)."""
     from transformers import AutoModelForCausalLM
-    sys.path.insert(0, os.path.join(engine.ROOT, "weights"))
-    import fetch
+    from weights import fetch
     dtype, directories = getattr(torch, args.dtype), []
     for p in paths[::-1]:
         directory = p.removesuffix(".gguf")
@@ -844,7 +845,7 @@ def format_report(target, prompts, formats, new_tokens, device):
     KL(format || unquantized) per token, which is 0 for an exact copy. Also that KL exactly, on fixed text: of
     the next-token distributions (T = 1) at every position of the prompts themselves."""
     out, samples, slots, ids = {}, {}, min(QUALITY_SLOTS, len(prompts)), None
-    reference = model.load(target, device, weights="float32")[0]  # also the float32 format's model
+    reference = loading.load(target, device, weights="float32")[0]  # also the float32 format's model
     for fmt in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
         e = engine.Engine(reference if fmt == "float32" else target, None, device, fmt).load()
         ids = ids or [e.encode(p) for p in prompts]  # by bf16's engine, which has the tokenizer
@@ -1074,9 +1075,9 @@ def numbers(text):
 
 
 def formats(text):
-    """"int8,int4" -> ["int8", "int4"], each one of model.FORMATS."""
-    if unknown := [f for f in text.split(",") if f and f not in model.FORMATS]:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(model.FORMATS)})")
+    """"int8,int4" -> ["int8", "int4"], each one of formats.FORMATS."""
+    if unknown := [f for f in text.split(",") if f and f not in formats.FORMATS]:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(formats.FORMATS)})")
     return [f for f in text.split(",") if f]
 
 
@@ -1126,7 +1127,7 @@ def parse(argv):
                         "of these sizes at most that deep, beside ar and sd with the draft model, on a refactor "
                         "request and on fresh code (needs a tokenizer: not with --random; empty: skip)")
     p.add_argument("--formats", type=formats, default=[], metavar="FORMAT,...",
-                   help=f"the target alone in each of these weight formats ({','.join(model.FORMATS)}) on the first "
+                   help=f"the target alone in each of these weight formats ({','.join(formats.FORMATS)}) on the first "
                         f"--problems ({FORMAT_PROMPTS}) prompts of --problem-set, at --quality-tokens: greedy text "
                         "against bf16's, speed, and its samples' log-probability under the unquantized target (a "
                         "weights/ pair or --target; default: none)")
@@ -1135,7 +1136,7 @@ def parse(argv):
     p.add_argument("--skip-peer", action="store_true", help="skip the peers (transformers; llama.cpp)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="random models and the peers")
-    p.add_argument("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format "
+    p.add_argument("--weights", choices=["auto", *formats.FORMATS], help="the engine's weight format "
                    "(default: --dtype's); auto measures at load, as engine.py does, and ar runs in its own choice")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", default="bench.json")

@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import engine
+import formats
 import model
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
@@ -373,7 +374,7 @@ def main(argv=None):
     p.add_argument("--overlap", action="store_true", help="MineDraft: half the slots draft while the other half "
                    "verifies")
     p.add_argument("--device")
-    p.add_argument("--weights", choices=["auto", *model.FORMATS], help="matmul weights' format "
+    p.add_argument("--weights", choices=["auto", *formats.FORMATS], help="matmul weights' format "
                    "(default auto: each model's measured at load on a CPU, bf16 elsewhere)")
     p.add_argument("--model-name", help="the model id clients see (default: the target's base name)")
     args = p.parse_args(argv)
