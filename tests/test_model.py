@@ -779,7 +779,7 @@ def test_gguf_blocks_join_into_the_whole_tensor(monkeypatch):
     names = ["model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
              "model.layers.2.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"]
     whole = {n: get(n) for n in names}
-    monkeypatch.setattr(model, "GGUF_BLOCK", 1)  # blocks of one head's rows: 9 of q, 3 of k
+    monkeypatch.setattr(loading, "GGUF_BLOCK", 1)  # blocks of one head's rows: 9 of q, 3 of k
     for n in names:
         assert torch.equal(get(n), whole[n]), n
         assert torch.equal(get(n, dtype=torch.bfloat16), whole[n].to(torch.bfloat16)), n

@@ -199,7 +199,7 @@ def test_gguf_chunks_and_rows_read(monkeypatch):
     """SmolLM2 (llama: Q/K rows un-permuted; 9 heads, 3 KV heads) in 3 chunks: row chunks dequantize only their
     rows, column chunks every row; each chunk equals the whole tensor's."""
     dequantized, rows = loading.dequantized, []
-    monkeypatch.setattr(model, "dequantized", lambda data, kind: rows.append(len(data)) or dequantized(data, kind))
+    monkeypatch.setattr(loading, "dequantized", lambda data, kind: rows.append(len(data)) or dequantized(data, kind))
     fetch_module().fetch("smollm2-135m-instruct")
     c, get, _ = loading.open_weights(SMOLLM)
     for name, dim in (("self_attn.q_proj.weight", 0), ("self_attn.k_proj.weight", 0), ("mlp.up_proj.weight", 0),
