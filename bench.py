@@ -1074,7 +1074,7 @@ def numbers(text):
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def formats(text):
+def format_names(text):
     """"int8,int4" -> ["int8", "int4"], each one of formats.FORMATS."""
     if unknown := [f for f in text.split(",") if f and f not in formats.FORMATS]:
         raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(formats.FORMATS)})")
@@ -1126,7 +1126,7 @@ def parse(argv):
                    help="sd with racer's retrieval drafts, no draft model: a chain of --sd-draft-len (0) and trees "
                         "of these sizes at most that deep, beside ar and sd with the draft model, on a refactor "
                         "request and on fresh code (needs a tokenizer: not with --random; empty: skip)")
-    p.add_argument("--formats", type=formats, default=[], metavar="FORMAT,...",
+    p.add_argument("--formats", type=format_names, default=[], metavar="FORMAT,...",
                    help=f"the target alone in each of these weight formats ({','.join(formats.FORMATS)}) on the first "
                         f"--problems ({FORMAT_PROMPTS}) prompts of --problem-set, at --quality-tokens: greedy text "
                         "against bf16's, speed, and its samples' log-probability under the unquantized target (a "

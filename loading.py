@@ -503,7 +503,9 @@ class Tokenizer:
             raise LoadError(f"{where}: GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
                             "supported (byte-level BPE, 'gpt2', only)")
         normalizer, pre = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"), where)
-        tokens, types, merges = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "merges"))
+        tokens = meta["tokenizer.ggml.tokens"]
+        types = meta["tokenizer.ggml.token_type"]
+        merges = meta["tokenizer.ggml.merges"]
         try:  # a damaged vocabulary fails in `tokenizers` (a merge of unknown tokens) or here (a bos id past the end)
             merges = [tuple(m.split(" ", 1)) for m in merges]
             tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))

@@ -1,5 +1,6 @@
-"""model.py against Hugging Face transformers (the reference implementation), on tiny random models and on
-real weights; cache invariances; loader errors on damaged and hostile files; weights/fetch.py."""
+"""model.py, loading.py and formats.py against Hugging Face transformers (the reference implementation), on tiny random
+models and on real weights; cache invariances; loader errors on damaged and hostile files; auto's measurement;
+weights/fetch.py."""
 import copy
 import hashlib
 import io

@@ -1,7 +1,6 @@
-"""Tensor parallelism (model.py): 2 gloo ranks on this CPU, float32, against one process: the logits of tiny
-random models and of the real Qwen2.5-0.5B, an engine's tokens (ar, sd, smc), the loader reading only each rank's
-chunks (safetensors and GGUF), the one-line error when the ranks do not divide the KV heads; and the tree plumbing
-of Transformer.step."""
+"""Tensor parallelism (model.py, loading.py): 2 gloo ranks on this CPU, float32, against one process: tiny random
+models' and the real Qwen2.5-0.5B's logits, an engine's tokens, each rank reading only its chunks (safetensors, GGUF),
+the one-line error when the ranks do not divide the KV heads; and the tree plumbing of Transformer.step."""
 import json
 import os
 import socket

