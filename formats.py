@@ -187,13 +187,22 @@ class Measurement:
     (matrix shape, format, threads, rows) once (self.timings, the one place a cache of them lives), and from those
     timings the formats to load (choose_weights) and the smc and sd cycle shapes (choose_shape).
 
-    opened: the engine's [target, draft] files as loading.open_weights opened them (the draft's None: a draft model
-    given, or none); draft_config: the draft's Config, file or model, or None; unread_bytes: what the files' weights
-    take in bf16; free_bytes: the memory free for them when the files opened."""
+    Built when the engine opens its files, from what they hold: opened, the engine's [target, draft] as
+    loading.open_weights opened them (the draft's None: a draft model given, or none); draft_config, the draft's
+    Config, file or model, or None; unread_bytes, what the files' weights take in bf16; free_bytes, the memory free."""
 
     def __init__(self, opened=(None, None), draft_config=None, unread_bytes=0, free_bytes=math.inf):
-        self.target_file = opened[0]
-        self.draft_file = opened[1]
+        target_file = opened[0]
+        draft_file = opened[1]
+        self.config = None
+        self.home = "bf16"  # the target file's own format (file_format)
+        self.held = collections.Counter()  # {matrix: how many} of the target's that int4 holds in int8
+        if target_file:
+            self.config = target_file[0]
+            self.home = file_format(target_file)
+            names = held_in_int8(*target_file[:2])
+            self.held = collections.Counter(name.rpartition(".")[2] for name in names)
+        self.draft_home = file_format(draft_file) if draft_file else None  # None: no draft file to choose a format of
         self.draft_config = draft_config
         self.unread_bytes = unread_bytes
         self.free_bytes = free_bytes
@@ -256,21 +265,14 @@ class Measurement:
     def candidates(self):
         """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
         (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as
-        much); for the draft, those and int4, since its format changes only the proposals; the target file's own
-        format (file_format))."""
-        home = file_format(self.target_file)
+        much); for the draft, those and int4, since its format changes only the proposals)."""
         tried = ("bf16", "float32", "int8")
-        if home == "int4":
+        if self.home == "int4":
             tried += ("int4",)
         fits = [f for f in tried
                 if self.unread_bytes * FORMATS[f].itemsize / torch.bfloat16.itemsize <= self.free_bytes]
         drafts = fits + ["int4"] * ("int4" not in fits)
-        return fits, drafts, home
-
-    def held_int8(self):
-        """{matrix: how many} of the target's that int4 holds in int8 (held_in_int8: a GGUF file's wider blocks)."""
-        names = held_in_int8(*self.target_file[:2])
-        return collections.Counter(name.rpartition(".")[2] for name in names)
+        return fits, drafts
 
     def cycle_costs(self, shapes, formats, draft_formats):
         """-> ({format: {(N, K): ms}} of a target forward of N x (K + 1) rows (K = 0: N rows), the same of K draft
@@ -279,7 +281,7 @@ class Measurement:
         def timed(c, rows, fmts, held=None):
             return self.measure_formats(c, rows, tuple(fmts), held=held) or self.measure_formats(c, rows, ("bf16",))
         target_rows = sorted({n * (k + 1) for n, k in shapes})
-        target = timed(self.target_file[0], target_rows, formats, self.held_int8())
+        target = timed(self.config, target_rows, formats, self.held)
         steps = {}
         if self.draft_config and any(k for _, k in shapes):
             steps = timed(self.draft_config, sorted({n for n, k in shapes if k}), draft_formats)
@@ -292,21 +294,21 @@ class Measurement:
         part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs least on this machine,
         if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its format changes
         only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is int4
-        throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: held_int8)."""
+        throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: self.held)."""
         if shape.method == "ar":
             rows = 1
         elif shape.tree:
             rows = shape.tree + 1
         else:
             rows = shape.particles * (shape.draft_len + 1)
-        drafted = self.draft_file and shape.method != "ar" and not shape.tree
+        drafted = self.draft_home is not None and shape.method != "ar" and not shape.tree
         cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
-        formats, drafts, home = self.candidates()
-        target, steps = self.cycle_costs([cell], formats, drafts)
-        chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home if home in target else "bf16")
+        target, steps = self.cycle_costs([cell], *self.candidates())
+        home = self.home if self.home in target else "bf16"
+        chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home)
         draft = chosen
         if drafted:
-            draft = clear_winner({f: ms[cell] for f, ms in steps.items()}, file_format(self.draft_file))
+            draft = clear_winner({f: ms[cell] for f, ms in steps.items()}, self.draft_home)
 
         def listed(costs):
             return ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())
@@ -331,7 +333,7 @@ class Measurement:
             cells = [(1, k) for k in range(2, 7)]
             home = (1, 4)
         if weights == "auto":
-            formats = self.candidates()[:2]
+            formats = self.candidates()
         else:
             formats = ([weights], [draft_weights])
         target, steps = self.cycle_costs(cells, *formats)
