@@ -20,7 +20,9 @@ import torch
 
 import decode
 import engine
+import formats
 import kernels
+import loading
 import model
 import peers
 import quality
@@ -132,14 +134,14 @@ def phase_times(e):
 
 def random_model(shape, device, dtype, seed, world=1, weights=None):
     """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed, its matmul
-    weights in format `weights` (model.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
+    weights in format `weights` (formats.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
     a tensor-parallel rank's shard (random too, the same on every rank, so every rank's logits agree)."""
     vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
     config = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
                           n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
                           rope_theta=500000.0, max_seq_len=8192)
     if weights:
-        dtype = model.weight_format(weights, device)
+        dtype = formats.weight_format(weights, device)
     m = model.Transformer(model.shard_config(config, world), device, dtype)
     generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
@@ -148,7 +150,7 @@ def random_model(shape, device, dtype, seed, world=1, weights=None):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=generator)
-    model.convert_weights(m, weights)
+    formats.convert_weights(m, weights)
     return m
 
 
@@ -186,7 +188,7 @@ def ar_engine(pair, paths, args):
     if not pair.auto or "ar" not in args.methods:
         return pair
     ar_shape = engine.Settings(method="ar").resolve(pair.device).shape()
-    (fmt, _), line = decode.choose_weights(engine.Engine(paths[1], None, pair.device, "auto"), ar_shape)
+    (fmt, _), line = engine.Engine(paths[1], None, pair.device, "auto").measurement.choose_weights(ar_shape)
     print(f"ar's {line}", file=sys.stderr)
     if fmt == pair.weights:
         return pair
@@ -851,7 +853,7 @@ def first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def format_report(target, prompts, formats, new_tokens, device):
+def format_report(target, prompts, names, new_tokens, device):
     """Each weight format of the target alone (ar), on the prompts (4 at a time, EOS the only stop): its greedy
     text's tokens before the first difference from bf16's; its sampling speed; and the mean log-probability per
     token of its samples (temperature 0.7, one seed a prompt) under the unquantized target (the checkpoint's
@@ -862,8 +864,8 @@ def format_report(target, prompts, formats, new_tokens, device):
     samples = {}
     slots = min(QUALITY_SLOTS, len(prompts))
     ids = None
-    reference = model.load(target, device, weights="float32")[0]  # also the float32 format's model
-    for name in dict.fromkeys(["bf16", *formats]):  # bf16 first: the greedy reference
+    reference = loading.load(target, device, weights="float32")[0]  # also the float32 format's model
+    for name in dict.fromkeys(["bf16", *names]):  # bf16 first: the greedy reference
         source = target
         if name == "float32":
             source = reference
@@ -1046,7 +1048,7 @@ def quality_table(out):
     return "\n".join(lines)
 
 
-def format_table(formats):
+def format_table(rows):
     head = ("| weights | tokens before greedy differs from bf16's (mean; identical texts) | tok/s (4 at a time) | "
             "log-prob under the unquantized target | minus bf16's | KL to the unquantized, per token | "
             "the same on the prompts' text, exact |\n" + "|---" * 7 + "|\n")
@@ -1055,7 +1057,7 @@ def format_table(formats):
         f"{f['tokens_per_s']:.2f} | {f['logprob']:.3f} ± {f['logprob_stderr']:.3f} | "
         f"{f['logprob_vs_bf16']:+.3f} ± {f['logprob_vs_bf16_stderr']:.3f} | {f['kl']:.4f} ± {f['kl_stderr']:.4f} | "
         f"{fmt(f.get('prompt_kl_mean'), '.5f')} |"  # older reports lack it
-        for name, f in formats.items())
+        for name, f in rows.items())
 
 
 def report_tables(report):
@@ -1228,11 +1230,11 @@ def numbers(text):
         raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
 
 
-def formats(text):
-    """"int8,int4" -> ["int8", "int4"], each one of model.FORMATS."""
+def format_names(text):
+    """"int8,int4" -> ["int8", "int4"], each one of formats.FORMATS."""
     names = [name for name in text.split(",") if name]
-    if unknown := [name for name in names if name not in model.FORMATS]:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(model.FORMATS)})")
+    if unknown := [name for name in names if name not in formats.FORMATS]:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a weight format (use {','.join(formats.FORMATS)})")
     return names
 
 
@@ -1262,7 +1264,7 @@ def common_options():
         "(flags given still win)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--dtype", choices=list(DTYPE_FORMATS), default="bfloat16", help="random models and the peers")
-    add("--weights", choices=["auto", *model.FORMATS], help="the engine's weight format (default: --dtype's); auto "
+    add("--weights", choices=["auto", *formats.FORMATS], help="the engine's weight format (default: --dtype's); auto "
         "measures at load, as engine.py does, and ar runs in its own choice")
     add("--threads", type=int, default=torch.get_num_threads())
     add("--out", help="the JSON report (default: bench-COMMAND.json)")
@@ -1373,8 +1375,8 @@ def parser(argv):
                            "where it stopped (the same settings; its figures keep accumulating)")
     formats_p = command("formats", "the target alone in each weight format: greedy text against bf16's, speed, and "
                         "its samples' log-probability under the unquantized target")
-    formats_p.add_argument("--formats", type=formats, default=formats("float32,int8,int4"), metavar="FORMAT,...",
-                           help=f"of {','.join(model.FORMATS)} (bf16, the reference, always runs)")
+    formats_p.add_argument("--formats", type=format_names, default=formats("float32,int8,int4"), metavar="FORMAT,...",
+                           help=f"of {','.join(formats.FORMATS)} (bf16, the reference, always runs)")
     add_problem_set(formats_p, FORMAT_PROMPTS)
     report_p = commands.add_parser("report", help="print a report's tables (any bench.py JSON) as markdown")
     report_p.add_argument("file")

@@ -1,20 +1,18 @@
 """The device side of decoding: the State a batch's cycles update in place, and one cycle function per method
 (ar, sd and easd, racer's tree, smc with its resampling), each over (engine, state, shape) with fixed shapes and
-no host sync, so that a CUDA graph can record it; a slot's prefill; recording graphs; what a batch's memory takes;
-the weight format that this machine's matmuls run fastest.
+no host sync, so that a CUDA graph can record it; a slot's prefill; recording graphs; what a batch's memory takes.
 
     cycle(e, st, shape)  =  draft_block (K draft steps for every particle)  +  verify_cycle (one target forward,
                              the method's rule, the flags the host reads)
 
 e is the Engine (its target, draft, is_eos [V + 1], pad, config, dtype); shape its batch's Shape."""
-import collections
 import copy
 import math
-import timeit
 from dataclasses import dataclass, fields
 
 import torch
 
+import formats
 import kernels
 import model
 import racer
@@ -502,7 +500,7 @@ def batch_bytes(e, shape, slots, caps):
     """Memory a batch takes: its KV caches, each in its model's activations' dtype, and a cycle's working memory
     (`cycle_bytes`). On CUDA graphs every graph keeps that in a private pool of its own: one for a batch, four for
     MineDraft's pair (a draft and a verify graph for each half)."""
-    draft_dtype = e.draft.embed.dtype if e.draft else model.FORMATS.get(e.draft_weights, e.dtype)
+    draft_dtype = e.draft.embed.dtype if e.draft else formats.FORMATS.get(e.draft_weights, e.dtype)
     drafted = e.draft_config and shape.method != "ar"
     models = [(e.config, e.dtype)] + ([(e.draft_config, draft_dtype)] if drafted else [])
     need = sum(model.KVCache.nbytes(c, shape.particles, *caps, dtype, slots) for c, dtype in models)
@@ -518,160 +516,3 @@ def cycle_bytes(e, shape, slots):
     requests restrict (top-k, top-p) what `restrict` sorts: their float32 values and int64 indices."""
     logits = slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size
     return 4 * logits * 4 + shape.restrict * logits * (4 + 8)
-
-
-# ---------------------------------------------------------------- the weight format this machine runs fastest
-
-
-BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5}  # a weight's
-
-
-def measure_formats(c, rows, formats=("bf16", "float32", "int8", "int4"), threads=None, held=None):
-    """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
-    R x N x (K + 1) for a verify), in each format that can hold c's shapes (w8a8, slow to pack, only if asked).
-    Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
-    and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
-    sample read alone cost up to twice as much a weight: README). held {matrix: how many}: those int4 holds in
-    int8 (a GGUF file's wider blocks: model.held_in_int8), priced in int8."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    head = -(-c.vocab_size // 128) * 16
-    shapes = dict(zip(model.MATMULS, [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim),
-                                      (head, c.dim)]))
-    counts = {m: c.n_layers for m in model.MATMULS[:4]} | {"lm_head": c.vocab_size / head}
-    threads_before, per_call = torch.get_num_threads(), {}
-    torch.set_num_threads(threads or threads_before)
-    try:
-        for fmt in dict.fromkeys(list(formats) + ["int8"] * bool(held and "int4" in formats)):
-            try:
-                per_call[fmt] = {m: timed_calls(shape, fmt, rows) for m, shape in shapes.items()}
-            except model.LoadError:  # int4 on sizes it cannot pack
-                continue
-    finally:
-        torch.set_num_threads(threads_before)
-    costs = {fmt: {r: 1e3 * sum(counts[m] * t[m][r] for m in t) for r in rows} for fmt, t in per_call.items()}
-    if held and "int4" in costs:  # its held share of each matrix at int8's cost
-        for r in rows:
-            costs["int4"][r] += 1e3 * sum(counts[m] * n / (1 if m == "lm_head" else c.n_layers) *
-                                          (per_call["int8"][m][r] - per_call["int4"][m][r]) for m, n in held.items())
-    return {fmt: costs[fmt] for fmt in formats if fmt in costs}
-
-
-TIMED = {}  # (out, in, format, threads, rows) -> seconds: a process times each once (smc's shape, then the weights)
-
-
-def timed_calls(shape, fmt, rows):
-    """-> {rows: seconds of one call of linear on a weight of shape [out, in] in format fmt}: the best of two passes
-    over copies of it, back to back, that fill 1.5 times the CPU's last-level cache, so that each pass reads every
-    copy from memory (at most 256 copies: matrices that small are a tiny model's, whose forward hits the cache too)."""
-    key = (*shape, fmt, torch.get_num_threads())
-    if todo := [r for r in rows if key + (r,) not in TIMED]:
-        values = torch.linspace(-0.05, 0.05, shape[1], dtype=model.FORMATS[fmt])  # they alter no timing
-        w = values.repeat(shape[0], 1)
-        first = model.converted(w, fmt)  # oneDNN's packed tensors cannot be copied: packed again
-        ws = [first] + [copy.deepcopy(first) if isinstance(first, model.Quantized) else model.converted(w, fmt)
-                        for _ in range(min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt]))))]
-        for r in todo:
-            x = torch.randn(r, shape[1], dtype=model.FORMATS[fmt])
-            passes = timeit.repeat(lambda: [model.linear(x, w) for w in ws], repeat=2, number=1)
-            TIMED[key + (r,)] = min(passes) / len(ws)
-    return {r: TIMED[key + (r,)] for r in rows}
-
-
-def cache_bytes():
-    """This CPU's last-level cache (sysfs), 32 MiB where that does not say."""
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
-            return int(f.read().strip().removesuffix("K")) * 1024
-    except (OSError, ValueError):
-        return 32 * 2**20
-
-
-def file_format(opened):
-    """int4 when most of a model file's matmul values are 4-bit blocks (a Q4_K_M GGUF file, which int4 holds as they
-    are: nearer the file than int8, README), else bf16: the format auto keeps unless another is clearly faster."""
-    c, get, _ = opened
-    sizes = {name: math.prod(s) for name, s in model.expected_shapes(c).items() if len(s) == 2}
-    four = sum(n for name, n in sizes.items() if get(name, (0, 0, 1), "format") == "int4")
-    return "int4" if 2 * four > sum(sizes.values()) else "bf16"
-
-
-def clear_winner(costs, home):
-    """The cheapest format in costs ({format: ms}) if it beats home by a fifth and 5 ms (a scheduler's time slice),
-    else home: so that timing noise does not change the format, and with it the tokens of a fixed seed."""
-    best = min(costs, key=costs.get)
-    gain = costs[home] - costs[best]
-    return best if gain > 0.2 * costs[home] and gain > 5 else home
-
-
-def candidates(e):
-    """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
-    (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as much:
-    README); for the draft, those and int4, since its format changes only the proposals; the target file's own
-    format (file_format))."""
-    home = file_format(e.opened[0])
-    fits = [f for f in ("bf16", "float32", "int8") + (("int4",) if home == "int4" else ())
-            if unread_bytes(e) * model.FORMATS[f].itemsize / e.dtype.itemsize <= free_bytes(e.device)]
-    return fits, fits + ["int4"] * ("int4" not in fits), home
-
-
-def held_int8(e):
-    """{matrix: how many} of the target's that int4 holds in int8 (model.held_in_int8: a GGUF file's wider blocks)."""
-    names = model.held_in_int8(*e.opened[0][:2]) if e.target is None else \
-        [name for name, m, attr in model.matmuls(e.target) if getattr(getattr(m, attr), "fmt", None) == "int8"]
-    return collections.Counter(name.rpartition(".")[2] for name in names)
-
-
-def cycle_costs(e, shapes, formats, draft_formats):
-    """-> ({format: {(N, K): ms}} of a target forward of N x (K + 1) rows (K = 0: N rows), the same of K draft
-    steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats), in
-    bf16 where none of its formats can hold them."""
-    def timed(c, rows, fmts, held=None):
-        return measure_formats(c, rows, tuple(fmts), held=held) or measure_formats(c, rows, ("bf16",))
-    target = timed(e.config, sorted({n * (k + 1) for n, k in shapes}), formats, held_int8(e))
-    steps = timed(e.draft_config, sorted({n for n, k in shapes if k}), draft_formats) \
-        if e.draft_config and any(k for _, k in shapes) else {}
-    return ({f: {(n, k): ms[n * (k + 1)] for n, k in shapes} for f, ms in target.items()},
-            {f: {(n, k): k * ms.get(n, 0) for n, k in shapes} for f, ms in steps.items()})
-
-
-def choose_weights(e, shape):
-    """--weights auto -> ((the target's format, the draft's), the line that says so): for each model the format
-    (model.FORMATS) whose part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs
-    least on this machine, if clearly (clear_winner), else its file's own (file_format). The draft may also be int4:
-    its format changes only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it
-    is int4 throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: held_int8)."""
-    rows = 1 if shape.method == "ar" else shape.tree + 1 if shape.tree else shape.particles * (shape.draft_len + 1)
-    drafted = e.opened[1] and shape.method != "ar" and not shape.tree
-    cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
-    formats, drafts, home = candidates(e)
-    target, steps = cycle_costs(e, [cell], formats, drafts)
-    chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home if home in target else "bf16")
-    draft = clear_winner({f: ms[cell] for f, ms in steps.items()}, file_format(e.opened[1])) if drafted else chosen
-    listed = lambda costs: ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())  # noqa: E731
-    steps_part = f"; its {cell[1]} draft steps at {cell[0]} rows: {listed(steps)}" if drafted else ""
-    return (chosen, draft), (f"weights: {chosen}{f', draft {draft}' if drafted else ''} (measured ms per "
-                             f"{shape.method} cycle at {rows} rows: {listed(target)}{steps_part})")
-
-
-SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3; README, Results)
-ACCEPTANCE = 0.7  # a prior for sd: the geometric fit of its accepted drafts here, 0.89 on code, 0.54 on prose
-
-
-def choose_shape(e, method):
-    """--weights auto, smc without --particles or --draft-len, sd without --draft-len -> ((N, K), the line that says
-    so): of SMC_SHAPES (smc) or K = 2 .. 6 (sd), the cycle that costs least per token, each model in its cheapest
-    format, if clearly (clear_winner) below the CPU default's (3x2; sd 4). An smc cycle always emits K + 1 tokens, an
-    sd cycle (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE.
-    The matmuls alone: the glue outside them grows with the rows too, so a wider cycle gains less than predicted;
-    and each forward has its own (a third of the 0.5B int4 draft's step here), so sd's K = 1, twice the forwards a
-    token, is left out (the slowest sd on code here: README)."""
-    cells, home = (SMC_SHAPES, (3, 2)) if method == "smc" else ([(1, k) for k in range(2, 7)], (1, 4))
-    formats = candidates(e)[:2] if e.weights == "auto" else ([e.weights], [e.draft_weights])  # loaded: their own
-    target, steps = cycle_costs(e, cells, *formats)
-    emits = {(n, k): k + 1 if method == "smc" else (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE) for n, k in cells}
-    per_token = {c: (min(ms[c] for ms in target.values()) + min(ms[c] for ms in steps.values())) / emits[c]
-                 for c in cells}
-    chosen, name = clear_winner(per_token, home), lambda c: f"{c[0]}x{c[1]}" if method == "smc" else f"K={c[1]}"
-    prior = "" if method == "smc" else f", {ACCEPTANCE} of draft tokens accepted"
-    return chosen, (f"{method} shape: {name(chosen)} (measured ms per token, a cycle's matmuls in its cheapest formats"
-                    f"{prior}: " + ", ".join(f"{name(c)} {ms:.0f}" for c, ms in per_token.items()) + ")")

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 import decode
+import formats
+import loading
 import model
 import racer
 
@@ -34,7 +36,7 @@ EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-
 # Each method's (N, K) when not given: on a CPU every verify row costs compute, a GPU reads the weights once for all.
 SHAPES = {"cpu": {"ar": (1, 1), "sd": (1, 4), "easd": (1, 4), "mdsd": (3, 2), "smc": (3, 2)},
           "gpu": {"ar": (1, 1), "sd": (1, 4), "easd": (1, 4), "mdsd": (4, 4), "smc": (4, 4)}}
-WEIGHTS = ("auto", *model.FORMATS)
+WEIGHTS = ("auto", *formats.FORMATS)
 SLOTS = 4  # requests decoded together by a server, or by the CLI from a .jsonl file
 BATCH = 8  # the most prompts of one generate call decoded together, by default
 CONTEXT = 2048  # the tokens a server's slot holds, by default
@@ -791,7 +793,7 @@ def capacity(e, prompt_len, settings, shape, context=None):
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer (then
     prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
-    is refused before `load()` reads a weight. weights: model.FORMATS' (both models) or "auto" (paths on a CPU: each
+    is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
     model's measured). Under torchrun each rank holds its target shard and decodes alike (same logits and rng)."""
     # on_phase(batch, phase, seconds): after each phase a batch runs eagerly (decode's draft_block, verify_cycle),
     # timed with the device synchronised, and after it records its CUDA graphs ("record"); traces and bench.py set it
@@ -801,22 +803,56 @@ class Engine:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
-        self.racer, draft = (True, None) if draft == "racer" else (False, draft)
-        self.target, self.draft = (m if isinstance(m, model.Transformer) else None for m in (target, draft))
-        self.opened = [None if m is None or isinstance(m, model.Transformer) else model.open_weights(m)
+        self.racer = draft == "racer"
+        if self.racer:
+            draft = None
+        self.target = target if isinstance(target, model.Transformer) else None
+        self.draft = draft if isinstance(draft, model.Transformer) else None
+        # [target, draft]: a path's (Config, get, Tokenizer) until load() reads its weights; None for a model or none
+        self.opened = [None if m is None or isinstance(m, model.Transformer) else loading.open_weights(m)
                        for m in (target, draft)]
-        self.rank, self.world = model.init_distributed(device) if self.opened[0] else (0, 1)
-        auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(self.opened[0])
-        self.weights = self.draft_weights = "auto" if auto else "bf16" if weights in (None, "auto") else weights
-        self.auto, self.chosen, dtype = auto, {}, torch.bfloat16 if auto else model.weight_format(self.weights, device)
-        self.config, self.draft_config = (o[0] if o else m and m.config for m, o in zip((target, draft), self.opened))
-        self.config = model.shard_config(self.config, self.world) if self.opened[0] else self.config  # this rank's
+        target_file = self.opened[0]
+        draft_file = self.opened[1]
+        self.rank = 0
+        self.world = 1
+        if target_file:
+            self.rank, self.world = model.init_distributed(device)
+        self.auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(target_file)
+        if self.auto:
+            self.weights = "auto"
+        elif weights in (None, "auto"):
+            self.weights = "bf16"
+        else:
+            self.weights = weights
+        self.draft_weights = self.weights
+        self.chosen = {}  # method -> the (N, K) auto measured for it
+        dtype = torch.bfloat16 if self.auto else formats.weight_format(self.weights, device)
+        if target_file:
+            self.config = model.shard_config(target_file[0], self.world)  # this rank's
+        else:
+            self.config = target.config
+        self.draft_config = None
+        if draft_file:
+            self.draft_config = draft_file[0]
+        elif draft is not None:
+            self.draft_config = draft.config
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
             raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
                              f"{self.config.vocab_size}")
-        self.device, self.dtype = (self.target.device, self.target.embed.dtype) if self.target else (device, dtype)
-        check_fits(decode.unread_bytes(self), self.device, "the weights", "try a smaller model or another --device")
-        self.tokenizer, self.failure, self.pad = self.opened[0] and self.opened[0][2], None, self.config.vocab_size
+        self.device = device
+        self.dtype = dtype
+        if self.target:
+            self.device = self.target.device
+            self.dtype = self.target.embed.dtype
+        unread = decode.unread_bytes(self)
+        check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
+        self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
+        if self.auto:
+            self.measurement = formats.Measurement(self.opened, self.draft_config, unread,
+                                                   decode.free_bytes(self.device))
+        self.tokenizer = target_file[2] if target_file else None
+        self.failure = None
+        self.pad = self.config.vocab_size
         self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
         self.is_eos[self.config.eos_ids + [self.pad]] = True
         self.ends = set(self.config.eos_ids) | {self.pad}
@@ -824,13 +860,18 @@ class Engine:
     def load(self, shape=None):
         """Read the weights (once) -> self; with weights "auto", first measure which format suits shape's cycles."""
         if self.weights == "auto" and self.target is None:
-            (self.weights, self.draft_weights), line = decode.choose_weights(
-                self, shape or Settings().resolve(self.device).shape(self.racer))
-            self.dtype = model.FORMATS[self.weights]
+            shape = shape or Settings().resolve(self.device).shape(self.racer)
+            (self.weights, self.draft_weights), line = self.measurement.choose_weights(shape)
+            self.dtype = formats.FORMATS[self.weights]
             print(line, file=sys.stderr)
-        build = lambda o, fmt, **k: o and model.build(*o[:2], self.device, self.dtype, weights=fmt, **k)  # noqa: E731
-        self.target = self.target or build(self.opened[0], self.weights, tp=(self.rank, self.world))
-        self.draft = self.draft or build(self.opened[1], self.draft_weights, wider=False)
+        target_file = self.opened[0]
+        draft_file = self.opened[1]
+        if self.target is None and target_file:
+            self.target = loading.build(*target_file[:2], self.device, self.dtype, tp=(self.rank, self.world),
+                                        weights=self.weights)
+        if self.draft is None and draft_file:
+            self.draft = loading.build(*draft_file[:2], self.device, self.dtype, weights=self.draft_weights,
+                                       wider=False)
         self.opened = [None, None]
         return self
 
@@ -857,7 +898,7 @@ class Engine:
         s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
         if s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and self.auto and \
                 self.draft_config and s.method not in self.chosen:  # measured once, at the method's first request
-            self.chosen[s.method], line = decode.choose_shape(self, s.method)
+            self.chosen[s.method], line = self.measurement.choose_shape(s.method, self.weights, self.draft_weights)
             print(line, file=sys.stderr)
         settings = s.resolve(self.device, self.chosen)
         if isinstance(stop, str):

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import engine
+import formats
 import model
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is

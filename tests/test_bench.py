@@ -8,6 +8,7 @@ import pytest
 
 import bench
 import kernels
+import loading
 import model
 import peers
 import quality
@@ -67,7 +68,7 @@ def test_random_models_in_a_weight_format(tmp_path):
     report = bench.main(["speed", "--quick", "--random", "tiny:tiny", "--weights", "int4", "--methods", "ar,smc",
                          "--prompt-len", "8", "--grid", "2x2", "--threads", "1", "--out", str(out)])
     m = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.float32, 1, weights="int4")
-    assert isinstance(m.layers[0].w2, bench.model.Quantized) and m.embed.dtype == bench.torch.bfloat16
+    assert isinstance(m.layers[0].w2, bench.formats.Quantized) and m.embed.dtype == bench.torch.bfloat16
     bf16 = bench.random_model("tiny", bench.torch.device("cpu"), bench.torch.bfloat16, 1)
     assert report["models"]["target"]["weight_bytes_read_per_forward"] == m.weight_bytes() < bf16.weight_bytes()
     assert {r["method"] for r in report["speed"]} == {"ar", "smc"} and report["settings"]["weights"] == "int4"
@@ -246,7 +247,7 @@ def test_transformers_peers_read_a_gguf_pair_through_its_converted_directory(tmp
     os.symlink(fetch.fetch_gguf("smollm2-135m-instruct"), gguf := str(tmp_path / "small.gguf"))
     target, draft = peers.hf_models((gguf, gguf), bench.torch.bfloat16)
     made = os.path.getmtime(tmp_path / "small" / "model.safetensors")
-    assert target.config.vocab_size == draft.config.vocab_size == model.open_weights(gguf)[0].vocab_size
+    assert target.config.vocab_size == draft.config.vocab_size == loading.open_weights(gguf)[0].vocab_size
     peers.hf_models((gguf, str(tmp_path / "small")), bench.torch.bfloat16)
     assert os.path.getmtime(tmp_path / "small" / "model.safetensors") == made  # converted once
 
@@ -259,10 +260,11 @@ def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, mo
     save_tiny("qwen2", path := str(tmp_path))
     pair = bench.engine.Engine(path, path, "cpu", "auto").load()
     other = "float32" if pair.weights != "float32" else "bf16"
-    monkeypatch.setattr(bench.decode, "choose_weights", lambda e, shape: ((other, other), "weights: " + other))
+    monkeypatch.setattr(bench.formats.Measurement, "choose_weights",
+                        lambda self, shape: ((other, other), "weights: " + other))
     args = bench.parse(["speed", "--weights", "auto", "--methods", "ar,sd", "--new-tokens", "4", "--repeats", "1"])
     ar = bench.ar_engine(pair, (path, path), args)
-    assert ar.weights == other and ar.draft is None and ar.target.embed.dtype == bench.model.FORMATS[other]
+    assert ar.weights == other and ar.draft is None and ar.target.embed.dtype == bench.formats.FORMATS[other]
     rows = bench.speed(pair, {"code": [5, 6, 7]}, args, ar)
     bench.annotate(pair, rows, {"code": [5, 6, 7]}, args, 10.0, ar)
     assert {r["method"]: r["weights"] for r in rows} == {"ar": other, "sd": bench.weights_of(pair)}
@@ -427,7 +429,7 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
     assert out["bf16"]["first_difference"] == [len(t) for t in out["bf16"]["greedy"]] and out["bf16"]["identical"] == 3
     assert out["float32"]["kl"] == pytest.approx(0, abs=1e-5) and out["float32"]["prompt_kl_mean"] < 1e-6
     assert all(f["prompt_kl_mean"] > 1e-6 and len(f["prompt_kl"]) == 3 for fmt, f in out.items() if fmt != "float32")
-    unquantized = bench.model.load(str(tmp_path), weights="float32")[0]
+    unquantized = bench.loading.load(str(tmp_path), weights="float32")[0]
     for fmt, f in out.items():
         assert all(len(t) == tokens for t in f["samples"]) and f["tokens_per_s"] > 0
         want = [bench.target_logprobs(unquantized, p, [t])[0] for p, t in zip(prompts, f["samples"])]

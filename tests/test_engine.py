@@ -15,7 +15,9 @@ import torch
 
 import decode
 import engine
+import formats
 import kernels
+import loading
 import model
 import racer
 
@@ -145,9 +147,9 @@ def test_mdsd_samples_the_target_distribution(particles, draft_len):
 
 def in_format(m, fmt):
     """A copy of m with its matmul weights in weight format fmt and its activations in that format's dtype."""
-    out = model.Transformer(m.config, "cpu", model.FORMATS[fmt])
+    out = model.Transformer(m.config, "cpu", formats.FORMATS[fmt])
     out.load_state_dict(m.state_dict())
-    model.convert_weights(out, fmt)
+    formats.convert_weights(out, fmt)
     return out
 
 
@@ -1123,10 +1125,10 @@ def test_bad_prompts_and_models():
 
 
 def test_chat_template():
-    tok = model.Tokenizer(None, "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    tok = loading.Tokenizer(None, "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                                 "{% if add_generation_prompt %}<assistant>{% endif %}")
     assert engine.apply_chat(tok, "hi") == "<user>hi\n<assistant>"
-    assert engine.apply_chat(model.Tokenizer(None), "hi") == "hi"
+    assert engine.apply_chat(loading.Tokenizer(None), "hi") == "hi"
 
 
 # ---------------------------------------------------------------- command line
@@ -1249,18 +1251,17 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
     assert len(chose) == 1 and re.fullmatch(r"smc shape: 3x2 \(measured ms per token, a cycle's matmuls in its "
                                              r"cheapest formats: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[0])
     assert (first.shape.particles, first.shape.draft_len, again.shape.particles, again.shape.draft_len) == (3, 2, 3, 3)
-    loaded = engine.Engine(*pair, weights="auto")
-    loaded.weights = loaded.draft_weights = "int4"  # as if auto had loaded int4, which these shapes cannot pack
-    assert decode.choose_shape(loaded, "smc")[0] == (3, 2)  # each model timed in bf16 instead
+    loaded = engine.Engine(*pair, weights="auto")  # as if auto had loaded int4, which these shapes cannot pack
+    assert loaded.measurement.choose_shape("smc", "int4", "int4")[0] == (3, 2)  # each model timed in bf16 instead
     picked = engine.Engine(*pair, weights="auto")
-    monkeypatch.setattr(decode, "choose_shape", lambda e, method: ((4, 4), "smc shape: 4x4"))
+    monkeypatch.setattr(picked.measurement, "choose_shape", lambda method, *weights: ((4, 4), "smc shape: 4x4"))
     wide, given = (picked.request("w1", max_new_tokens=8, **k) for k in ({"method": "smc"}, {"particles": 2}))
     assert (wide.shape.particles, wide.shape.draft_len, given.shape.particles, given.shape.draft_len) == (4, 4, 2, 4)
     assert picked.generate("w1 w2", max_new_tokens=6, seed=1).stats["particles"] == 4
     assert "(measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
     fixed = engine.Engine(*pair, weights="bf16").request("w1", max_new_tokens=8)  # a format given: no measuring
     assert (fixed.shape.particles, fixed.shape.draft_len) == (3, 2) and "smc shape" not in capsys.readouterr().err
-    assert decode.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
+    assert formats.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
 
 
 def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeypatch, capsys):
@@ -1268,18 +1269,18 @@ def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeyp
     expected token, each model in its cheapest format, if clearly below K = 4's. A verify whose cost jumps past 4 rows
     (torch's int4 kernel on the CPU) gives K = 3; dear draft steps K = 2; a given K stays; measured once."""
     def costs(verify, step):  # verify {K: ms}
-        return lambda e, cells, formats, drafts: ({"int4": {c: verify[c[1]] for c in cells}, "bf16": {c: 500 for c in
-                                                   cells}}, {"int4": {c: c[1] * step for c in cells}})
+        return lambda cells, fmts, drafts: ({"int4": {c: verify[c[1]] for c in cells}, "bf16": {c: 500 for c in
+                                             cells}}, {"int4": {c: c[1] * step for c in cells}})
     e = engine.Engine(*pair, weights="auto")
-    monkeypatch.setattr(decode, "cycle_costs", costs({2: 64, 3: 68, 4: 150, 5: 160, 6: 170}, 4))
+    monkeypatch.setattr(e.measurement, "cycle_costs", costs({2: 64, 3: 68, 4: 150, 5: 160, 6: 170}, 4))
     assert e.request("w1", method="sd", max_new_tokens=8).shape.draft_len == 3
     assert e.request("w2", method="sd", max_new_tokens=8, draft_len=5).shape.draft_len == 5
-    line, = capsys.readouterr().err.splitlines()  # once a process
+    line, = capsys.readouterr().err.splitlines()  # once an engine
     assert line.startswith("sd shape: K=3 (") and "K=3 32, K=4 60" in line  # (3 * 4 + 68) / (1 + .7 + .49 + .343)
-    monkeypatch.setattr(decode, "cycle_costs", costs({k: 60 + 5 * k for k in range(2, 7)}, 50))
-    assert decode.choose_shape(e, "sd")[0] == (1, 2)
-    monkeypatch.setattr(decode, "cycle_costs", costs({k: 60 for k in range(2, 7)}, 2))
-    assert decode.choose_shape(e, "sd")[0] == (1, 4)  # K = 6 is cheapest, by a millisecond: not clearly
+    monkeypatch.setattr(e.measurement, "cycle_costs", costs({k: 60 + 5 * k for k in range(2, 7)}, 50))
+    assert e.measurement.choose_shape("sd")[0] == (1, 2)
+    monkeypatch.setattr(e.measurement, "cycle_costs", costs({k: 60 for k in range(2, 7)}, 2))
+    assert e.measurement.choose_shape("sd")[0] == (1, 4)  # K = 6 is cheapest, by a millisecond: not clearly
 
 
 CLI_ERRORS = [
@@ -1318,7 +1319,7 @@ def test_cli_errors_are_one_line(cli_errors, args, message):
     (["--top-p", "0.5"], "smc cannot honour top-k/top-p"),
 ])
 def test_cli_refuses_before_reading_weights_or_echoing(pair, monkeypatch, capsys, args, message):
-    monkeypatch.setattr(model, "build", lambda *a: pytest.fail("the weights were read"))
+    monkeypatch.setattr(loading, "build", lambda *a: pytest.fail("the weights were read"))
     with pytest.raises(SystemExit) as exit:
         engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", *args])
     assert re.match("error: .*" + re.escape(message), str(exit.value.code)) and capsys.readouterr().out == ""

@@ -1,5 +1,6 @@
-"""model.py against Hugging Face transformers (the reference implementation), on tiny random models and on
-real weights; cache invariances; loader errors on damaged and hostile files; weights/fetch.py."""
+"""model.py, loading.py and formats.py against Hugging Face transformers (the reference implementation), on tiny random
+models and on real weights; cache invariances; loader errors on damaged and hostile files; auto's measurement;
+weights/fetch.py."""
 import copy
 import hashlib
 import io
@@ -14,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import decode
+import formats
 import kernels
+import loading
 import model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,9 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def fetch_module():
     """weights/fetch.py (imported on use, not at module level: the GPU check runs this module's other tests)."""
-    if os.path.join(ROOT, "weights") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "weights"))
-    import fetch
+    from weights import fetch
     return fetch
 
 
@@ -91,7 +91,7 @@ def hf_logits(hf, ids):
 
 def test_full_forward_matches_transformers_float32(tiny):
     hf, path = tiny
-    m, _ = model.load(path, dtype=torch.float32)
+    m, _ = loading.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = model.KVCache(m.config, 1, 64, 8, "cpu", torch.float32)
     ours = m.prefill(torch.tensor(ids), cache, logits="all")
@@ -100,7 +100,7 @@ def test_full_forward_matches_transformers_float32(tiny):
 
 def test_cached_decoding_matches_transformers_float32(tiny):
     hf, path = tiny
-    m, _ = model.load(path, dtype=torch.float32)
+    m, _ = loading.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = hf_logits(hf, ids)
     cache = model.KVCache(m.config, 1, 64, 64, "cpu", torch.float32)
@@ -116,7 +116,7 @@ def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     logits do (measured here: about 3% of the logit range for both), in a prefill of 72 rows and a step of 64: at
     the row counts where a CPU without bf16 arithmetic computes in float32."""
     hf, path = tiny
-    m, _ = model.load(path)
+    m, _ = loading.load(path)
     assert m.embed.dtype == torch.bfloat16
     ids = torch.randint(0, 96, (72,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
@@ -140,8 +140,8 @@ def test_weight_files_are_not_left_mapped(tiny):
     """A model in memory holds no mapping of its files: a safetensors handle kept open kept every page read
     resident beside the model's own copy (2.8 GB for the 1.2 GB Qwen2.5-0.5B instead of 1.6)."""
     _, path = tiny
-    c, get, _ = model.open_weights(path)
-    m = model.build(c, get, dtype=torch.float32)
+    c, get, _ = loading.open_weights(path)
+    m = loading.build(c, get, dtype=torch.float32)
     files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
     assert files and not any(mapped(f) for f in files) and m.embed.dtype == torch.float32
 
@@ -153,16 +153,16 @@ class TTY(io.StringIO):
 
 def test_loading_shows_progress_on_a_terminal_only(tiny, monkeypatch, capfd):
     _, path = tiny
-    model.load(path)
+    loading.load(path)
     assert capfd.readouterr().err == ""  # logs, and the CLI's one-line errors, stay clean
     monkeypatch.setattr(sys, "stderr", TTY())
-    model.load(path)
+    loading.load(path)
     assert "loading weights" in sys.stderr.getvalue()
 
 
 def test_parameter_count_and_bytes(tiny):
     hf, path = tiny
-    m, _ = model.load(path, dtype=torch.float32)
+    m, _ = loading.load(path, dtype=torch.float32)
     assert m.num_params() == hf.num_parameters()
     table = 0 if m.config.tie_embeddings else hf.get_input_embeddings().weight.numel()  # a forward reads rows
     assert m.weight_bytes() == 4 * (hf.num_parameters() - table)
@@ -181,7 +181,7 @@ def qwen_tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_tiny(qwen_tiny_path):
-    return model.load(qwen_tiny_path, dtype=torch.float32)[0]
+    return loading.load(qwen_tiny_path, dtype=torch.float32)[0]
 
 
 def test_one_at_a_time_equals_one_forward(qwen_tiny):
@@ -233,9 +233,9 @@ def test_cache_size_estimate_matches_allocation(qwen_tiny):
 def dequantized_copy(path, fmt):
     """A float32 model of path whose every matmul weight is its fmt quantization (of the bf16 weight, as a format's
     load quantizes), dequantized by the kernels' references; the tied head untied, as the format's own copy."""
-    c, get, _ = model.open_weights(path)
+    c, get, _ = loading.open_weights(path)
     m = model.Transformer(c, "cpu", torch.float32)
-    model.fill_weights(m, get)
+    loading.fill_weights(m, get)
     quantize, ref = (kernels.quantize_int8, kernels.int8_linear_ref) if fmt == "int8" else \
         (kernels.quantize_int4, kernels.int4_linear_ref)
     dq = lambda w: torch.nn.Parameter(ref(torch.eye(w.shape[1]), *quantize(w.bfloat16())).T, requires_grad=False)
@@ -256,8 +256,8 @@ def test_quantized_logits_are_their_dequantized_weights_logits(tiny, fmt):
     bf16 test's tolerance); those weights' own error, against the float32 reference, is within the quantization's
     step. A tied head is quantized as a copy of its own; the embedding stays bf16 for the lookup."""
     hf, path = tiny
-    m, _ = model.load(path, weights=fmt)
-    assert isinstance(m.lm_head, model.Quantized) and m.embed.dtype == torch.bfloat16
+    m, _ = loading.load(path, weights=fmt)
+    assert isinstance(m.lm_head, formats.Quantized) and m.embed.dtype == torch.bfloat16
     assert m.num_params() == hf.num_parameters()
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
@@ -275,7 +275,7 @@ def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
     """On CUDA the quantized weights (int4 in the Triton kernel's own packing) take kernels.quantized_matmul: the
     float32 forward of the dequantized weights again, within twice the CPU test's bf16 tolerance."""
     hf, path = tiny
-    m, _ = model.load(path, "cuda", weights=fmt)
+    m, _ = loading.load(path, "cuda", weights=fmt)
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
     tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
@@ -290,23 +290,23 @@ def test_w8a8_calibrates_on_the_model_and_computes_near_its_float32_logits(tiny)
     they were) and keeps those in floats; its logits stay near the float32 model's (its 7-bit activations cost more
     than int8's weight rounding: README, Model formats), and on CUDA it says to use int8."""
     hf, path = tiny
-    ref = model.load(path, weights="float32")[0]
-    before = [getattr(m, attr) for _, m, attr in model.matmuls(ref)]
-    amax = model.calibrated(ref)
-    assert set(amax) == {name for name, _, _ in model.matmuls(ref)}
+    ref = loading.load(path, weights="float32")[0]
+    before = [getattr(m, attr) for _, m, attr in formats.matmuls(ref)]
+    amax = formats.calibrated(ref)
+    assert set(amax) == {name for name, _, _ in formats.matmuls(ref)}
     assert amax["layers.0.w2"].shape == (ref.config.ffn_dim,)
-    assert all(getattr(m, attr) is w for (_, m, attr), w in zip(model.matmuls(ref), before))
+    assert all(getattr(m, attr) is w for (_, m, attr), w in zip(formats.matmuls(ref), before))
     assert (amax["lm_head"] > 0).all()
-    m = model.load(path, weights="w8a8")[0]
+    m = loading.load(path, weights="w8a8")[0]
     w2 = m.layers[0].w2
-    assert isinstance(w2, model.Quantized)
+    assert isinstance(w2, formats.Quantized)
     assert set(w2.outliers.tolist()) == set(amax["layers.0.w2"].topk(8).indices.tolist())
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
     ours, exact = (x.prefill(ids, model.KVCache(x.config, 1, 32, 8, "cpu", torch.float32), logits="all")
                    for x in (m, ref))
     assert (ours - exact).abs().max() < 0.05 * (exact.max() - exact.min())
     with pytest.raises(model.LoadError, match="w8a8 weights run on the CPU only.*use int8"):
-        model.weight_format("w8a8", "cuda")
+        formats.weight_format("w8a8", "cuda")
 
 
 def q4_blocks(kind, rows, columns, rng, codes=(2, 14)):
@@ -329,7 +329,7 @@ def test_q4_groups_are_ggufs_dequantization(kind):
     import numpy as np
     kind = gguf.GGMLQuantizationType[kind]
     raw = q4_blocks(kind, 3, 512, np.random.default_rng(0), codes=(0, 16))
-    codes, scale, low = model.q4_groups(raw, kind)
+    codes, scale, low = loading.q4_groups(raw, kind)
     values = codes.unflatten(1, (-1, 32)) * scale[..., None] + low[..., None]
     assert codes.min() == 0 and codes.max() == 15 and (scale > 0).any()
     assert torch.equal(values.flatten(1), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
@@ -348,7 +348,7 @@ def test_dequantized_is_ggufs_dequantization(kind, halves):
     for at in halves:
         raw[..., at:at + 2] = np.float16(rng.uniform(-1, 1, (3, 8, 1))).view(np.uint8)
     raw = raw.reshape(3, -1)
-    assert torch.equal(model.dequantized(raw, kind), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
+    assert torch.equal(loading.dequantized(raw, kind), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
 
 
 def write_mixed_gguf(path, arch):
@@ -386,10 +386,10 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
     so each weight is the file's within bf16's rounding of its scale and zero, 8 times closer than quantizing the
     values again (their groups do not span all 16 codes: another grid). A fused weight with a wider part (v in
     Q8_0) is held in int8, and the head of an F32 embedding quantized to int4."""
-    c, get, _ = model.open_weights(write_mixed_gguf(tmp_path / "m.gguf", arch))
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", arch))
     exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
-    model.fill_weights(exact, get, tp[0])
-    m = model.build(c, get, tp=tp, weights="int4")
+    loading.fill_weights(exact, get, tp[0])
+    m = loading.build(c, get, tp=tp, weights="int4")
     assert m.layers[0].wqkv.q.dtype == torch.int8 and m.lm_head.q.dtype == torch.uint8
     for name in ("wo", "w13", "w2"):
         want, w = getattr(exact.layers[0], name), getattr(m.layers[0], name)
@@ -407,7 +407,7 @@ def test_weight_bytes_follow_the_format(tiny):
     lookup excluded), int8's bf16 scale a row, int4's bf16 scale and zero a group of 32, w8a8's float32 scale a row
     and its 8 outlier columns in float32, and its norms and biases in the activations' dtype."""
     _, path = tiny
-    c = model.open_weights(path)[0]
+    c = loading.open_weights(path)[0]
     shapes = {n: s for n, s in model.expected_shapes(c).items() if n != "model.embed_tokens.weight"}
     shapes["lm_head.weight"] = (c.vocab_size, c.dim)
     matmul = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
@@ -415,14 +415,14 @@ def test_weight_bytes_follow_the_format(tiny):
     expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
                 "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest,
                 "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest}
-    assert {fmt: model.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
+    assert {fmt: loading.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
 
 
-@pytest.mark.parametrize("fmt", list(model.FORMATS))
+@pytest.mark.parametrize("fmt", list(formats.FORMATS))
 def test_one_at_a_time_equals_one_forward_in_every_format(qwen_tiny_path, fmt):
     """Rows scored one at a time, in a block, or all in a prefill give the same logits: up to float32's rounding,
     and up to bf16's (8 bits, a few roundings deep: 2% of the logit range) in bf16 activations."""
-    m = model.load(qwen_tiny_path, weights=fmt)[0]
+    m = loading.load(qwen_tiny_path, weights=fmt)[0]
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
     cache = model.KVCache(m.config, 1, 32, 32, "cpu", m.embed.dtype)
     full = m.prefill(ids, cache, logits="all")
@@ -442,19 +442,21 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
 def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
     """One forward's matmuls, from each of a layer's matrices and the head's timed, in the formats auto compares at
     every row count (how long they take is a benchmark's figure, in the README); an int4 model whose every matrix
-    a file holds in int8 costs int8's (each timing is taken once in a process, so the sums are of the same)."""
-    costs = decode.measure_formats(QWEN_1_5B, [1, 9])
+    a file holds in int8 costs int8's (a Measurement times each once, so the sums are of the same timings)."""
+    measurement = formats.Measurement()
+    costs = measurement.measure_formats(QWEN_1_5B, [1, 9])
     assert list(costs) == ["bf16", "float32", "int8", "int4"] and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
-    all_held = {m: QWEN_1_5B.n_layers for m in model.MATMULS[:4]} | {"lm_head": 1}
-    held = decode.measure_formats(QWEN_1_5B, [1, 9], ("int4",), held=all_held)
+    all_held = {m: QWEN_1_5B.n_layers for m in formats.MATMULS[:4]} | {"lm_head": 1}
+    held = measurement.measure_formats(QWEN_1_5B, [1, 9], ("int4",), held=all_held)
     assert held["int4"] == pytest.approx(costs["int8"]) and list(held) == ["int4"]
 
 
 def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
-    assert list(decode.measure_formats(odd, [1, 3], model.FORMATS, threads=1)) == ["bf16", "float32", "int8", "w8a8"]
+    measured = formats.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
+    assert list(measured) == ["bf16", "float32", "int8", "w8a8"]
 
 
 def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_path, capsys):
@@ -462,12 +464,12 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
     chosen only if it is faster by a fifth and 5 ms, so that noise does not change the tokens."""
     import engine
     gguf_path = write_mixed_gguf(tmp_path / "m.gguf", "qwen2")
-    assert decode.file_format(model.open_weights(gguf_path)) == "int4"
-    assert decode.file_format(model.open_weights(tiny[1])) == "bf16"
-    assert decode.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
-    assert decode.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
-    assert decode.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
-    assert decode.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
+    assert formats.file_format(loading.open_weights(gguf_path)) == "int4"
+    assert formats.file_format(loading.open_weights(tiny[1])) == "bf16"
+    assert formats.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
+    assert formats.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
+    assert formats.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
+    assert formats.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
     e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto").load()  # smc 3x2 by default
     line = capsys.readouterr().err.strip()
     assert re.fullmatch(r"weights: (bf16|float32|int8|int4), draft (bf16|float32|int8|int4) \(measured ms per smc "
@@ -478,13 +480,13 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
 
 def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     _, path = tiny
-    for call in (lambda: model.load(os.path.join(path, "nope"), weights="int5"),
-                 lambda: model.build(model.open_weights(path)[0], None, weights="fp8")):
+    for call in (lambda: loading.load(os.path.join(path, "nope"), weights="int5"),
+                 lambda: loading.build(loading.open_weights(path)[0], None, weights="fp8")):
         with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
                                                    r"float32, int8, int4, w8a8$"):
             call()
     with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
-        model.load(path, device="meta", weights="int4")
+        loading.load(path, device="meta", weights="int4")
 
 
 # ---------------------------------------------------------------- real weights
@@ -510,7 +512,7 @@ def smollm():
 
 def test_smollm2_gguf_greedy_matches_transformers(smollm):
     hf, _ = smollm
-    m, tok = model.load(smollm_gguf(), dtype=torch.float32)
+    m, tok = loading.load(smollm_gguf(), dtype=torch.float32)
     ids = tok.encode("The three primary colors are")
     cache = model.KVCache(m.config, 1, 64, 40, "cpu", torch.float32)
     logits = m.prefill(torch.tensor(ids), cache, logits="all")
@@ -531,7 +533,7 @@ TEXTS = ["Hello world!", "def add(a, b):\n    return a + b\n", "  spaces\t\ttabs
 
 def test_smollm2_tokenizer_from_gguf(smollm):
     _, hf_tok = smollm
-    _, _, tok = model.open_weights(smollm_gguf())
+    _, _, tok = loading.open_weights(smollm_gguf())
     assert tok.encode("Hello world!") == [19556, 905, 17]
     for text in TEXTS:
         assert tok.encode(text) == hf_tok(text, add_special_tokens=False).input_ids, text
@@ -547,7 +549,7 @@ def qwen_draft():
 
 
 def test_qwen_tokenizer_from_gguf(qwen_draft):
-    _, _, tok = model.open_weights(qwen_draft)
+    _, _, tok = loading.open_weights(qwen_draft)
     assert tok.encode("Hello world!") == [9707, 1879, 0]
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
@@ -559,7 +561,7 @@ def test_converted_directory_loads_in_transformers(qwen_draft):
     weights and tokenizer, and computes the same logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     hf = AutoModelForCausalLM.from_pretrained(qwen_draft, dtype=torch.float32).eval()
-    m, tok = model.load(qwen_draft, dtype=torch.float32)
+    m, tok = loading.load(qwen_draft, dtype=torch.float32)
     text = "import numpy as np\n\ndef softmax(x):"
     ids = tok.encode(text)
     assert AutoTokenizer.from_pretrained(qwen_draft)(text).input_ids == ids
@@ -569,7 +571,7 @@ def test_converted_directory_loads_in_transformers(qwen_draft):
 
 
 def test_qwen_draft_completes_code(qwen_draft):
-    m, tok = model.load(qwen_draft)
+    m, tok = loading.load(qwen_draft)
     c = m.config
     assert (c.arch, c.n_layers, c.n_heads, c.n_kv_heads, c.qkv_bias) == ("qwen2", 24, 14, 2, True)
     assert 151645 in c.eos_ids and 151643 in c.eos_ids
@@ -588,7 +590,7 @@ def test_qwen_draft_completes_code(qwen_draft):
 def load_error(path):
     """The one-line LoadError for path, raised by open_weights: before any weight is read."""
     with pytest.raises(model.LoadError) as e:
-        model.open_weights(path)
+        loading.open_weights(path)
     message = str(e.value)
     assert "\n" not in message and str(path) in message
     return message
@@ -763,7 +765,7 @@ def test_gguf_opens_from_its_header_alone(monkeypatch):
     path = smollm_gguf()
     monkeypatch.setattr(gguf, "GGUFReader", None)
     monkeypatch.setattr(np, "fromfile", None)
-    c, get, tok = model.open_weights(path)
+    c, get, tok = loading.open_weights(path)
     assert (c.vocab_size, c.n_layers, c.n_heads, c.n_kv_heads, c.tie_embeddings) == (49152, 30, 9, 3, True)
     assert tok.encode("Hello world!") == [19556, 905, 17]
     monkeypatch.undo()
@@ -774,11 +776,11 @@ def test_gguf_opens_from_its_header_alone(monkeypatch):
 def test_gguf_blocks_join_into_the_whole_tensor(monkeypatch):
     """A tensor dequantizes GGUF_BLOCK values at a time into its result, in the dtype asked for; blocks of whole
     heads un-permute the llama Q/K rows as the whole tensor does."""
-    c, get, _ = model.open_weights(smollm_gguf())
+    c, get, _ = loading.open_weights(smollm_gguf())
     names = ["model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
              "model.layers.2.self_attn.k_proj.weight", "model.layers.2.mlp.down_proj.weight"]
     whole = {n: get(n) for n in names}
-    monkeypatch.setattr(model, "GGUF_BLOCK", 1)  # blocks of one head's rows: 9 of q, 3 of k
+    monkeypatch.setattr(loading, "GGUF_BLOCK", 1)  # blocks of one head's rows: 9 of q, 3 of k
     for n in names:
         assert torch.equal(get(n), whole[n]), n
         assert torch.equal(get(n, dtype=torch.bfloat16), whole[n].to(torch.bfloat16)), n
@@ -876,7 +878,7 @@ def test_index_shard_outside_model_directory(tmp_path, shard):
     shard = str(outside) if shard == "ABSOLUTE" else shard
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
     if shard == "link.safetensors":
-        assert model.open_weights(str(path))[1]("model.norm.weight").shape == (64,)
+        assert loading.open_weights(str(path))[1]("model.norm.weight").shape == (64,)
     else:
         assert "lies outside the model directory" in load_error(path)
 
@@ -936,13 +938,13 @@ def test_convert_writes_the_gguf_weights_in_bf16(tmp_path):
     """fetch.py writes the safetensors file tensor by tensor (never the whole model in memory); safetensors reads
     it back, every tensor the GGUF's in bf16."""
     from safetensors.torch import load_file
-    c, get, _ = model.open_weights(smollm_gguf())
+    c, get, _ = loading.open_weights(smollm_gguf())
     out = fetch_module().convert(smollm_gguf(), str(tmp_path / "smollm"))
     state = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(state) == sorted(model.expected_shapes(c))
     for name, t in state.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, get(name, dtype=torch.bfloat16)), name
-    assert model.open_weights(out)[0] == c
+    assert loading.open_weights(out)[0] == c
 
 
 def test_fetch_gguf_shows_progress_while_joining(toy_fetch, capfd):

@@ -1,7 +1,6 @@
-"""Tensor parallelism (model.py): 2 gloo ranks on this CPU, float32, against one process: the logits of tiny
-random models and of the real Qwen2.5-0.5B, an engine's tokens (ar, sd, smc), the loader reading only each rank's
-chunks (safetensors and GGUF), the one-line error when the ranks do not divide the KV heads; and the tree plumbing
-of Transformer.step."""
+"""Tensor parallelism (model.py, loading.py): 2 gloo ranks on this CPU, float32, against one process: tiny random
+models' and the real Qwen2.5-0.5B's logits, an engine's tokens, each rank reading only its chunks (safetensors, GGUF),
+the one-line error when the ranks do not divide the KV heads; and the tree plumbing of Transformer.step."""
 import json
 import os
 import socket
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 import engine
 import kernels
+import loading
 import model
 from test_engine import save
 from test_model import fetch_module
@@ -104,8 +104,8 @@ def tiny_logits(rank, dirs):
     prompt, particles = torch.randint(0, 96, (9,), generator=g), torch.randint(0, 96, (1, 4, 5), generator=g)
     out = {}
     for arch in ("qwen2", "llama"):
-        shard = model.load(dirs[arch], dtype=torch.float32, tp=(rank, 2))[0]
-        whole = model.load(dirs[arch], dtype=torch.float32)[0]
+        shard = loading.load(dirs[arch], dtype=torch.float32, tp=(rank, 2))[0]
+        whole = loading.load(dirs[arch], dtype=torch.float32)[0]
         out[arch] = logits_of(shard, prompt, particles), logits_of(whole, prompt, particles)
         out[arch + " shard"] = [shard.config.n_heads, shard.config.n_kv_heads, shard.config.ffn_dim]
     return out
@@ -122,7 +122,7 @@ def test_tiny_logits_match_one_process(tmp_path, tiny_dirs):
 
 
 def real_prefill(rank, path, text):
-    m, tok = model.load(path, dtype=torch.float32, tp=(rank, 2))
+    m, tok = loading.load(path, dtype=torch.float32, tp=(rank, 2))
     ids = tok.encode(text)
     cache = model.KVCache(m.config, 1, len(ids), 1, "cpu", torch.float32)
     return m.prefill(torch.tensor(ids), cache, logits="all"), model.KVCache.nbytes(m.config, 1, 100, 0, torch.float32)
@@ -133,7 +133,7 @@ def test_qwen_logits_match_one_process(tmp_path):
     text = "import numpy as np\n\ndef softmax(x):"
     fetch_module().fetch("qwen2.5-coder-0.5b-instruct")  # once; later runs reuse it
     ranks = on_two_ranks(tmp_path, real_prefill, QWEN, text)
-    m, tok = model.load(QWEN, dtype=torch.float32)
+    m, tok = loading.load(QWEN, dtype=torch.float32)
     ids = torch.tensor(tok.encode(text))
     ref = m.prefill(ids, model.KVCache(m.config, 1, len(ids), 1, "cpu", torch.float32), logits="all")
     assert torch.equal(ranks[0][0], ranks[1][0])
@@ -145,10 +145,10 @@ def test_qwen_logits_match_one_process(tmp_path):
 
 
 def engine_tokens(rank, dirs, prompt):
-    draft = model.load(dirs["draft"], dtype=torch.float32)[0]  # whole on every rank: see model.py
+    draft = loading.load(dirs["draft"], dtype=torch.float32)[0]  # whole on every rank: see model.py
     out = []
     for tp in ((rank, 2), (0, 1)):
-        e = engine.Engine(model.load(dirs["qwen2"], dtype=torch.float32, tp=tp)[0], draft, device="cpu")
+        e = engine.Engine(loading.load(dirs["qwen2"], dtype=torch.float32, tp=tp)[0], draft, device="cpu")
         out.append([e.generate(prompt, method=m, max_new_tokens=12, temperature=t, seed=5, **more).tokens
                     for m, t, more in (("ar", 0, {}), ("sd", 0, {"draft_len": 3}),
                                        ("smc", 0.7, {"particles": 3, "draft_len": 2}))])
@@ -186,21 +186,21 @@ def test_safetensors_reads_only_the_ranks_chunks(tiny_dirs, monkeypatch):
             read[self.name] = read.get(self.name, 0) + t.numel() * t.element_size()
             return t
     monkeypatch.setattr(safetensors, "safe_open", Counted)
-    c = model.open_weights(tiny_dirs["qwen2"])[0]
+    c = loading.open_weights(tiny_dirs["qwen2"])[0]
     full = {name: 4 * torch.Size(shape).numel() for name, shape in model.expected_shapes(c).items()}
     for rank in range(2):
         read.clear()
-        model.load(tiny_dirs["qwen2"], dtype=torch.float32, tp=(rank, 2))
+        loading.load(tiny_dirs["qwen2"], dtype=torch.float32, tp=(rank, 2))
         assert read == {name: n // 2 if name.split(".")[-2] in SHARDED else n for name, n in full.items()}
 
 
 def test_gguf_chunks_and_rows_read(monkeypatch):
     """SmolLM2 (llama: Q/K rows un-permuted; 9 heads, 3 KV heads) in 3 chunks: row chunks dequantize only their
     rows, column chunks every row; each chunk equals the whole tensor's."""
-    dequantized, rows = model.dequantized, []
-    monkeypatch.setattr(model, "dequantized", lambda data, kind: rows.append(len(data)) or dequantized(data, kind))
+    dequantized, rows = loading.dequantized, []
+    monkeypatch.setattr(loading, "dequantized", lambda data, kind: rows.append(len(data)) or dequantized(data, kind))
     fetch_module().fetch("smollm2-135m-instruct")
-    c, get, _ = model.open_weights(SMOLLM)
+    c, get, _ = loading.open_weights(SMOLLM)
     for name, dim in (("self_attn.q_proj.weight", 0), ("self_attn.k_proj.weight", 0), ("mlp.up_proj.weight", 0),
                       ("self_attn.o_proj.weight", 1), ("mlp.down_proj.weight", 1)):
         whole = get("model.layers.1." + name)
@@ -215,7 +215,7 @@ def test_gguf_chunks_and_rows_read(monkeypatch):
 
 def test_ranks_not_dividing_the_kv_heads_is_one_line(tiny_dirs):
     with pytest.raises(model.LoadError) as e:
-        model.load(tiny_dirs["qwen2"], tp=(0, 3))
+        loading.load(tiny_dirs["qwen2"], tp=(0, 3))
     assert str(e.value) == "--nproc-per-node 3 does not divide the target's 2 KV heads; use 1 or 2"
     with pytest.raises(model.LoadError, match="^--nproc-per-node 4 does not divide the target's 6 FFN columns; "
                                               "use 1 or 2$"):

