@@ -1375,7 +1375,7 @@ def parser(argv):
                            "where it stopped (the same settings; its figures keep accumulating)")
     formats_p = command("formats", "the target alone in each weight format: greedy text against bf16's, speed, and "
                         "its samples' log-probability under the unquantized target")
-    formats_p.add_argument("--formats", type=format_names, default=formats("float32,int8,int4"), metavar="FORMAT,...",
+    formats_p.add_argument("--formats", type=format_names, default=format_names("float32,int8,int4"), metavar="FORMAT,...",
                            help=f"of {','.join(formats.FORMATS)} (bf16, the reference, always runs)")
     add_problem_set(formats_p, FORMAT_PROMPTS)
     report_p = commands.add_parser("report", help="print a report's tables (any bench.py JSON) as markdown")

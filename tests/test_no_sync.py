@@ -28,7 +28,7 @@ class NoSync(TorchDispatchMode):
 def guarded(phases):
     """decode.record as a CPU can run it: the phase (its warm-up, each replay) under NoSync, its name into phases."""
     def record(fn):
-        phases.append(fn.__defaults__[0])  # the phase the engine's lambda records
+        phases.append(fn.func.__name__)  # the decode function the engine records
 
         def replay():
             with NoSync():
