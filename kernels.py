@@ -76,7 +76,7 @@ def _offset(i, stride):
 def prefill_attention(q, k, v, scale):
     """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CPU: in blocks of query tokens,
     a KV group's rows of a block one matrix against the keys up to the block's end (faster there than torch's fused
-    attention). Scores in float32 (bf16 scores move the logits' distribution), probabilities in q's dtype."""
+    attention). Scores in float32 (bf16 scores widen the logits' KL divergence), probabilities in q's dtype."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
