@@ -1,14 +1,5 @@
-"""Triton kernels, each beside the few-line PyTorch reference that documents it, and the rule that dispatches
-between them. The decoding methods' own rules live beside their cycles, in decode.py.
-
-Dispatch (`use_triton`): Triton for CUDA tensors, and for CPU if TRITON_INTERPRET=1 was set before import (the tests);
-else, or without triton (no macOS wheels), the reference (attention: `particle_attention_cpu`, the same math, faster).
-
-Randomness: `rng` is int64 [R, 2] on the data's device, one (seed, counter) row per request (`make_rng`); request r owns
-data rows [r*M, (r+1)*M) of B = R*M. Each call that draws noise (`sample`, `resample`) keys request r's numbers on its
-own (seed, counter) and the row's index in the request, then adds 1 to every counter in place on the device: batching
-never changes a request's draws, a CUDA-graph replay draws fresh noise, the same seed replays the same run. Triton draws
-Philox numbers and the references draw from torch generators: they agree in distribution, not draw for draw."""
+"""Triton kernels, each beside the few-line PyTorch reference that documents it: attention over particles, sampling,
+resampling, the suffix gather, and the int8 / int4 / w8a8 matmuls. The methods' own rules live in decode.py."""
 import functools
 import math
 import os
@@ -21,23 +12,34 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    jit = triton.jit
 except ImportError:  # the references serve everywhere
-    triton, tl = None, SimpleNamespace(constexpr=None)
+    triton = None
+    tl = SimpleNamespace(constexpr=None)
 
-jit = triton.jit if triton else (lambda fn: fn)
+    def jit(fn):
+        return fn
+
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when a kernel is defined
 LOG2E = 1.4426950408889634
 _cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, log-sum-exp)
 MAX_SPLITS = 16  # KV splits of an attention pass at most: enough to fill a GPU
 
 
+# Triton for CUDA tensors, and for CPU ones if TRITON_INTERPRET=1 was set before import (the tests); else, or without
+# triton (no macOS wheels), the reference (attention on CPU: `particle_attention_cpu`, the same math, faster).
 def use_triton(t):
-    """The one dispatch rule: Triton for CUDA tensors, and for CPU tensors under the interpreter."""
+    """The one dispatch rule between a kernel and its reference, by the tensor t its call takes."""
     return triton is not None and (t.is_cuda or INTERPRET)
 
 
 def make_rng(seed, device):
-    """The device-side rng of sampling calls: int64 [R, 2], row r = (seed_r, counter 0), from a seed list or an int."""
+    """The device-side rng of sampling calls: int64 [R, 2], row r = (seed_r, counter 0), from a seed list or an int.
+    Request r owns data rows [r*M, (r+1)*M) of B = R*M. Each drawing call (`sample`, `resample`) keys request r's
+    numbers on its own row and the data row's index in the request, then adds 1 to every counter on the device: batching
+    never changes a request's draws, a CUDA-graph replay draws fresh noise, the same seed replays the same run. Triton's
+    Philox numbers and the references' torch generators agree in distribution, not draw for draw."""
     seeds = [seed] if isinstance(seed, int) else seed
     return torch.tensor([[s, 0] for s in seeds], dtype=torch.int64, device=device)
 
@@ -73,16 +75,19 @@ def _offset(i, stride):
 # ---------------------------------------------------------------- attention
 def prefill_attention(q, k, v, scale):
     """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CPU: in blocks of query tokens,
-    a KV group's rows of a block one matrix against the keys up to the block's end (5-8x torch's fused CPU attention
-    at T = 1500). Scores in float32 (bf16 scores triple the logits' KL divergence), probabilities in q's dtype."""
-    (T, Hq, D), Hkv = q.shape, k.shape[1]
+    a KV group's rows of a block one matrix against the keys up to the block's end (faster there than torch's fused
+    attention). Scores in float32 (bf16 scores widen the logits' KL divergence), probabilities in q's dtype."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
     G = Hq // Hkv
     if q.device.type != "cpu":  # 4-D, KV heads repeated: only such inputs reach the flash / efficient / cuDNN kernels
         k, v = (x[:, :, None].expand(T, Hkv, G, D).reshape(T, Hq, D) for x in (k, v))
         qkv = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, Hq, T, D]
         return F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale)[0].transpose(0, 1)
     block = max(1, min(128, 2**23 // (Hq * T)))  # query tokens: more spill the float32 scores out of cache
-    qg, kf, vt = q.view(T, Hkv, G, D).transpose(0, 1), k.transpose(0, 1).float(), v.transpose(0, 1)  # [Hkv, T, ...]
+    qg = q.view(T, Hkv, G, D).transpose(0, 1)  # [Hkv, T, G, D]
+    kf = k.transpose(0, 1).float()  # [Hkv, T, D]
+    vt = v.transpose(0, 1)  # [Hkv, T, D]
     out = torch.empty_like(q)
     for s in range(0, T, block):
         e = min(s + block, T)
@@ -102,15 +107,20 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     suffix keys [0, suffix_len + t]; given tree (bool [R, T, T], a draft tree verified in one pass: RACER), the prefix,
     the committed suffix keys [0, suffix_len) and new token j iff tree[r, t, j] (its ancestors and itself), for every
     particle (lower-triangular = causal). The math, not the speed: broadcasts copy the prefix per particle and head."""
-    (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
+    R, N, T, Hq, D = q.shape
+    Hkv = prefix_k.shape[1]
     out = torch.empty_like(q)
     for r in range(R):
-        P, S = int(prefix_len[r]), int(suffix_len[r]) + T
+        P = int(prefix_len[r])
+        S = int(suffix_len[r]) + T
         qr = q[r].view(N, T, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)  # [N, Hkv, G, T, D]
         kp, vp = prefix_k[r, :, None, :P], prefix_v[r, :, None, :P]  # [Hkv, 1, P, D]
         ks, vs = suffix_k[r, :, :, None, :S], suffix_v[r, :, :, None, :S]  # [N, Hkv, 1, S, D]
         scores = torch.cat([qr @ kp.transpose(-1, -2), qr @ ks.transpose(-1, -2)], -1).float() * scale
-        sees = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if tree is None else tree[r]  # [T, T]
+        if tree is None:
+            sees = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # [T, T], causal
+        else:
+            sees = tree[r]  # [T, T]
         hidden = F.pad(~sees, (S - T, 0))  # [T, S]: every new token sees the committed keys
         scores[..., P:].masked_fill_(hidden, float("-inf"))  # [N, Hkv, G, T, P+S]
         p = scores.softmax(-1).to(q.dtype)
@@ -123,15 +133,20 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     """`particle_attention_ref`'s contract, fast on CPU: two calls of torch's fused CPU attention (with each row's
     log-sum-exp). Prefix pass: a KV group's rows of all particles as one matrix, the prompt read once. Suffix pass: each
     particle against its own suffix, causal or by the tree. Prefix mass share: sigmoid(lse_prefix - lse_suffix)."""
-    (R, N, T, Hq, D), Hkv = q.shape, prefix_k.shape[1]
+    R, N, T, Hq, D = q.shape
+    Hkv = prefix_k.shape[1]
     G = Hq // Hkv
     out = torch.empty_like(q)
     for r, (P, S) in enumerate(zip(prefix_len.tolist(), suffix_len.tolist())):
-        S, qr, mask = S + T, q[r].view(N, T, Hkv, G, D), None  # one new token a particle (a step) sees every key
+        S += T
+        qr = q[r].view(N, T, Hkv, G, D)
+        mask = None  # one new token a particle (a step) sees every key
         if T > 1 or tree is not None:
             token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
-            future = torch.arange(S, device=q.device) > S - T + token[:, None] if tree is None else \
-                F.pad(~tree[r, token], (S - T, 0))  # a tree: the committed keys seen by all, new ones where it says
+            if tree is None:
+                future = torch.arange(S, device=q.device) > S - T + token[:, None]
+            else:  # the committed keys seen by all, the new ones where the tree says
+                future = F.pad(~tree[r, token], (S - T, 0))
             mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
         o, lse = _cpu_attention(qr.transpose(1, 2).reshape(N, Hkv, T * G, D), suffix_k[r, :, :, :S],
                                 suffix_v[r, :, :, :S], attn_mask=mask, scale=scale)  # [N, Hkv, T * G, D], [.., T * G]
@@ -156,19 +171,28 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
     pid = tl.program_id(0)
     h = pid % Hkv
     if CAUSAL:
-        n0, r, rows = pid // Hkv % N, pid // (Hkv * N), T * G
+        n0 = pid // Hkv % N
+        r = pid // (Hkv * N)
+        rows = T * G
     else:
-        n0, r, rows = 0, pid // Hkv, N * T * G
+        n0 = 0
+        r = pid // Hkv
+        rows = N * T * G
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows ordered (particle, token, head)
-    n, t, hq = n0 + m // (T * G), m // G % T, h * G + m % G
-    d, row_ok = tl.arange(0, D), m < rows
+    n = n0 + m // (T * G)  # particle
+    t = m // G % T  # token
+    hq = h * G + m % G  # query head
+    d = tl.arange(0, D)
+    row_ok = m < rows
     length = tl.load(len_ptr + r)
     if CAUSAL:  # token t sees its own row of the suffix and those before it
-        limit, end = length + t + 1, length + T  # [BLOCK_M], and their maximum
+        limit = length + t + 1  # [BLOCK_M]
+        end = length + T  # their maximum
         if TREE:  # the committed rows here, the new ones by the tree below
             limit = length + 0 * t
     else:
-        limit, end = length + 0 * t, length
+        limit = length + 0 * t
+        end = length
     tiles = tl.cdiv(end, BLOCK_N)  # `_split_len`'s rule on the live keys, over the grid's splits
     split = BLOCK_N * tl.maximum(tl.cdiv(tiles, tl.num_programs(2)), tl.cdiv(rows, BLOCK_N))
     lo = tl.program_id(2) * split
@@ -180,7 +204,8 @@ def _attention_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, tree_ptr, o_ptr, lse_p
     if UPCAST:  # the interpreter's half-precision tl.dot is broken
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite, so fully masked rows give 0, not NaN
-    l_i, acc = tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, D], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         kv = j[:, None] * sk_s + d[None, :]  # int32 is enough within one head's keys
@@ -222,9 +247,12 @@ def _attention_blocks(rows, D, elem, smem, tree=False):
     top = min(max(triton.next_power_of_2(rows), 16), 128)
     keys = ((64, 3), (64, 2), (32, 2), (32, 1))
     if elem == 4:
-        top, keys = min(top, max(16, 4096 // D)), ((16, 2), (16, 1))
+        top = min(top, max(16, 4096 // D))
+        keys = ((16, 2), (16, 1))
     elif D >= 128:
-        top, keys = min(top, 64) if tree else top, ((32, 3), (32, 2), (32, 1))
+        keys = ((32, 3), (32, 2), (32, 1))
+        if tree:
+            top = min(top, 64)
     for block_m in (m for m in (128, 64, 32, 16) if m <= top):
         for block_n, stages in keys:
             if elem * D * (block_m + 2 * block_n * stages) + 4 * block_m * block_n <= smem:
@@ -256,7 +284,9 @@ def attention_launch(rows, capacity, D, dtype, smem, tree=False):
     `capacity` keys of head dim D in dtype, for `smem` (`launch_target`), by a tree's masks or not: shapes only, for
     CUDA graphs. A tree's masks take registers: 8 warps from half the tile that other passes take them at."""
     if smem is None:
-        block_m, block_n, stages = min(max(triton.next_power_of_2(rows), 16), 128), 16, 1
+        block_m = min(max(triton.next_power_of_2(rows), 16), 128)
+        block_n = 16
+        stages = 1
     else:
         block_m, block_n, stages = _attention_blocks(rows, D, dtype.itemsize, smem, tree)
     splits = triton.cdiv(capacity, _split_len(capacity, rows, block_n))
@@ -266,12 +296,20 @@ def attention_launch(rows, capacity, D, dtype, smem, tree=False):
 
 
 def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree=None):
-    (R, N, T, Hq, D), Hkv = q.shape, k.shape[-3]
+    """One pass (the suffix's if causal, else the prefix's): its splits' partials into out and lse from split0 on."""
+    R, N, T, Hq, D = q.shape
+    Hkv = k.shape[-3]
     G = Hq // Hkv
     splits, options = plan
-    rows = T * G if causal else N * T * G
-    grid = (R * Hkv * (N if causal else 1), triton.cdiv(rows, options["BLOCK_M"]), splits)
-    sk_n = k.stride(1) if causal else 0  # the prefix is shared: every particle reads the same rows
+    if causal:
+        programs = R * Hkv * N
+        rows = T * G
+        sk_n = k.stride(1)
+    else:  # the prefix is shared: every particle reads the same rows
+        programs = R * Hkv
+        rows = N * T * G
+        sk_n = 0
+    grid = (programs, triton.cdiv(rows, options["BLOCK_M"]), splits)
     bits = lengths if tree is None else tree.contiguous().view(torch.uint8)  # [R, T, T] bytes; a view, no copy
     _attention_split_kernel[grid](q, k, v, lengths, bits, out, lse, scale * LOG2E, *q.stride()[:3], k.stride(0), sk_n,
                                   *k.stride()[-3:-1], *lse.stride()[:4], N, T, G, Hkv, split0, CAUSAL=causal,
@@ -289,7 +327,9 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     assert D == triton.next_power_of_2(D) and q.stride(-2) == D
     assert q.stride(-1) == prefix_k.stride(-1) == suffix_k.stride(-1) == 1
     assert prefix_k.stride() == prefix_v.stride() and suffix_k.stride() == suffix_v.stride()
-    G, P, S = Hq // prefix_k.shape[1], prefix_k.shape[2], suffix_k.shape[3]
+    G = Hq // prefix_k.shape[1]
+    P = prefix_k.shape[2]
+    S = suffix_k.shape[3]
     smem = launch_target(q)
     prefix = attention_launch(N * T * G, P, D, q.dtype, smem)
     suffix = attention_launch(T * G, S, D, q.dtype, smem, tree is not None)
@@ -304,8 +344,9 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
 # ---------------------------------------------------------------- sampling
 def sample_ref(logits, temperature, rng):
     """`sample`'s contract by inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform
-    times the total. On CPU ~10x cheaper than Gumbel noise per vocabulary entry, which the kernel's one pass needs."""
-    B, R = logits.shape[0], rng.shape[0]
+    times the total. On CPU much cheaper than Gumbel noise per vocabulary entry, which the kernel's one pass needs."""
+    B = logits.shape[0]
+    R = rng.shape[0]
     t = _per_row(_temperatures(temperature, logits.device, R), B)[:, None]  # [B, 1]
     x = logits.float() / t.where(t > 0, 1.0)  # [B, V]
     top = x.amax(-1, keepdim=True)  # [B, 1]
@@ -313,7 +354,8 @@ def sample_ref(logits, temperature, rng):
     u = _uniforms(rng, B // R) * cdf[:, -1:]  # greedy rows draw too: alone == batched
     last = cdf.argmax(-1, keepdim=True)  # the last token of nonzero probability: u * total may round up
     tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, x.argmax(-1, keepdim=True))
-    return tokens[:, 0], (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)[:, 0]
+    logprobs = (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)
+    return tokens[:, 0], logprobs[:, 0]
 
 
 def token_logprobs_ref(logits, tokens, temperature):
@@ -330,15 +372,20 @@ def _vocab_chunk_kernel(logits_ptr, stride_b, V, M, temp_ptr, rng_ptr, max_ptr, 
                         CHUNK: tl.constexpr, SAMPLE: tl.constexpr, NOISE: tl.constexpr, BLOCK_V: tl.constexpr):
     """One vocabulary chunk of row b, streamed once: the max of the tempered logits x and the sum of exp(x - max); with
     SAMPLE its Gumbel-max winner (key, x, index), noise keyed on request b // M's rng unless NOISE is off or T = 0."""
-    b, c = tl.program_id(0), tl.program_id(1)
-    row, r = logits_ptr + b.to(tl.int64) * stride_b, b // M
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    row = logits_ptr + b.to(tl.int64) * stride_b
+    r = b // M
     temp = tl.load(temp_ptr + r)
     inv_temp = 1.0 / tl.where(temp > 0, temp, 1.0)
     if NOISE:  # Philox counter (element within the request, call): the request's other rows never enter
         seed = tl.load(rng_ptr + 2 * r)
         stream = (tl.load(rng_ptr + 2 * r + 1) << 32) + (b % M).to(tl.int64) * V
-    m, total = -1e30, 0.0  # finite, so an all -inf tile adds nothing instead of NaN
-    best, best_x, best_at = float("-inf"), 0.0, 0
+    m = -1e30  # finite, so an all -inf tile adds nothing instead of NaN
+    total = 0.0
+    best = float("-inf")  # the Gumbel-max winner so far: its key, tempered logit and index
+    best_x = 0.0
+    best_at = 0
     for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), BLOCK_V):
         v = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(row + v, mask=v < V, other=float("-inf")).to(tl.float32) * inv_temp  # [BLOCK_V]
@@ -383,8 +430,9 @@ def _vocab_chunks(logits, temperature, rng, noise):
     chunks, options = vocab_launch(V, M, launch_target(logits))
     floats = torch.empty(4, B, chunks, dtype=torch.float32, device=logits.device)
     at = torch.empty(floats.shape[1:], dtype=torch.int64, device=logits.device)
-    _vocab_chunk_kernel[floats.shape[1:]](logits, logits.stride(0), V, M, temperature, at if rng is None else rng,
-                                          *floats, at, SAMPLE=rng is not None, NOISE=noise, **options)
+    rng_ptr = at if rng is None else rng  # any int64 tensor: read only when sampling
+    _vocab_chunk_kernel[floats.shape[1:]](logits, logits.stride(0), V, M, temperature, rng_ptr, *floats, at,
+                                          SAMPLE=rng is not None, NOISE=noise, **options)
     return (*floats, at)
 
 
@@ -396,15 +444,17 @@ def _logprob(picked, chunk_max, chunk_sum, t):
 
 def sample(logits, temperature, rng):
     """One token per row of logits [B, V], grouped by request, from softmax(logits / temperature), temperature a float
-    or float32 [R] -> tokens int64 [B], log-probs float32 [B] (T = 0: greedy, 0). rng: see module doc. No host sync."""
+    or float32 [R] -> tokens int64 [B], log-probs float32 [B] (T = 0: greedy, 0). rng: see `make_rng`. No host sync."""
     if not use_triton(logits):
         return sample_ref(logits, temperature, rng)
     t = _temperatures(temperature, logits.device, rng.shape[0])  # [R]
-    chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, t, rng, torch.is_tensor(temperature) or temperature != 0)
+    noise = torch.is_tensor(temperature) or temperature != 0
+    chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, t, rng, noise)  # [B, C] each
     rng[:, 1].add_(1)
     winner = key.argmax(-1, keepdim=True)  # [B, 1] the chunk holding the row's Gumbel-max
     picked = x.gather(1, winner)[:, 0]
-    return at.gather(1, winner)[:, 0], _logprob(picked, chunk_max, chunk_sum, _per_row(t, len(logits)))
+    tokens = at.gather(1, winner)[:, 0]
+    return tokens, _logprob(picked, chunk_max, chunk_sum, _per_row(t, len(logits)))
 
 
 def token_logprobs(logits, tokens, temperature):
@@ -421,7 +471,7 @@ def token_logprobs(logits, tokens, temperature):
 
 # ---------------------------------------------------------------- resampling
 # An ESS within this relative distance below threshold * N counts as at it: compiled exp and division are approximate
-# (k equal weights may give an ESS some 1e-7 under k), while ESS < N (1 - 1e-5) takes log-weights ~0.003 nats RMS apart.
+# (k equal weights may give an ESS just under k), while weights this close to equal change nothing worth a resample.
 ESS_RTOL = 1e-5
 
 
@@ -459,7 +509,8 @@ def resample_ref(logw, threshold, rng):
 def _resample_kernel(logw_ptr, rng_ptr, ancestors_ptr, ess_ptr, resampled_ptr, degenerate_ptr, N, ess_limit,
                      BLOCK: tl.constexpr):
     """One request per program: `resample_ref`, [BLOCK, BLOCK] comparisons standing in for searchsorted, bincount."""
-    r, i = tl.program_id(0), tl.arange(0, BLOCK)
+    r = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
     valid = i < N
     x = tl.load(logw_ptr + r * N + i, mask=valid, other=float("-inf"))
     nan = x != x
@@ -497,13 +548,14 @@ def resample(logw, threshold, rng):
     (strict, as in the paper) by over a relative ESS_RTOL, so rounding never decides: threshold 0 never resamples, 1
     unless all weights are equal (which would change nothing). A particle with k >= 1 offspring (floor or ceil of N w)
     keeps its slot, its k-1 spares fill childless ones' (the only slots overwritten); rows not resampled get the
-    identity. rng [R, 2]: see the module docstring; no host sync. The caller resets logw to 0 where resampled.
+    identity. rng [R, 2]: see `make_rng`; no host sync. The caller resets logw to 0 where resampled.
     -> ancestors int64 [R, N], ess float32 [R], resampled bool [R], degenerate bool [R] (a NaN or all -inf row)."""
     if not use_triton(logw):
         return resample_ref(logw, threshold, rng)
     R, N = logw.shape
     assert rng.shape == (R, 2), "one (seed, counter) per request"
-    ancestors, ess = logw.new_empty(R, N, dtype=torch.int64), logw.new_empty(R, dtype=torch.float32)
+    ancestors = logw.new_empty(R, N, dtype=torch.int64)
+    ess = logw.new_empty(R, dtype=torch.float32)
     resampled, degenerate = (logw.new_empty(R, dtype=torch.bool) for _ in range(2))
     _resample_kernel[(R,)](logw.contiguous(), rng, ancestors, ess, resampled, degenerate, N,
                            _ess_limit(threshold, N), **resample_launch(N, launch_target(logw)))  # fp32, as the ref
@@ -519,7 +571,8 @@ def _as_6d(cache):
 
 def gather_suffix_ref(cache, ancestors, length):
     """`gather_suffix`'s contract; the right-hand side is an advanced-indexing copy, so every read sees old values."""
-    view, N = _as_6d(cache), ancestors.shape[1]
+    view = _as_6d(cache)
+    N = ancestors.shape[1]
     for r, n in enumerate(length.tolist()):
         moved = (ancestors[r] != torch.arange(N, device=cache.device)).nonzero()[:, 0]
         view[:, r, moved, :, :n] = view[:, r, ancestors[r, moved], :, :n]
@@ -533,13 +586,17 @@ def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st
     over grid axis 1, so work follows the length, not the capacity, and a request where none moved loads no row. Rows
     are disjoint across programs; in each block loads precede the barrier, stores follow it: reads see old values."""
     pid = tl.program_id(0)
-    h, r, layer = pid % H, pid // H % R, pid // (H * R)
-    p, d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
+    h = pid % H
+    r = pid // H % R
+    layer = pid // (H * R)
+    p = tl.arange(0, BLOCK_P)  # particle
+    d = tl.arange(0, BLOCK_D)
     ancestor = tl.load(ancestors_ptr + _offset(r, N) + p, mask=p < N, other=0)  # [BLOCK_P]
     moved = (p < N) & (ancestor != p)
     end = tl.where(tl.sum(moved.to(tl.int32), 0) > 0, tl.load(len_ptr + r), 0)  # no move: no row to copy
     base = cache_ptr + _offset(layer, st_l) + _offset(r, st_r) + _offset(h, st_h)
-    src, dst = base + _offset(ancestor, st_n)[:, None, None], base + _offset(p, st_n)[:, None, None]
+    src = base + _offset(ancestor, st_n)[:, None, None]
+    dst = base + _offset(p, st_n)[:, None, None]
     for s0 in range(tl.program_id(1) * BLOCK_S, end, tl.num_programs(1) * BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         mask = moved[:, None, None] & (s < end)[None, :, None] & (d < D)[None, None, :]
@@ -552,7 +609,8 @@ def _gather_kernel(cache_ptr, ancestors_ptr, len_ptr, N, R, H, D, st_l, st_r, st
 def gather_launch(L, R, N, H, S, D, smem):
     """(row blocks a program's grid axis 1 has, the launch options) of `_gather_kernel` over a cache [L, R, N, H, S, D]:
     registers bounded by the block, ~4096 programs to fill a GPU (any target)."""
-    block_p, block_d = triton.next_power_of_2(N), triton.next_power_of_2(D)
+    block_p = triton.next_power_of_2(N)
+    block_d = triton.next_power_of_2(D)
     block_s = max(1, min(triton.next_power_of_2(S), 8192 // (block_p * block_d)))
     blocks = max(1, min(triton.cdiv(S, block_s), triton.cdiv(4096, L * R * H)))
     return blocks, dict(BLOCK_P=block_p, BLOCK_S=block_s, BLOCK_D=block_d)
@@ -572,26 +630,31 @@ def gather_suffix(cache, ancestors, length):
     return cache
 
 
+def _positions(base, i, shape):
+    """Indices along S of a cache of `shape` [L, R, N, H, S, D] for gather and scatter: base[r] + i[r, j]."""
+    L, R, N, H, S, D = shape
+    return (base.long()[:, None] + i)[None, :, None, None, :, None].expand(L, R, N, H, i.shape[-1], D)
+
+
 def compact(cache, base, path):
     """Move the suffix K/V of an accepted tree path to consecutive positions: node path[r, d] of the tree written from
     base[r] (int [R]) to base[r] + d; path [R, D]. Parents precede children (path[r, d] >= d): a gather, a scatter."""
     for kv in (cache.suffix_k, cache.suffix_v):  # [L, R, N, H, S, D]
-        L, R, N, H, S, D = kv.shape
-        at = lambda i: (base.long()[:, None] + i)[None, :, None, None, :, None].expand(L, R, N, H, i.shape[-1], D)
-        kv.scatter_(4, at(torch.arange(path.shape[1], device=kv.device)[None]), kv.gather(4, at(path)))
+        steps = torch.arange(path.shape[1], device=kv.device)[None]  # [1, D]
+        kv.scatter_(4, _positions(base, steps, kv.shape), kv.gather(4, _positions(base, path, kv.shape)))
 
 
 # ---------------------------------------------------------------- weight-only int8 / int4 matmuls
-# Weights in few bits: int8 per output row, symmetric (w ~ q * scale); int4 in groups of 32 inputs, asymmetric
-# (w ~ (q - 8) * scale + zero). Scales in the activations' dtype, as torch's CPU kernels take them, and q rounded from
-# the rounded scales. QUANT_BLOCK values at a time: the float32 temporaries stay in cache. The weight's device picks the
-# kernel: on the CPU torch's, int4 packed their way; elsewhere Triton's, dequantizing in registers, int4 by `pack_int4`.
-INT4_GROUP, QUANT_BLOCK = 32, 2**22  # 16 MB of float32: fits a last-level cache, few ops on a busy machine
+# Scales in the activations' dtype, as torch's CPU kernels take them, and q rounded from the rounded scales. The
+# weight's device picks the kernel: torch's on the CPU (int4 packed its way), else Triton's (int4 by `pack_int4`).
+INT4_GROUP = 32  # int4 inputs sharing a scale and zero
+QUANT_BLOCK = 2**22  # values quantized at a time: their float32 temporaries stay in a last-level cache
 
 
 def quantize_int8(w):
-    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype, on w's device."""
-    q, scale = torch.empty_like(w, dtype=torch.int8), torch.empty(w.shape[0], dtype=w.dtype, device=w.device)
+    """w [out, in] -> q int8 [out, in], scale [out] in w's dtype, on w's device: symmetric per row, w ~ q * scale."""
+    q = torch.empty_like(w, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=w.dtype, device=w.device)
     n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
     for i in range(0, len(w), n):
         wf = w[i:i + n].to(torch.float32, copy=True)  # float() would alias a float32 w, and div_ write into it
@@ -605,7 +668,8 @@ def int8_linear_ref(x, q, scale):
 
 
 def quantize_int4(w):
-    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernels' layout)."""
+    """w [out, in] -> q int32 [out, in] in 0..15, scale_zero [in / 32, out, 2] in w's dtype (the kernels' layout):
+    asymmetric per group of 32 inputs, w ~ (q - 8) * scale + zero."""
     q = torch.empty_like(w, dtype=torch.int32)
     scale_zero = torch.empty(w.shape[1] // 32, len(w), 2, dtype=w.dtype, device=w.device)
     n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
@@ -637,7 +701,8 @@ def _quantized_matmul_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, INT4: tl.con
     """One [BLOCK_M, BLOCK_N] tile of out = x @ w.T, the weight dequantized a [BLOCK_K, BLOCK_N] tile at a time in
     registers and cast to x's dtype: int4 (nibble k of q[n, k // 2] - 8) * scale + zero of group k // 32; int8 q[n, k]
     as is (exact in any float dtype), its row's scale applied once to the float32 sums."""
-    n, m = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # activation rows
     dot_type = tl.float32 if PRECISION == "ieee" else x_ptr.dtype.element_ty  # ieee: x float32, or the interpreter
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -661,8 +726,10 @@ def quantized_matmul_launch(M, dtype, smem):
     """The launch options of `_quantized_matmul_kernel` for M rows of activations in dtype, for `smem`
     (`launch_target`). Tiles by M: decoding's few rows only read the weight (narrow column blocks give many
     programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows."""
-    if dtype == torch.float32:  # ieee dots run on FMA units from registers: larger tiles spill tens of KB
-        tile = (16, 32, 32, 4, 2) if M <= 16 else (32, 64, 16, 4, 2)
+    if dtype == torch.float32 and M <= 16:  # ieee dots run on FMA units from registers: larger tiles spill
+        tile = (16, 32, 32, 4, 2)
+    elif dtype == torch.float32:
+        tile = (32, 64, 16, 4, 2)
     elif M <= 16:
         tile = (16, 16, 256, 4, 4)
     elif M <= 64:
@@ -670,7 +737,7 @@ def quantized_matmul_launch(M, dtype, smem):
     else:
         tile = (128, 128, 64, 8, 3)
     block_m, block_n, block_k, warps, stages = tile
-    # fewer stages where the estimate (stages x an activation and two weight-sized tiles) passes smem; one fits 64 KB
+    # fewer stages where the estimate (stages x an activation and two weight-sized tiles) passes smem; one always fits
     while smem is not None and stages > 1 and stages * block_k * (block_m + 2 * block_n) * dtype.itemsize > smem:
         stages -= 1
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=_precision(dtype, smem), num_warps=warps,
@@ -680,8 +747,10 @@ def quantized_matmul_launch(M, dtype, smem):
 def quantized_matmul(x, q, scale):
     """x [M, in] @ w.T -> [M, out] in x's dtype, in Triton: q int8 [out, in] with scale [out], or q uint8 [out, in / 2]
     (pack_int4) with scale_zero [in / 32, out, 2]."""
-    (M, K), N, int4 = x.shape, q.shape[0], q.dtype == torch.uint8
-    assert q.shape[1] * (1 + int4) == K and K % (INT4_GROUP if int4 else 1) == 0 and scale.is_contiguous()
+    M, K = x.shape
+    N = q.shape[0]
+    int4 = q.dtype == torch.uint8
+    assert q.shape[1] * (1 + int4) == K and (not int4 or K % INT4_GROUP == 0) and scale.is_contiguous()
     options = quantized_matmul_launch(M, x.dtype, launch_target(x))
     out = x.new_empty(M, N)
     grid = (triton.cdiv(N, options["BLOCK_N"]), triton.cdiv(M, options["BLOCK_M"]))
@@ -695,20 +764,30 @@ def quantized_linear(x, q, scale):
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels take 2-D rows in order (torch's int4 one checks)
     if q.device.type != "cpu":
         y = quantized_matmul(x2, q, scale)
+    elif q.dtype == torch.int8:
+        y = torch._weight_int8pack_mm(x2, q, scale)
     else:
-        y = torch._weight_int8pack_mm(x2, q, scale) if q.dtype == torch.int8 else \
-            torch._weight_int4pack_mm_for_cpu(x2, q, INT4_GROUP, scale)
+        y = torch._weight_int4pack_mm_for_cpu(x2, q, INT4_GROUP, scale)
     return y.reshape(*x.shape[:-1], -1)
 
 
 # ---------------------------------------------------------------- int8 x int8 matmuls (w8a8, CPU)
-# quantize_int8's weights times int8 activations by FBGEMM (torch.ops.quantized), int32 sums of products. Each row is
-# scaled to [-1, 1] and rounded in steps of 2 / W8A8_LEVELS: 8 bits where VNNI sums 8-bit products into 32 bits, else
-# 7 (reduce_range: AVX2's pairwise 16-bit sums would saturate). A fixed last row [1, -1, 0, ...] pins FBGEMM's range
-# of the tensor to [-1, 1], so no row's result depends on the rows beside it. The W8A8_OUTLIERS input channels whose
-# activations calibration found largest stay in float32 (LLM.int8()'s outliers): rounded, they would set every step.
-W8A8_OUTLIERS, W8A8_LEVELS = 8, 255 if os.path.exists("/proc/cpuinfo") and {"avx512_vnni", "avx_vnni"} & set(
-    open("/proc/cpuinfo").read().split()) else 127
+# quantize_int8's weights times int8 activations by FBGEMM (torch.ops.quantized), int32 sums of products.
+
+
+def _cpu_has_vnni():
+    """Whether the CPU sums 8-bit products into 32 bits (AVX512-VNNI or AVX-VNNI)."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return False
+    return bool({"avx512_vnni", "avx_vnni"} & set(open("/proc/cpuinfo").read().split()))
+
+
+# The input channels whose activations calibration found largest stay in float32 (LLM.int8()'s outliers): rounded,
+# they would set every step.
+W8A8_OUTLIERS = 8
+# Each activation row is scaled to [-1, 1] and rounded in steps of 2 / W8A8_LEVELS: 8 bits with VNNI, else 7
+# (FBGEMM's reduce_range: AVX2's pairwise 16-bit sums of products would saturate).
+W8A8_LEVELS = 255 if _cpu_has_vnni() else 127
 
 
 def quantize_w8a8(w, amax):
@@ -716,14 +795,16 @@ def quantize_w8a8(w, amax):
     weight, the outlier channels int64 [8], their float32 weight columns [out, 8])."""
     outliers = amax.float().topk(min(W8A8_OUTLIERS, len(amax))).indices.sort().values
     q, scale = quantize_int8(w.float().index_fill(1, outliers, 0))
-    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors, which FBGEMM's packing takes
+    with warnings.catch_warnings():  # torch deprecates quantized tensors, which FBGEMM's packing takes
         warnings.simplefilter("ignore")
         qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(w), dtype=torch.long), 0)
     return torch.ops.quantized.linear_prepack(qw, None), outliers, w.float()[:, outliers].contiguous()
 
 
 def w8a8_linear_ref(x, q, scale, outliers, w_outliers):
-    xi, xo = x.float().index_fill(-1, outliers, 0), x.float()[..., outliers]
+    """`w8a8_linear`'s math for q, scale from quantize_int8: rounded inlier activations, float32 outliers."""
+    xi = x.float().index_fill(-1, outliers, 0)  # [..., in], the outlier channels zeroed
+    xo = x.float()[..., outliers]  # [..., 8]
     s = xi.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # [..., 1]
     step = torch.tensor(2 / W8A8_LEVELS)  # in float32, as FBGEMM divides by it
     xq = (xi / s / step).round() * step
@@ -735,6 +816,7 @@ def w8a8_linear(x, packed, outliers, w_outliers):
     x2 = x.reshape(-1, x.shape[-1])
     xi = x2.index_fill(1, outliers, 0)  # [M, in]
     s = torch.linalg.vector_norm(xi, math.inf, 1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
+    # a fixed last row pins FBGEMM's range of the tensor to [-1, 1]: no row's result depends on the rows beside it
     pin = F.pad(torch.tensor([[1.0, -1.0]]), (0, x2.shape[1] - 2))  # [1, in]
     y = torch.ops.quantized.linear_dynamic(torch.cat([xi / s, pin]), packed, W8A8_LEVELS == 127)[:-1]
     return torch.addmm(y * s, x2[:, outliers], w_outliers.T).reshape(*x.shape[:-1], -1)

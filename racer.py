@@ -1,14 +1,6 @@
-"""RACER-style drafts without a draft model (arXiv 2604.14885), built on the host for one request: an index of
-every n-gram (n <= 10) of the prompt and the text so far with the tokens that followed it, and logit cues (each
-token's likeliest next tokens under the target, with their probabilities, from the last verify row that scored
-it, rejected rows included). A draft is a tree grown best first: a node's children are the tokens that followed
-the longest earlier occurrence of its context (weighted by their share of those occurrences) and its token's
-cues (weighted by the target's probability), a node's score is the product along its path, and the highest
-scores join until the tree holds its node budget. It costs dict lookups, no model.
-
-This is its own file because it is plain host-side Python over lists and dicts, which the device-side cycle in
-engine.py never touches: engine.py asks it for a tree before each racer cycle and tells it the new tokens and
-cues after."""
+"""RACER-style drafts without a draft model (arXiv 2604.14885): plain host-side Python over lists and dicts that grows
+one request's draft tree from n-gram retrieval and the target's logit cues, and lays the trees out as a cycle's tensors.
+The engine asks for a tree before each racer cycle and tells it the new tokens and cues after."""
 import heapq
 
 import torch
@@ -18,11 +10,20 @@ CUES = 4  # the target's top next tokens kept per token
 
 
 class Retrieval:
+    """One request's index: every n-gram (n <= LONGEST) of the prompt and the text so far with the tokens that followed
+    it, and logit cues (each token's likeliest next tokens under the target, with their probabilities, from the last
+    verify row that scored it, rejected rows included). Drafting costs dict lookups, no model."""
+
     def __init__(self, ids, chain=True):
         self.chain = chain  # one child per node: a chain of the likeliest tokens
-        self.ctx, self.follow, self.cue, self.last, self.seen = [], {}, {}, [], 0
+        self.ctx = []  # the text so far
+        self.follow = {}  # n-gram -> {next token: count}
+        self.cue = {}  # token -> [(next token, probability)]
+        self.last = []  # the last draft's nodes, the root first
+        self.seen = 0
         self.observe(ids)
-        self.seen, self.cycles = 0, 0  # generated tokens observed, cycles whose cues were taken
+        self.seen = 0  # generated tokens observed
+        self.cycles = 0  # cycles whose cues were taken
 
     def observe(self, tokens, cues=None):
         """New tokens of the text; cues: [(tokens [CUES], probabilities [CUES])] for each node of the last tree,
@@ -57,8 +58,14 @@ class Retrieval:
 
     def draft(self, depth, nodes):
         """-> (tokens, parents) of up to `nodes` draft tokens at most `depth` deep, parents before children; a
-        parent is an index into [root] + tokens (0: the root, the last token of the text). Siblings differ."""
-        tokens, parents, order = [], [], 0
+        parent is an index into [root] + tokens (0: the root, the last token of the text). Siblings differ. Grown
+        best first: a node's children are the tokens that followed the longest earlier occurrence of its context
+        (weighted by their share of those occurrences) and its token's cues (weighted by the target's probability),
+        a node's score is the product along its path, and the highest scores join until the tree holds `nodes`."""
+        tokens = []
+        parents = []
+        order = 0  # push order: ties in score pop first-pushed first
+        width = 1 if self.chain else None  # children a node takes
         frontier = [(-1.0, 0, -1, 0, self.ctx[-LONGEST:])]  # (-score, order, parent, depth, context)
         while frontier and len(tokens) < nodes:
             score, _, parent, d, ctx = heapq.heappop(frontier)
@@ -66,7 +73,7 @@ class Retrieval:
                 tokens.append(ctx[-1])
                 parents.append(parent)
             if d < depth:
-                for t, p in self.candidates(ctx)[:1 if self.chain else None]:
+                for t, p in self.candidates(ctx)[:width]:
                     order += 1
                     heapq.heappush(frontier, (score * p, order, len(tokens), d + 1, ctx + [t]))
         self.last = [self.ctx[-1]] + tokens
@@ -78,13 +85,17 @@ def plant(trees, T):
     [R, T]: node tokens (-1: no node), parents (node 0, the pending token, is its own), depths, and [R, T, T]
     ancestor-or-self masks."""
     R = len(trees)
-    nodes, parent = [[-1] * T for _ in range(R)], [[0] * T for _ in range(R)]
+    nodes = [[-1] * T for _ in range(R)]
+    parent = [[0] * T for _ in range(R)]
     for r, tree in enumerate(trees):
         if tree:
             tokens, parents = tree
-            nodes[r][1:len(tokens) + 1], parent[r][1:len(tokens) + 1] = tokens, parents
-    parent, rows = torch.tensor(parent), torch.arange(R)
-    mask, depth = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1), torch.zeros(R, T, dtype=torch.int64)
+            nodes[r][1:len(tokens) + 1] = tokens
+            parent[r][1:len(tokens) + 1] = parents
+    parent = torch.tensor(parent)  # [R, T]
+    rows = torch.arange(R)
+    mask = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)  # [R, T, T]
+    depth = torch.zeros(R, T, dtype=torch.int64)  # [R, T]
     for j in range(1, T):  # parents come before children
         mask[:, j] |= mask[rows, parent[:, j]]
         depth[:, j] = depth[rows, parent[:, j]] + 1
