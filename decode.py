@@ -1,11 +1,10 @@
-"""The device side of decoding: the State a batch's cycles update in place, and one cycle function per method
-(ar, sd and easd, racer's tree, smc with its resampling), each over (engine, state, shape) with fixed shapes and
-no host sync, so that a CUDA graph can record it; a slot's prefill; recording graphs; what a batch's memory takes.
+"""The device side of decoding: the State a batch's cycles update in place, the methods' rules, and one cycle
+function per method over (engine, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it;
+then a slot's prefill, graph recording and what a batch's memory takes.
 
-    cycle(e, st, shape)  =  draft_block (K draft steps for every particle)  +  verify_cycle (one target forward,
-                             the method's rule, the flags the host reads)
-
-e is the Engine (its target, draft, is_eos [V + 1], pad, config, dtype); shape its batch's Shape."""
+    cycle(e, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (one target forward, the
+                          method's rule, the flags the host reads)
+"""
 import copy
 import math
 from dataclasses import dataclass, fields
@@ -70,94 +69,50 @@ class State:
                 v = copy.copy(v)
                 for name in ("prefix_k", "prefix_v", "suffix_k", "suffix_v"):  # [L, R, ...]
                     setattr(v, name, getattr(v, name)[:, :n])
-                v.prefix_len, v.suffix_len = v.prefix_len[:n], v.suffix_len[:n]
+                v.prefix_len = v.prefix_len[:n]
+                v.suffix_len = v.suffix_len[:n]
             setattr(part, f.name, v[:n] if torch.is_tensor(v) else v)
         return part
 
 
 def new_state(e, shape, R, prefix_cap, suffix_cap):
     """A State of R empty slots."""
-    N, K, V, device = shape.particles, shape.draft_len, e.config.vocab_size, e.device
-    new = lambda *size, dtype=torch.float32, value=0: torch.full(size, value, dtype=dtype, device=device)  # noqa
-    i64, i32, b, T = torch.int64, torch.int32, torch.bool, shape.tree + 1
-    tcache, dcache = (model.KVCache(c.config, N, prefix_cap, suffix_cap, device, c.embed.dtype, R) if c else None
-                      for c in (e.target, e.draft if shape.method != "ar" and not shape.tree else None))
-    tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
-                mask=new(R, T, T, dtype=b), cues=new(R, T, racer.CUES, dtype=i64),
-                cue_p=new(R, T, racer.CUES)) if shape.tree else {}
+    N = shape.particles
+    K = shape.draft_len
+    V = e.config.vocab_size
+
+    def new(*size, dtype=torch.float32, value=0):
+        return torch.full(size, value, dtype=dtype, device=e.device)
+
+    i64 = torch.int64
+    i32 = torch.int32
+    drafts = shape.method != "ar" and not shape.tree  # racer drafts on the host, ar not at all
+    tcache = model.KVCache(e.target.config, N, prefix_cap, suffix_cap, e.device, e.target.embed.dtype, R)
+    dcache = None
+    if drafts and e.draft is not None:
+        dcache = model.KVCache(e.draft.config, N, prefix_cap, suffix_cap, e.device, e.draft.embed.dtype, R)
+    tree = {}
+    if shape.tree:
+        T = shape.tree + 1
+        tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
+                    mask=new(R, T, T, dtype=torch.bool), cues=new(R, T, racer.CUES, dtype=i64),
+                    cue_p=new(R, T, racer.CUES))
+    q_logits = None
+    if drafts and shape.method in ("sd", "easd", "mdsd"):
+        q_logits = new(R, N, K, V)
     return State(
         tcache=tcache, dcache=dcache, rng=new(R, 2, dtype=i64), temp_d=new(R), temp_t=new(R), top_k=new(R, dtype=i64),
-        top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=b), degenerate=new(R, dtype=b),
-        finished=new(R, N, dtype=b, value=True), hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32),
-        logw=new(R, N), log_z=new(R), ess_sum=new(R), accepted=new(R, dtype=i64), accepted_at=new(R, K, dtype=i64),
-        resamples=new(R, dtype=i64), collapses=new(R, dtype=i64), lag=new(R, dtype=i32), triggers=new(R, dtype=i64),
-        flags=new(R, 4, dtype=i32), logw_before=new(R, N), ancestors=new(R, N, dtype=i64),
-        drafted=new(R, N, K, dtype=i64),
-        logq=new(R, N, K), q_logits=new(R, N, K, V) if shape.method in ("sd", "easd", "mdsd") and not shape.tree else
-        None, **tree)
-
-
-# ---------------------------------------------------------------- cycles: fixed shapes, no host sync
-
-
-def cycle(e, st, s):
-    """One cycle of s.method over the slots of st, then their flags for the host."""
-    if s.method != "ar" and not s.tree:
-        draft_block(e, st, s)
-    verify_cycle(e, st, s)
-
-
-def verify_cycle(e, st, s):
-    """The cycle after drafting: the target's verify and the method's rule, then the flags."""
-    (racer_cycle if s.tree else RULES[s.method])(e, st, s)
-    if st.dcache is not None:
-        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
-    publish(st)
-
-
-def pending(st):
-    """-> (prev, x0) [R, N]: the history's last two entries."""
-    R, N, _ = st.hist.shape
-    at = st.gen_len.long()[:, None, None].expand(R, N, 1)
-    x = st.hist.gather(2, torch.cat([(at - 1).clamp(min=0), at], -1))
-    return x[..., 0], x[..., 1]
-
-
-def ids(e, tokens):
-    """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
-    return tokens.clamp(max=e.pad - 1)
-
-
-def restricted(logits, st, s):
-    return restrict(logits, st.temp_t, st.top_k, st.top_p) if s.restrict else logits
-
-
-def publish(st):
-    """flags [R, 4] = [done, settled, degenerate, length]: done when every particle has ended, the budget is
-    spent or (smc) no weight is left; settled = how many leading tokens all particles share (they can never change
-    again, so they may be shown). A done slot is no longer live: it appends nothing until it is refilled."""
-    H = st.hist.shape[-1] - 1
-    done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
-    shared = (st.hist[..., 1:] == st.hist[:, :1, 1:]).all(1) & (torch.arange(H, device=st.hist.device) <
-                                                                 st.gen_len[:, None])
-    st.flags.copy_(torch.stack([done.int(), shared.int().cumprod(-1).sum(-1).int(), st.degenerate.int(),
-                                st.gen_len], -1))
-    st.live &= ~done
-
-
-def append(e, st, tokens, kept):
-    """Commit the first `kept` [R] of tokens [R, N, T] (none where a slot is not live): history, lengths,
-    finished. The target holds K/V for the old pending token and the kept tokens but the last."""
-    R, N, T = tokens.shape
-    kept = kept * st.live
-    at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
-    st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
-    st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
-    st.gen_len += kept
-    st.tcache.suffix_len += kept
+        top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=torch.bool),
+        degenerate=new(R, dtype=torch.bool), finished=new(R, N, dtype=torch.bool, value=True),
+        hist=new(R, N, 1 + suffix_cap, dtype=i64), gen_len=new(R, dtype=i32), logw=new(R, N), log_z=new(R),
+        ess_sum=new(R), accepted=new(R, dtype=i64), accepted_at=new(R, K, dtype=i64), resamples=new(R, dtype=i64),
+        collapses=new(R, dtype=i64), lag=new(R, dtype=i32), triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32),
+        logw_before=new(R, N), ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
+        q_logits=q_logits, **tree)
 
 
 # ---------------------------------------------------------------- the methods' rules (settings per request: [R])
+
 
 def per_request(x, like):
     """x [R] viewed to broadcast against like [R, ..., V]."""
@@ -198,11 +153,17 @@ def easd_trigger(p, q, t, rule):
     draw from p_k, where both models are uncertain (entropies of p_k, q_k >= `entropy` nats) yet their top-`top` tokens
     mostly agree (>= share x top in common) and include t_k: else it passes. p, q [R, K, V], t [R, K] -> bool [R, K]."""
     entropy, top, share = rule
-    uncertain = lambda d: -(d * d.clamp(min=1e-30).log()).sum(-1) >= entropy  # noqa: E731
-    top_p, top_q = p.topk(top, -1).indices, q.topk(top, -1).indices  # [R, K, top]
+    uncertain = (entropy_of(p) >= entropy) & (entropy_of(q) >= entropy)  # [R, K]
+    top_p = p.topk(top, -1).indices  # [R, K, top]
+    top_q = q.topk(top, -1).indices
     shared = (top_p[..., :, None] == top_q[..., None, :]).any(-1)  # [R, K, top]: p's top tokens also q's
     aligned = (shared & (top_p == t[..., None])).any(-1)
-    return uncertain(p) & uncertain(q) & (shared.sum(-1) >= share * top) & aligned
+    return uncertain & (shared.sum(-1) >= share * top) & aligned
+
+
+def entropy_of(d):
+    """Entropy in nats of distributions d [..., V]."""
+    return -(d * d.clamp(min=1e-30).log()).sum(-1)
 
 
 def bernoulli(p, rng):
@@ -222,34 +183,106 @@ def smc_increments(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
     return increments, torch.where(ended[..., :K + 1], pad, block[..., 1:])
 
 
-def ar_cycle(e, st, s):
+# ---------------------------------------------------------------- cycles: fixed shapes, no host sync
+# Each cycle function takes the Engine e (its target, draft, is_eos [V + 1], pad), the State and its batch's Shape.
+
+
+def cycle(e, st, shape):
+    """One cycle of shape.method over the slots of st, then their flags for the host."""
+    if shape.method != "ar" and not shape.tree:
+        draft_block(e, st, shape)
+    verify_cycle(e, st, shape)
+
+
+def verify_cycle(e, st, shape):
+    """The cycle after drafting: the target's verify and the method's rule, then the flags."""
+    if shape.tree:
+        racer_cycle(e, st, shape)
+    else:
+        RULES[shape.method](e, st, shape)
+    if st.dcache is not None:
+        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
+    publish(st)
+
+
+def pending(st):
+    """-> (prev, x0) [R, N]: the history's last two entries."""
+    R, N, _ = st.hist.shape
+    at = st.gen_len.long()[:, None, None].expand(R, N, 1)
+    x = st.hist.gather(2, torch.cat([(at - 1).clamp(min=0), at], -1))
+    return x[..., 0], x[..., 1]
+
+
+def ids(e, tokens):
+    """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
+    return tokens.clamp(max=e.pad - 1)
+
+
+def restricted(logits, st, shape):
+    """The target's logits with top-k / top-p applied where some request of the batch asks for them."""
+    if not shape.restrict:
+        return logits
+    return restrict(logits, st.temp_t, st.top_k, st.top_p)
+
+
+def publish(st):
+    """flags [R, 4] = [done, settled, degenerate, length]: done when every particle has ended, the budget is
+    spent or (smc) no weight is left; settled = how many leading tokens all particles share (they can never change
+    again, so they may be shown). A done slot is no longer live: it appends nothing until it is refilled."""
+    H = st.hist.shape[-1] - 1
+    done = st.finished.all(-1) | (st.gen_len >= st.max_new) | st.degenerate  # [R]
+    generated = torch.arange(H, device=st.hist.device) < st.gen_len[:, None]  # [R, H]
+    shared = (st.hist[..., 1:] == st.hist[:, :1, 1:]).all(1) & generated  # [R, H]
+    settled = shared.int().cumprod(-1).sum(-1).int()  # [R]
+    st.flags.copy_(torch.stack([done.int(), settled, st.degenerate.int(), st.gen_len], -1))
+    st.live &= ~done
+
+
+def append(e, st, tokens, kept):
+    """Commit the first `kept` [R] of tokens [R, N, T] (none where a slot is not live): history, lengths,
+    finished. The target holds K/V for the old pending token and the kept tokens but the last."""
+    R, N, T = tokens.shape
+    kept = kept * st.live
+    at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
+    st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
+    st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
+    st.gen_len += kept
+    st.tcache.suffix_len += kept
+
+
+def ar_cycle(e, st, shape):
     """One target step on the pending token."""
-    logits = restricted(e.target.step(ids(e, pending(st)[1][..., None]), st.tcache)[:, 0, 0], st, s)  # [R, V]
-    append(e, st, kernels.sample(logits, st.temp_t, st.rng)[0].view(-1, 1, 1), torch.ones_like(st.gen_len))
+    x0 = pending(st)[1]  # [R, N]
+    logits = restricted(e.target.step(ids(e, x0[..., None]), st.tcache)[:, 0, 0], st, shape)  # [R, V]
+    token = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
+    append(e, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
 
 
-def draft_block(e, st, s):
+def draft_block(e, st, shape):
     """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
     -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, N, K, V]. Advances the
     draft's suffix_len by K + 1."""
     R, N = st.finished.shape
     x = ids(e, torch.stack(pending(st), -1))  # [R, N, 2]
-    for k in range(s.draft_len):
+    for k in range(shape.draft_len):
         out = e.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
         st.dcache.suffix_len += x.shape[-1]
-        t, lq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)
+        t, logq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)  # [R * N]
         x = t.view(R, N, 1)
-        st.drafted[..., k], st.logq[..., k] = t.view(R, N), lq.view(R, N)
+        st.drafted[..., k] = t.view(R, N)
+        st.logq[..., k] = logq.view(R, N)
         if st.q_logits is not None:
             st.q_logits[:, :, k] = out
 
 
-def verify(e, st, t, s):
+def verify(e, st, t, shape):
     """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
-    return restricted(e.target.step(ids(e, torch.cat([pending(st)[1][..., None], t], -1)), st.tcache), st, s)
+    x0 = pending(st)[1]  # [R, N]
+    block = torch.cat([x0[..., None], t], -1)  # [R, N, K+1]
+    return restricted(e.target.step(ids(e, block), st.tcache), st, shape)
 
 
-def sd_cycle(e, st, s):
+def sd_cycle(e, st, shape):
     """Speculative sampling over N drafts of K tokens from one prefix (sd: N = 1; mdsd: SpecInfer's and SpecTr's
     multi-draft rule), each request accepting its own count. Depth by depth, over the particles whose drafts so far
     are the accepted ones (viable), their tokens c are tried in turn, accepted with probability min(1, r(c)/q(c)),
@@ -257,20 +290,33 @@ def sd_cycle(e, st, s):
     particles that drafted it. No acceptance emits a draw from r; K acceptances a bonus token from p. Exact at any
     temperature. easd (N = 1) also rejects where `easd_trigger` fires, r then being p (not exact: it trades
     the draft's low-confidence agreement for the target). Every particle then takes the winner's K/V."""
-    K, (R, N), device = s.draft_len, st.finished.shape, st.gen_len.device
-    p = probs(verify(e, st, st.drafted, s), st.temp_t)  # [R, N, K+1, V]
+    K = shape.draft_len
+    R, N = st.finished.shape
+    device = st.gen_len.device
+    p = probs(verify(e, st, st.drafted, shape), st.temp_t)  # [R, N, K+1, V]
     q = probs(st.q_logits, st.temp_d)  # [R, N, K, V]
-    rows, viable = torch.arange(R, device=device), torch.ones(R, N, dtype=torch.bool, device=device)
-    going, out = st.live.clone(), st.drafted[:, 0].clone()  # [R] no rejection yet; [R, K] the accepted tokens
-    n, fix = torch.zeros(R, dtype=torch.long, device=device), p[:, 0, K]  # [R], [R, V]
+    rows = torch.arange(R, device=device)
+    viable = torch.ones(R, N, dtype=torch.bool, device=device)  # [R, N] the drafts equal to what was accepted
+    going = st.live.clone()  # [R] no rejection yet
+    out = st.drafted[:, 0].clone()  # [R, K] the accepted tokens
+    n = torch.zeros(R, dtype=torch.long, device=device)  # [R] how many
+    fix = p[:, 0, K]  # [R, V] the distribution the emitted token is drawn from
     for k in range(K):
         lead = viable.int().argmax(-1)  # [R] a viable particle: its rows are every viable one's
-        pk, qk, c = p[rows, lead, k], q[rows, lead, k], st.drafted[..., k]  # [R, V], [R, V], [R, N]
-        triggered = easd_trigger(pk[:, None], qk[:, None], c[:, :1], s.easd)[:, 0] if s.easd else None
-        r, ratios = pk, []
+        pk = p[rows, lead, k]  # [R, V]
+        qk = q[rows, lead, k]  # [R, V]
+        c = st.drafted[..., k]  # [R, N]
+        triggered = None
+        if shape.easd:
+            triggered = easd_trigger(pk[:, None], qk[:, None], c[:, :1], shape.easd)[:, 0]  # [R]
+        r = pk
+        ratios = []
         for i in range(N):
-            rc, qc = r.gather(1, c[:, i:i + 1])[:, 0], qk.gather(1, c[:, i:i + 1])[:, 0]
-            ok = viable[:, i] if triggered is None else viable[:, i] & ~triggered
+            rc = r.gather(1, c[:, i:i + 1])[:, 0]  # [R]
+            qc = qk.gather(1, c[:, i:i + 1])[:, 0]
+            ok = viable[:, i]
+            if triggered is not None:
+                ok = ok & ~triggered
             ratios.append(torch.where(rc >= qc, 1.0, rc / qc) * ok)
             residual = (r - qk).clamp(min=0)
             if triggered is not None:  # easd: where its rule fired, the token is drawn from p
@@ -284,15 +330,16 @@ def sd_cycle(e, st, s):
         if triggered is not None:
             st.triggers += stop & triggered
         going &= ~stop
-        out[:, k], n = torch.where(going, won, out[:, k]), n + going
+        out[:, k] = torch.where(going, won, out[:, k])
+        n = n + going
         st.accepted_at[:, k] += going
         viable &= ~going[:, None] | (c == won[:, None])
-    fix = torch.where(going[:, None], p[rows, viable.int().argmax(-1), K], fix)  # all K accepted: the bonus
-    c = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
-    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], torch.cat([out, c[:, None]], 1),
-                         c[:, None])  # t_1..t_n, c, filler
+    winner = viable.int().argmax(-1)  # [R]
+    fix = torch.where(going[:, None], p[rows, winner, K], fix)  # all K accepted: the bonus
+    last = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
+    accepted = torch.cat([out, last[:, None]], 1)  # [R, K+1]
+    tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], accepted, last[:, None])  # then filler
     if N > 1:  # the rows this cycle wrote, from the winner (the rows before are every particle's already)
-        winner = viable.int().argmax(-1)
         for cache, start in ((st.tcache, st.tcache.suffix_len), (st.dcache, st.dcache.suffix_len - K - 1)):
             for kv in (cache.suffix_k, cache.suffix_v):
                 copy_rows(kv, winner, start, K + 1)
@@ -306,28 +353,31 @@ def copy_rows(kv, source, start, T):
     L, R, N, H, S, D = kv.shape
     at = (start.long()[:, None] + torch.arange(T, device=kv.device)).clamp(max=S - 1).view(1, R, 1, 1, T, 1)
     block = kv.gather(4, at.expand(L, R, N, H, T, D))  # [L, R, N, H, T, D]
-    kv.scatter_(4, at.expand(L, R, N, H, T, D), block.gather(2, source.view(1, R, 1, 1, 1, 1).expand(L, R, 1, H, T, D))
-                .expand(L, R, N, H, T, D))
+    chosen = block.gather(2, source.view(1, R, 1, 1, 1, 1).expand(L, R, 1, H, T, D))  # [L, R, 1, H, T, D]
+    kv.scatter_(4, at.expand(L, R, N, H, T, D), chosen.expand(L, R, N, H, T, D))
 
 
-def racer_cycle(e, st, s):
+def racer_cycle(e, st, shape):
     """sd on racer's draft tree, verified exactly in one target forward: a node sees the prefix, its ancestors
     and itself (st.mask), at position length + depth. From the root, y ~ p is drawn at each node and the child
     whose token is y followed, else y emitted: the text follows p exactly (greedy: ar's tokens), a chain being the
     tree of one child per node. The path's K/V then moves down; each node's top tokens become the host's cues."""
-    (R, T), K, device = st.nodes.shape, s.draft_len, st.gen_len.device
+    R, T = st.nodes.shape
+    K = shape.draft_len
+    device = st.gen_len.device
     nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
     base = st.tcache.suffix_len.clone()
     logits = e.target.step(ids(e, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
-    logits = restricted(logits, st, s)  # [R, T, V]
+    logits = restricted(logits, st, shape)  # [R, T, V]
     y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
     follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
     on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
     d = torch.arange(K + 1, device=device)
     path = (on_path[:, None] & (st.depth[:, None] == d[:, None])).int().argmax(-1)  # [R, K+1]: 0 past the end
     n = (st.depth * on_path).amax(-1)  # [R] draft tokens accepted
-    c = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # the last node's draw
-    tokens = torch.where(d < n[:, None], torch.cat([nodes.gather(1, path[:, 1:]), c[:, None]], 1), c[:, None])
+    last = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # [R] the last node's draw
+    accepted = torch.cat([nodes.gather(1, path[:, 1:]), last[:, None]], 1)  # [R, K+1]
+    tokens = torch.where(d < n[:, None], accepted, last[:, None])
     kernels.compact(st.tcache, base, path)
     top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
     st.cues.copy_(top.indices)
@@ -337,37 +387,41 @@ def racer_cycle(e, st, s):
     append(e, st, tokens[:, None], n.int() + 1)
 
 
-def smc_cycle(e, st, s):
+def smc_cycle(e, st, shape):
     """Weight each particle's K drafted tokens by one target forward, append K + 1 tokens (the last a bonus
     token from the target), resample where the ESS falls below the threshold. A power target p ** alpha
-    (s.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
-    K, (R, N), t = s.draft_len, st.finished.shape, st.drafted
-    logits = verify(e, st, t, s)  # [R, N, K+1, V]
+    (shape.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
+    K = shape.draft_len
+    R, N = st.finished.shape
+    t = st.drafted  # [R, N, K]
+    logits = verify(e, st, t, shape)  # [R, N, K+1, V]
     logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
-    bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, s.power)
+    bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, shape.power)
     b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-    increments, tokens = smc_increments(pending(st)[1], t, b, s.power * logp, st.logq, st.finished, e.is_eos, e.pad,
+    x0 = pending(st)[1]
+    increments, tokens = smc_increments(x0, t, b, shape.power * logp, st.logq, st.finished, e.is_eos, e.pad,
                                         log_bonus)
     st.logw += increments
     append(e, st, tokens, torch.full_like(st.gen_len, K + 1))
-    resample(st, s)
+    resample(st, shape)
 
 
-def resample(st, s):
+def resample(st, shape):
     """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
     draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight and the
     weights restart at 0. A population with no positive weight, or a NaN one, is degenerate: resampling it would
     be a uniform draw that hides the failure, so the request ends. A slot whose unsettled text exceeds its lag
     (st.lag, 0: none) collapses onto one particle drawn in proportion to its weight (each particle's expected
     copies are still N x its weight: unbiased), so that text keeps streaming where the weights never degenerate."""
-    ancestors, ess, resampled, degenerate = kernels.resample(st.logw, s.ess_threshold, st.rng)
+    ancestors, ess, resampled, degenerate = kernels.resample(st.logw, shape.ess_threshold, st.rng)
     lagging = st.live & (st.lag > 0) & (st.gen_len - st.flags[:, 1] > st.lag) & ~resampled  # [R]
-    one = kernels.sample(st.logw, 1.0, st.rng)[0].clamp(max=s.particles - 1)  # [R] a particle drawn by weight
-    ancestors, resampled = torch.where(lagging[:, None], one[:, None], ancestors), resampled | lagging
+    one = kernels.sample(st.logw, 1.0, st.rng)[0].clamp(max=shape.particles - 1)  # [R] a particle drawn by weight
+    ancestors = torch.where(lagging[:, None], one[:, None], ancestors)  # [R, N]
+    resampled = resampled | lagging
     st.degenerate |= degenerate & st.live
     st.logw_before.copy_(st.logw)
     st.ancestors.copy_(ancestors)
-    st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(s.particles), 0.0)
+    st.log_z += torch.where(resampled, st.logw.logsumexp(-1) - math.log(shape.particles), 0.0)
     st.logw.masked_fill_(resampled[:, None], 0.0)
     for cache in (st.tcache, st.dcache):
         for kv in (cache.suffix_k, cache.suffix_v):
@@ -409,30 +463,38 @@ def graphs(shape, device):
 
 def prefill_slot(e, st, shape, r, req):
     """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
-    s, N = req.settings, shape.particles
+    settings = req.settings
+    N = shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
     logits = e.target.prefill(prompt, st.tcache, r)  # [V]
-    st.rng[r] = torch.tensor([s.seed, 0])
-    st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
-                                                            s.top_p)
-    logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], s.power)
+    st.rng[r] = torch.tensor([settings.seed, 0])
+    st.temp_d[r] = settings.draft_temperature
+    st.temp_t[r] = settings.target_temperature
+    st.top_k[r] = settings.top_k
+    st.top_p[r] = settings.top_p
+    logits, log_first = power_bonus(logits.expand(1, N, -1), st.temp_t[r:r + 1], settings.power)  # [1, N, V]
     st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
     if shape.restrict:
-        logits = restrict(logits, *(x[r:r + 1] for x in (st.temp_t, st.top_k, st.top_p)))
+        logits = restrict(logits, st.temp_t[r:r + 1], st.top_k[r:r + 1], st.top_p[r:r + 1])
     x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
-    x0 = x0 if shape.method == "smc" else x0[:1].expand(N)  # only smc's particles part at once
+    if shape.method != "smc":  # only smc's particles part at once
+        x0 = x0[:1].expand(N)
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
-        st.dcache.prefix_len[r], st.dcache.suffix_len[r] = 0, 0  # a one-token prompt leaves it empty
+        st.dcache.prefix_len[r] = 0  # a one-token prompt leaves it empty
+        st.dcache.suffix_len[r] = 0
         if len(req.ids) > 1:
             e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
     st.hist[r] = 0
-    st.hist[r, :, 0], st.hist[r, :, 1] = prompt[-1], x0
-    st.gen_len[r], st.max_new[r], st.finished[r], st.live[r] = 1, s.max_new_tokens, e.is_eos[x0], True
-    st.lag[r] = s.lag
+    st.hist[r, :, 0] = prompt[-1]
+    st.hist[r, :, 1] = x0
+    st.gen_len[r] = 1
+    st.max_new[r] = settings.max_new_tokens
+    st.finished[r] = e.is_eos[x0]
+    st.live[r] = True
+    st.lag[r] = settings.lag
     for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.accepted_at, st.resamples, st.collapses, st.triggers):
         x[r] = 0
     publish(st)
-
 
 
 def plant(st, trees):
@@ -443,33 +505,46 @@ def plant(st, trees):
 
 def empty_slot(st, r):
     """Slot r holds no request: it appends nothing and its caches are empty."""
-    for c in (st.tcache, st.dcache):
-        if c is not None:
-            c.prefix_len[r], c.suffix_len[r] = 0, 0
-    st.live[r], st.gen_len[r], st.finished[r], st.degenerate[r], st.logw[r] = False, 0, True, False, 0
+    for cache in (st.tcache, st.dcache):
+        if cache is not None:
+            cache.prefix_len[r] = 0
+            cache.suffix_len[r] = 0
+    st.live[r] = False
+    st.gen_len[r] = 0
+    st.finished[r] = True
+    st.degenerate[r] = False
+    st.logw[r] = 0
 
 
 def pick(st, r, select):
     """Slot r's returned particle: one drawn in proportion to its weight ("sample"), or the heaviest."""
-    draw = kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0] if select == "sample" else st.logw[r].argmax()
-    return int(draw)
+    if select == "sample":
+        return int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
+    return int(st.logw[r].argmax())
 
 
 def method_stats(st, r, req):
-    """Slot r's statistics of its method: sd's acceptance, easd's rejections, smc's resampling."""
-    s, cycles = req.settings, max(req.cycles, 1)
-    if s.method in ("sd", "easd", "mdsd"):
-        accepted, triggers = int(st.accepted[r]), int(st.triggers[r])
-        easd = {"triggers": triggers, "trigger_rate": round(triggers / cycles, 4)} if s.method == "easd" else {}
-        mdsd = {"particles": s.particles} if s.method == "mdsd" else {}
-        return {"draft_len": s.draft_len, **mdsd, "accepted": accepted,
-                "acceptance": round(accepted / (cycles * s.draft_len), 4),  # vLLM's: per drafted token, the
-                "mean_acceptance_length": round(1 + accepted / cycles, 4),  # tokens a cycle emits, and the rate
-                "acceptance_by_position": [round(a / cycles, 4) for a in st.accepted_at[r].tolist()],
-                "accepted_by_position": st.accepted_at[r].tolist(), **easd}
-    if s.method == "smc":
-        final = st.logw[r].logsumexp(-1) - math.log(s.particles)  # the weights since the last resampling
-        return {"particles": s.particles, "particle": req.particle, "draft_len": s.draft_len,
+    """Slot r's statistics of its method: sd's acceptance (vLLM's figures), easd's rejections, smc's resampling."""
+    settings = req.settings
+    cycles = max(req.cycles, 1)
+    if settings.method in ("sd", "easd", "mdsd"):
+        accepted = int(st.accepted[r])
+        stats = {"draft_len": settings.draft_len}
+        if settings.method == "mdsd":
+            stats["particles"] = settings.particles
+        stats["accepted"] = accepted
+        stats["acceptance"] = round(accepted / (cycles * settings.draft_len), 4)  # per drafted token
+        stats["mean_acceptance_length"] = round(1 + accepted / cycles, 4)  # tokens a cycle emits
+        stats["acceptance_by_position"] = [round(a / cycles, 4) for a in st.accepted_at[r].tolist()]
+        stats["accepted_by_position"] = st.accepted_at[r].tolist()
+        if settings.method == "easd":
+            triggers = int(st.triggers[r])
+            stats["triggers"] = triggers
+            stats["trigger_rate"] = round(triggers / cycles, 4)
+        return stats
+    if settings.method == "smc":
+        final = st.logw[r].logsumexp(-1) - math.log(settings.particles)  # the weights since the last resampling
+        return {"particles": settings.particles, "particle": req.particle, "draft_len": settings.draft_len,
                 "resamples": int(st.resamples[r]), "collapses": int(st.collapses[r]),
                 "mean_ess": round(float(st.ess_sum[r]) / cycles, 3), "log_z": round(float(st.log_z[r] + final), 4)}
     return {}
