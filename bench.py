@@ -702,7 +702,7 @@ def quality_runners(e, draft_e, args):
 
 
 def completions(runner, problems, seeds, method, N, K, max_new_tokens, options):
-    """Sampled completions (Results) of the problems' prompts, decoded QUALITY_SLOTS at a time, each stopped as
+    """Sampled completions of the problems' prompts, decoded QUALITY_SLOTS at a time, each stopped as
     soon as its function body is complete."""
     def done(tokens):
         return quality.body_complete(runner.tokenizer.decode(tokens))

@@ -196,7 +196,7 @@ GGUF_NAMES = {"blk": "model.layers", "token_embd": "model.embed_tokens", "output
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGUF_STRING = 8
 GGUF_ARRAY = 9
-GGUF_BLOCK = 2**22  # values dequantized at a time (16 MB of float32): the temporaries of a big tensor stay small
+GGUF_BLOCK = 2**22  # values dequantized at a time, so that a big tensor's temporaries stay small
 GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # each group of 32 values a 4-bit code times a scale plus a low value: int4's
 GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 # Config field -> its GGUF metadata key, "{}" the architecture

@@ -1,5 +1,5 @@
 """engine.py on tiny random models: exact output distributions of ar, sd and smc against the target's, computed
-by enumerating every continuation; the SMC-SD pitfalls of DESIGN.md; bad input; the command line."""
+by enumerating every continuation; the SMC-SD pitfalls (docs/design.md); bad input; the command line."""
 import copy
 import json
 import math

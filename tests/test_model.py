@@ -288,7 +288,7 @@ def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
 def test_w8a8_calibrates_on_the_model_and_computes_near_its_float32_logits(tiny):
     """w8a8 finds each matmul's largest input channels in one prefill of seeded tokens (leaving the float weights as
     they were) and keeps those in floats; its logits stay near the float32 model's (its 7-bit activations cost more
-    than int8's weight rounding: README, Model formats), and on CUDA it says to use int8."""
+    than int8's weight rounding), and on CUDA it says to use int8."""
     hf, path = tiny
     ref = loading.load(path, weights="float32")[0]
     before = [getattr(m, attr) for _, m, attr in formats.matmuls(ref)]
@@ -441,7 +441,7 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
 
 def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
     """One forward's matmuls, from each of a layer's matrices and the head's timed, in the formats auto compares at
-    every row count (how long they take is a benchmark's figure, in the README); an int4 model whose every matrix
+    every row count (how long they take is a benchmark's figure); an int4 model whose every matrix
     a file holds in int8 costs int8's (a Measurement times each once, so the sums are of the same timings)."""
     measurement = formats.Measurement()
     costs = measurement.measure_formats(QWEN_1_5B, [1, 9])
