@@ -416,8 +416,19 @@ def main(argv=None):
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (model.LoadError, engine.UsageError) as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        stopped(" while loading")
     name = args.model_name or os.path.basename(os.path.normpath(target)).removesuffix(".gguf")
-    serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
+    try:
+        serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
+    except KeyboardInterrupt:  # uvicorn shut down at the first Ctrl-C, then raised it again
+        stopped("")
+
+
+def stopped(when):
+    """One line for a Ctrl-C, and the shell's status for it."""
+    print(f"server stopped by Ctrl-C{when}", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -101,9 +101,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(pair, *args):
+def serve(pair, *args, stop=signal.SIGTERM):
     """server.py on the reference kernels (conftest.py set TRITON_INTERPRET for the kernel tests), float32;
-    yields once /health answers, stops it with SIGTERM and checks that it shut down cleanly."""
+    yields once /health answers, stops it with `stop` (SIGTERM, or SIGINT: Ctrl-C) and checks that it shut down
+    cleanly, without a traceback, in bounded time."""
     port, env = free_port(), {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--target", pair[0], "--draft",
@@ -120,10 +121,12 @@ def serve(pair, *args):
             else:
                 raise AssertionError("server did not answer /health in 60 s")
             yield server
-            proc.terminate()  # uvicorn shuts down, then re-raises SIGTERM
-            assert proc.wait(20) in (0, -signal.SIGTERM)
+            proc.send_signal(stop)  # uvicorn shuts down, then re-raises the signal
+            assert proc.wait(20) in (0, -signal.SIGTERM, 130)
             log.seek(0)
-            assert "Application shutdown complete" in log.read(), "the server did not shut down cleanly"
+            said = log.read()
+            assert "Application shutdown complete" in said, "the server did not shut down cleanly"
+            assert "Traceback" not in said
         except BaseException:
             log.seek(0)
             print(log.read()[-5000:])
@@ -354,6 +357,17 @@ def test_load(server):
         finishes = list(pool.map(run, range(200), timeout=120))
     assert finishes == ["length"] * 200
     assert server.get("/health") == (200, {"status": "ok", "requests": 0})
+
+
+def test_ctrl_c_stops_the_server_in_one_line(pair):
+    """Ctrl-C (SIGINT) while a request streams: the server ends it, shuts down and says so in one line, with no
+    KeyboardInterrupt traceback."""
+    with serve(pair, "--slots", "1", stop=signal.SIGINT) as s:
+        stream = s.client.completions.create(model="target", prompt="w1 w2", max_tokens=2000, stream=True,
+                                             extra_body=LONG)
+        next(iter(stream))
+        assert s.get("/health")[1]["requests"] == 1
+    assert s.proc.returncode == 130
 
 
 def test_flags_derive_from_settings():
