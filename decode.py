@@ -411,7 +411,7 @@ def prefill_slot(e, st, shape, r, req):
     """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
     s, N = req.settings, shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = e.target.prefill(prompt, st.tcache, r)  # [V]
+    logits = e.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill)  # [V]
     st.rng[r] = torch.tensor([s.seed, 0])
     st.temp_d[r], st.temp_t[r], st.top_k[r], st.top_p[r] = (s.draft_temperature, s.target_temperature, s.top_k,
                                                             s.top_p)
