@@ -1293,8 +1293,8 @@ def main(argv=None):
         if rank:
             sys.stdout = open(os.devnull, "w")
         e, requests, prompt = prepare(args, batch, world)
-        for req in requests:
-            if rank == 0:
+        if rank == 0:
+            for req in requests:
                 req.on_prefill = PrefillProgress(len(req.ids))
         if not (batch or args.json):
             requests[0].on_text = print_piece
