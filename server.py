@@ -22,7 +22,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import engine
-import formats
 import metrics
 import model
 

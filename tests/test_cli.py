@@ -49,7 +49,8 @@ def test_trace_path_and_prompt_pair_are_checked_before_the_models_open(pair, mon
     monkeypatch.setattr(loading, "open_weights", never("a model was opened"))
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("w1 w2")
-    cases = [(["--trace", "/nonexistent/dir/x"], "error: --trace /nonexistent/dir/x: no such directory /nonexistent/dir"),
+    cases = [(["--trace", "/nonexistent/dir/x"],
+              "error: --trace /nonexistent/dir/x: no such directory /nonexistent/dir"),
              (["--trace", str(tmp_path)], f"error: --trace {tmp_path}: a directory, not a file"),
              (["--prompt", "w1", "--prompt-file", str(prompt_file)], "error: give --prompt or --prompt-file, not both")]
     for args, message in cases:
