@@ -466,7 +466,7 @@ def prefill_slot(e, st, shape, r, req):
     settings = req.settings
     N = shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = e.target.prefill(prompt, st.tcache, r)  # [V]
+    logits = e.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill)  # [V]
     st.rng[r] = torch.tensor([settings.seed, 0])
     st.temp_d[r] = settings.draft_temperature
     st.temp_t[r] = settings.target_temperature

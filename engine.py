@@ -41,6 +41,7 @@ SLOTS = 4  # requests decoded together by a server, or by the CLI from a .jsonl 
 BATCH = 8  # the most prompts of one generate call decoded together, by default
 CONTEXT = 2048  # the tokens a server's slot holds, by default
 IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
+PROGRESS_S = 5.0  # the CLI's prefill says how far it has come once it takes this long, and then this often
 KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
          tuple: "three numbers ENTROPY,TOP,SHARE (TOP an integer)"}
 
@@ -274,6 +275,7 @@ class Request:
         self.on_text = on_text
         self.on_done = on_done
         self.on_cycle = on_cycle
+        self.on_prefill = None  # on_prefill(layers done, layers) during the target's prefill of ids: progress
         self.settled = []  # the tokens that can no longer change
         self.shown = 0  # the characters of text passed to on_text
         self.streamed = 0  # the settled tokens passed on before the last cycle
@@ -1127,6 +1129,8 @@ def argument(f, unset):
     """(flag, argparse's keywords) of Settings' field f: a True switch is turned off by --no-NAME."""
     keywords = {key: value for key, value in f.metadata.items() if key != "api_only"}
     flag = "--" + option_name(f.name)
+    if kind_of(f) is bool:
+        keywords["help"] += " (default off)"  # a switch's: not given
     if kind_of(f) is bool and f.default:
         return "--no-" + option_name(f.name), keywords | {"dest": f.name, "action": "store_false"}
     if kind_of(f) is bool:
@@ -1147,21 +1151,25 @@ def command_line_settings():
 def parser():
     p = argparse.ArgumentParser(description=__doc__.rsplit("\n", 1)[0])  # the docstring's first sentence
     add_models(p)
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default %(default)r)")
-    p.add_argument("--prompt-file", help='read the prompt from this file instead; a .jsonl file holds one {"prompt": '
-                   "...} per line (with options of its own) and gives one JSON result per line")
+    p.add_argument("--prompt", help=f"the prompt (default {DEFAULT_PROMPT!r})")  # None: --prompt-file may be given
+    p.add_argument("--prompt-file", help='read the prompt from this file instead of --prompt; a .jsonl file holds one '
+                   '{"prompt": ...} per line (with options of its own) and gives one JSON result per line (default: '
+                   "none)")
     p.add_argument("--slots", type=int, default=SLOTS, help="prompts of a .jsonl file decoded together (default "
                    "%(default)s)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (default "
+                   "off)")
     add_settings(p, command_line_settings())
-    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats (default off: the "
+                   "text as it settles, then a summary)")
     p.add_argument("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, "
-                   "phase times")
+                   "phase times (default: none)")
     return p
 
 
 def prepare(args, batch, world):
-    """-> (engine, requests, prompt), every check done before a weight is read or the prompt echoed."""
+    """-> (engine, requests, prompt), every check done before a weight is read, a format or shape measured, or the
+    prompt echoed."""
     options = {name: getattr(args, name) for name in command_line_settings()}
     drafts = "model"
     if args.draft == "racer":
@@ -1170,8 +1178,13 @@ def prepare(args, batch, world):
     require(world == 1 or args.target, "under torchrun give --target (and --draft): fetch the default pair first "
             "with python weights/fetch.py, so that the ranks do not fetch it at once")
     check_slots(args.slots, args.overlap)
+    require(args.prompt is None or not args.prompt_file, "give --prompt or --prompt-file, not both")
     require(not (args.trace and batch), "--trace follows one prompt; give --prompt or a text --prompt-file")
+    if args.trace:
+        check_writable(args.trace, "--trace")
     prompt = args.prompt
+    if prompt is None:
+        prompt = DEFAULT_PROMPT
     if args.prompt_file and batch:
         prompt = read_jsonl(args.prompt_file)
     elif args.prompt_file:
@@ -1190,13 +1203,73 @@ def prepare(args, batch, world):
             return apply_chat(e.tokenizer, text)
         return text
     if batch:
-        requests = e.requests([item | {"prompt": as_read(item["prompt"])} for item in prompt], **options)
+        items = [item | {"prompt": as_read(item["prompt"])} for item in prompt]
     else:
-        requests = [e.request(as_read(prompt), **options)]
+        items = [{"prompt": as_read(prompt)}]
     if not args.overlap:
-        args.slots = min(args.slots, len(requests))  # no caches for absent prompts
+        args.slots = min(args.slots, len(items))  # no caches for absent prompts
+    check_memory(e, least_requests(e, items, options, batch), args.slots)  # before weights auto measures a shape
+    if batch:
+        requests = e.requests(items, **options)
+    else:
+        requests = [e.request(**(options | items[0]))]
     check_memory(e, requests, args.slots)
     return e, requests, prompt
+
+
+def check_writable(path, option):
+    """path's folder exists and takes a new file, or a one-line UsageError naming option."""
+    folder = os.path.dirname(os.path.abspath(path))
+    require(os.path.isdir(folder), f"{option} {path}: no such directory {folder}")
+    require(os.access(folder, os.W_OK), f"{option} {path}: {folder} is not writable")
+    require(not os.path.isdir(path), f"{option} {path}: a directory, not a file")
+
+
+def least_requests(e, items, options, batch):
+    """Requests for items ({"prompt": ..., **its options}) in the least shape weights auto may choose (a draft block
+    of one, one particle unless given): the checks the models' configs decide (context, memory) pass for them
+    before auto measures a shape, and a request that fails them fails in every shape."""
+    drafts = None
+    if e.racer:
+        drafts = "racer"
+    elif e.draft_config:
+        drafts = "model"
+    least = {method: (1, 1) for method in METHODS}
+    out = []
+    for i, item in enumerate(items):
+        one = options | item
+        prompt = one.pop("prompt")
+        one.pop("stop", None)
+        try:
+            settings = Settings.of(one).check(e.config.vocab_size, drafts).resolve(e.device, least)
+            ids = e.encode(prompt)
+            shape = settings.shape(e.racer)
+            out.append(Request(ids, settings, shape, capacity(e, len(ids), settings, shape)))
+        except UsageError as error:
+            if not batch:
+                raise
+            raise UsageError(f"prompt {i + 1}: {error}", error.param) from None
+    return out
+
+
+class PrefillProgress:
+    """A CLI request's on_prefill: on a prefill past PROGRESS_S seconds, the target's layers done so far, on stderr,
+    at most every PROGRESS_S seconds."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+        self.start = 0.0
+        self.said = 0.0
+
+    def __call__(self, done, layers):
+        now = time.monotonic()
+        if done == 0:
+            self.start = now
+            self.said = now
+        elif now - self.said >= PROGRESS_S:
+            print(f"prefill of {self.tokens} prompt tokens: {done} of {layers} layers, {now - self.start:.0f} s",
+                  file=sys.stderr, flush=True)
+            self.said = now
 
 
 def print_piece(piece):
@@ -1220,6 +1293,9 @@ def main(argv=None):
         if rank:
             sys.stdout = open(os.devnull, "w")
         e, requests, prompt = prepare(args, batch, world)
+        if rank == 0:
+            for req in requests:
+                req.on_prefill = PrefillProgress(len(req.ids))
         if not (batch or args.json):
             requests[0].on_text = print_piece
             if not args.chat:

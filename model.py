@@ -271,10 +271,12 @@ class Transformer(torch.nn.Module):
         read = [p for p in self.parameters() if p is not self.embed or p is self.lm_head]
         return packed + sum(p.numel() * p.element_size() for p in read)
 
-    def _hidden(self, x, cos, sin, attend):
+    def _hidden(self, x, cos, sin, attend, on_layer=None):
         for i, b in enumerate(self.layers):
             x = x + self._all_reduce(b.attention(x, cos, sin, attend, i))
             x = x + self._all_reduce(b.ffn(x))
+            if on_layer:
+                on_layer(i + 1, len(self.layers))
         return rms_norm(x, self.norm, self.config.norm_eps)
 
     def _all_reduce(self, x):
@@ -287,12 +289,15 @@ class Transformer(torch.nn.Module):
         return linear(h, self.lm_head).float()
 
     @torch.inference_mode()
-    def prefill(self, tokens, cache, r=0, logits="last"):
+    def prefill(self, tokens, cache, r=0, logits="last", on_layer=None):
         """tokens [T] -> logits [V] of the last position, [T, V] of all (logits="all") or None (logits=None: the LM head
-        is skipped, as a draft's prefill needs) for request r's prompt. Sets prefix_len[r] = T and suffix_len[r] = 0."""
+        is skipped, as a draft's prefill needs) for request r's prompt. Sets prefix_len[r] = T and suffix_len[r] = 0.
+        on_layer(done, layers): called before the first layer (done 0) and after each, a long prompt's progress."""
         cos = self.cos[:len(tokens), None]  # [T, 1, D]
         sin = self.sin[:len(tokens), None]
-        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_prefill, r=r))  # [T, dim]
+        if on_layer:
+            on_layer(0, len(self.layers))
+        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_prefill, r=r), on_layer)  # [T, dim]
         cache.prefix_len[r] = len(tokens)
         cache.suffix_len[r] = 0
         if logits is None:

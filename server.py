@@ -3,7 +3,6 @@
 options are Settings' fields, checked by Settings.check; a client that goes away cancels its request."""
 import argparse
 import asyncio
-import collections
 import contextlib
 import functools
 import json
@@ -23,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import engine
-import formats
+import metrics
 import model
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
@@ -125,8 +124,8 @@ def default_method(draft):
 
 class Worker:
     """Engine.serve on one thread. A request's text pieces (str), then its result, come back through
-    loop.call_soon_threadsafe into an asyncio.Queue of its own. `live` holds the queues of the requests the engine
-    has not finished, running or waiting: its size bounds the waiting ones."""
+    loop.call_soon_threadsafe into an asyncio.Queue of its own. `live` maps the queues of the requests the engine
+    has not finished, running or waiting, to their Clocks: its size bounds the waiting ones."""
 
     def __init__(self, eng, slots, context, max_waiting):
         self.eng = eng
@@ -134,12 +133,11 @@ class Worker:
         self.context = context
         self.max_waiting = max_waiting
         self.inbox = queue.Queue()
-        self.live = set()
+        self.live = {}  # queue -> Clock
         self.loop = None
         self.thread = None
         self.failure = None  # why the loop serves no more, once it has stopped
-        self.totals = collections.Counter()  # /metrics
-        self.by_position = collections.Counter()  # /metrics: accepted draft tokens at each position
+        self.metrics = metrics.Metrics(slots, functools.partial(len, self.live))
 
     def start(self):
         self.loop = asyncio.get_running_loop()
@@ -166,39 +164,15 @@ class Worker:
             self.loop.call_soon_threadsafe(call, *args)
 
     def deliver(self, events, result):
-        if events in self.live:
-            self.live.discard(events)
-            self.count(result.stats)
+        clock = self.live.pop(events, None)
+        if clock:
+            latency = time.monotonic() - clock.arrival
+            self.metrics.finished(result.stats, latency, clock.first_text)
             events.put_nowait(result)
 
     def deliver_all(self, result):
         for events in list(self.live):
             self.deliver(events, result)
-
-    def count(self, stats):
-        """A finished request's figures into the counters /metrics shows (on the event loop's thread)."""
-        cycles = stats.get("cycles", 0)
-        self.totals[f'requests_total{{stop="{stats["stop"]}"}}'] += 1
-        for name, key in (("prompt_tokens_total", "prompt_tokens"), ("generation_tokens_total", "new_tokens"),
-                          ("request_seconds_sum", "seconds"), ("prefill_seconds_sum", "prefill_seconds"),
-                          ("cycles_total", "cycles"), ("spec_accepted_tokens_total", "accepted"),
-                          ("smc_resamples_total", "resamples"), ("smc_collapses_total", "collapses")):
-            self.totals[name] += stats.get(key, 0)
-        self.totals["request_seconds_count"] += 1
-        if "acceptance" in stats:  # vLLM's spec-decode counters: drafted, accepted, accepted at each position
-            self.totals["spec_draft_tokens_total"] += cycles * stats["draft_len"]
-            self.totals["spec_cycles_total"] += cycles
-            for k, rate in enumerate(stats["acceptance_by_position"]):
-                self.by_position[k] += round(rate * cycles)
-
-    def metrics(self):
-        """Prometheus' text format: the counters, then the requests running or waiting now."""
-        lines = [f"smcsd_{name} {value:g}" for name, value in sorted(self.totals.items())]
-        lines += [f'smcsd_spec_accepted_tokens_per_position_total{{position="{k}"}} {n}'
-                  for k, n in sorted(self.by_position.items())]
-        lines += [f"smcsd_requests_live {len(self.live)}", f"smcsd_slots {self.slots}",
-                  f"smcsd_requests_waiting {max(0, len(self.live) - self.slots)}"]
-        return "\n".join(lines) + "\n"
 
     def submit(self, prompt, stop, options, stream):
         """-> (engine.Request, its queue); engine.UsageError for a bad request; a 503 when too many wait."""
@@ -207,17 +181,35 @@ class Worker:
         if len(self.live) >= self.slots + self.max_waiting:
             raise ApiError(503, f"server busy: {len(self.live)} requests running or waiting", kind="server_error")
         events = asyncio.Queue()
-        on_text = None
+        forward = None
         if stream:
-            on_text = functools.partial(self.post, events.put_nowait)
+            forward = functools.partial(self.post, events.put_nowait)
+        clock = Clock(forward)
         on_done = functools.partial(self.post, self.deliver, events)
-        req = self.eng.request(prompt, stop=stop, context=self.context, on_text=on_text, on_done=on_done, **options)
-        self.live.add(events)
+        req = self.eng.request(prompt, stop=stop, context=self.context, on_text=clock.text, on_done=on_done,
+                               **options)
+        self.live[events] = clock
         self.inbox.put(req)
         return req, events
 
     def stop(self):
         self.post(self.inbox.put, None)  # via the loop: safe from a signal handler, which may interrupt a put
+
+
+class Clock:
+    """A request's arrival and the seconds to its first text piece (None: none yet), for /metrics; its text pieces go
+    on to forward (a streaming client's queue) where there is one. `text` runs on the decoding thread."""
+
+    def __init__(self, forward=None):
+        self.arrival = time.monotonic()
+        self.first_text = None
+        self.forward = forward
+
+    def text(self, piece):
+        if self.first_text is None:
+            self.first_text = time.monotonic() - self.arrival
+        if self.forward:
+            self.forward(piece)
 
 
 def error_of(result):
@@ -335,8 +327,9 @@ async def health(request):
     return JSONResponse({"status": "ok", "requests": len(worker.live)})
 
 
-async def metrics(request):
-    return Response(request.app.state.worker.metrics(), media_type="text/plain; version=0.0.4")
+async def prometheus(request):
+    body, content_type = request.app.state.worker.metrics.render()
+    return Response(body, headers={"Content-Type": content_type})
 
 
 async def api_error(request, error):
@@ -371,7 +364,7 @@ def serve_http(worker, model_name, defaults, host, port):
             super().handle_exit(sig, frame)
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", completions, methods=["POST"]),
-              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)]
+              Route("/v1/models", models), Route("/health", health), Route("/metrics", prometheus)]
     handlers = {ApiError: api_error, engine.UsageError: api_error, HTTPException: api_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.worker = worker
@@ -422,8 +415,19 @@ def main(argv=None):
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (model.LoadError, engine.UsageError) as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        stopped(" while loading")
     name = args.model_name or os.path.basename(os.path.normpath(target)).removesuffix(".gguf")
-    serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
+    try:
+        serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
+    except KeyboardInterrupt:  # uvicorn shut down at the first Ctrl-C, then raised it again
+        stopped("")
+
+
+def stopped(when):
+    """One line for a Ctrl-C, and the shell's status for it."""
+    print(f"server stopped by Ctrl-C{when}", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from unittest.mock import ANY
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from test_engine import save, tiny
 
@@ -67,10 +68,19 @@ class Server:
             return r.status, json.loads(r.read())
 
     def metrics(self):
-        """/metrics (Prometheus' text format) -> {name with labels: value}."""
+        """/metrics, parsed by prometheus_client's own parser -> {(sample name, sorted labels): value}, after checking
+        that every series carries its HELP and TYPE lines."""
         with DIRECT.open(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
-            assert r.headers["Content-Type"].startswith("text/plain")
-            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()}
+            assert r.headers["Content-Type"].startswith("text/plain; version=")
+            text = r.read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            exposed = family.name + "_total" if family.type == "counter" else family.name  # as the text names it
+            assert family.name.startswith("smcsd_") and family.documentation
+            assert f"# HELP {exposed} " in text and f"# TYPE {exposed} {family.type}" in text, family.name
+            for s in family.samples:
+                samples[s.name, tuple(sorted(s.labels.items()))] = s.value
+        return samples
 
     def post_raw(self, path, body):
         """(status, parsed JSON) for a body the openai client would not send."""
@@ -91,9 +101,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def serve(pair, *args):
+def serve(pair, *args, stop=signal.SIGTERM):
     """server.py on the reference kernels (conftest.py set TRITON_INTERPRET for the kernel tests), float32;
-    yields once /health answers, stops it with SIGTERM and checks that it shut down cleanly."""
+    yields once /health answers, stops it with `stop` (SIGTERM, or SIGINT: Ctrl-C) and checks that it shut down
+    cleanly, without a traceback, in bounded time."""
     port, env = free_port(), {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--target", pair[0], "--draft",
@@ -110,10 +121,12 @@ def serve(pair, *args):
             else:
                 raise AssertionError("server did not answer /health in 60 s")
             yield server
-            proc.terminate()  # uvicorn shuts down, then re-raises SIGTERM
-            assert proc.wait(20) in (0, -signal.SIGTERM)
+            proc.send_signal(stop)  # uvicorn shuts down, then re-raises the signal
+            assert proc.wait(20) in (0, -signal.SIGTERM, 130)
             log.seek(0)
-            assert "Application shutdown complete" in log.read(), "the server did not shut down cleanly"
+            said = log.read()
+            assert "Application shutdown complete" in said, "the server did not shut down cleanly"
+            assert "Traceback" not in said
         except BaseException:
             log.seek(0)
             print(log.read()[-5000:])
@@ -189,7 +202,8 @@ def test_models_and_health(server):
 
 def test_stats_in_responses_and_metrics(server):
     """Each response carries the engine's stats (an extension: vLLM's acceptance figures for the drafting methods),
-    and /metrics counts what finished: requests, tokens, drafted and accepted tokens, at each position."""
+    and /metrics, typed and documented, counts what finished exactly: requests, tokens, drafted and accepted tokens,
+    at each position, and the latency histograms' observations."""
     before = server.metrics()
     r = server.client.completions.create(model="target", prompt="w3 w4", max_tokens=9, seed=2,
                                          extra_body={"method": "mdsd", "particles": 2, "draft_len": 2})
@@ -197,11 +211,17 @@ def test_stats_in_responses_and_metrics(server):
     assert stats["method"] == "mdsd" and stats["particles"] == 2 and len(stats["acceptance_by_position"]) == 2
     after = server.metrics()
     grew = {k: after[k] - before.get(k, 0) for k in after}
-    assert grew['smcsd_requests_total{stop="length"}'] == 1 and grew["smcsd_generation_tokens_total"] == 9
-    assert grew["smcsd_spec_accepted_tokens_total"] == stats["accepted"]
-    assert grew["smcsd_spec_draft_tokens_total"] == 2 * stats["cycles"]
-    assert sum(v for k, v in grew.items() if "per_position" in k) == stats["accepted"]
-    assert after["smcsd_requests_live"] == 0 and after["smcsd_slots"] == 4
+    assert grew["smcsd_requests_total", (("stop", "length"),)] == 1
+    assert grew["smcsd_generation_tokens_total", ()] == 9 and grew["smcsd_prompt_tokens_total", ()] == 2
+    assert grew["smcsd_spec_accepted_tokens_total", ()] == stats["accepted"]
+    assert grew["smcsd_spec_draft_tokens_total", ()] == 2 * stats["cycles"]
+    for position, count in enumerate(stats["accepted_by_position"]):
+        assert grew["smcsd_spec_accepted_tokens_per_position_total", (("position", str(position)),)] == count
+    assert sum(stats["accepted_by_position"]) == stats["accepted"]
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert grew[f"smcsd_{histogram}_count", ()] == 1  # a non-streaming request's first text is timed too
+    assert after["smcsd_requests_running", ()] == 0 and after["smcsd_requests_waiting", ()] == 0
+    assert after["smcsd_slots", ()] == 4
     stream = server.client.completions.create(model="target", prompt="w3 w4", max_tokens=9, seed=2, stream=True,
                                               extra_body={"method": "mdsd", "particles": 2, "draft_len": 2})
     assert [c.model_extra.get("stats") for c in stream][-1] == stats | {"seconds": ANY, "prefill_seconds": ANY,
@@ -337,6 +357,17 @@ def test_load(server):
         finishes = list(pool.map(run, range(200), timeout=120))
     assert finishes == ["length"] * 200
     assert server.get("/health") == (200, {"status": "ok", "requests": 0})
+
+
+def test_ctrl_c_stops_the_server_in_one_line(pair):
+    """Ctrl-C (SIGINT) while a request streams: the server ends it, shuts down and says so in one line, with no
+    KeyboardInterrupt traceback."""
+    with serve(pair, "--slots", "1", stop=signal.SIGINT) as s:
+        stream = s.client.completions.create(model="target", prompt="w1 w2", max_tokens=2000, stream=True,
+                                             extra_body=LONG)
+        next(iter(stream))
+        assert s.get("/health")[1]["requests"] == 1
+    assert s.proc.returncode == 130
 
 
 def test_flags_derive_from_settings():

@@ -79,7 +79,7 @@ def download_gguf(name, workdir):
 def convert(gguf_path, out_dir):
     """GGUF -> Hugging Face-style directory with bf16 weights, written beside out_dir and renamed into place."""
     c, get, tok = loading.open_gguf(gguf_path)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(out_dir))
+    tmp = workdir(os.path.dirname(out_dir), os.path.basename(out_dir), ".tmp-")
     try:
         write_safetensors(os.path.join(tmp, "model.safetensors"), model.expected_shapes(c), get,
                           f"converting {os.path.basename(out_dir)}")
@@ -127,12 +127,24 @@ def known(name):
     return name
 
 
+def workdir(root, name, prefix):
+    """A new temporary folder in root for name's files, or a one-line FetchError naming root and the fix."""
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=root)
+    except OSError as error:
+        raise FetchError(f"{name} is not in {root} and cannot be written there ({error.strerror}): make {root} "
+                         "writable, or give --target and --draft, models you have") from None
+
+
 def fetch_gguf(name, root=WEIGHTS_DIR):
     """-> weights/<name>.gguf, downloaded and verified first if it is not there yet."""
     out = os.path.join(root, f"{known(name)}.gguf")
     if not os.path.isfile(out):
-        with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as work:
+        work = workdir(root, name, ".download-")
+        try:
             os.replace(download_gguf(name, work), out)  # the same file system: atomic
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return out
 
 
