@@ -1,14 +1,17 @@
 # GPU check: one device call of under 8 minutes on the lent H200 (torch 2.11, triton 3.6, no network).
 # Each step runs even if one before it failed (the "-" prefix), so one call reports everything.
-# Kernels against their references, a model through Triton attention and CUDA-graph replay, all on CUDA;
-# the kernel micro-benchmark; then, on random-weight models shaped like Llama-3.2-1B (draft) and Llama-3.1-8B
-# (target) in bf16: ar, sd and smc (its GPU default, 4x4) at 1, 4 and 8 concurrent requests (total tokens/s,
-# per-request latency), sd and smc with MineDraft's overlap beside them at 4 and 8 (and the draft and verify
-# phases of a cycle at 8: plain, half the slots alone, and overlapped), and ar, mdsd and smc one request at a time
-# (random weights accept no draft, so mdsd's row is its cycle cost): tokens/s, cycle phase split, achieved against
-# measured copy bandwidth; then ar and smc 4x4 again with both models' matmul weights in int4 (the Triton matmul),
-# the same prompt and tokens, to set against the bf16 rows. (No racer rows: they need real text.)
-# With two GPUs or more, the same ar and smc at tensor-parallel 2 (torchrun, nccl), to set against the TP=1 line.
+# First the compile test (every Triton kernel compiled for sm_80, sm_90 and gfx942 at the engine's launches: shared
+# memory and spills); then kernels against their references, a model through Triton attention and CUDA-graph
+# replay, all on CUDA; the kernel micro-benchmark; then bench.py's subcommands on random-weight models shaped like
+# Llama-3.2-1B (draft) and Llama-3.1-8B (target) in bf16: `batch`, ar, sd and smc (its GPU default, 4x4) at 1, 4
+# and 8 concurrent requests (total tokens/s, per-request latency), sd and smc with MineDraft's overlap beside them
+# at 4 and 8 (and the draft and verify phases of a cycle at 8: plain, half the slots alone, and overlapped);
+# `speed`, ar, mdsd and smc (8x8, 4x4) one request at a time (random weights accept no draft, so mdsd's row is its
+# cycle cost): tokens/s, cycle phase split, achieved against measured copy bandwidth; `lengths` and `requests`,
+# the same methods over prompt lengths and short requests; then `speed` for ar and smc 4x4 again with both models'
+# matmul weights in int4 (the Triton matmul), the same prompt and tokens, to set against the bf16 rows. (No racer
+# rows: they need real text.) With two GPUs or more, the same ar and smc at tensor-parallel 2 (torchrun, nccl), to
+# set against the TP=1 line. roofline.py's prediction for these shapes is in docs/results.md.
 .PHONY: gpu-check
 gpu-check:
 	-python -m pytest -q tests/test_compile.py

@@ -1053,7 +1053,7 @@ def format_table(rows):
             "log-prob under the unquantized target | minus bf16's | KL to the unquantized, per token | "
             "the same on the prompts' text, exact |\n" + "|---" * 7 + "|\n")
     return head + "\n".join(
-        f"| {name} | {statistics.fmean(f['first_difference']):.1f}; {f['identical']} of {len(f['greedy'])} | "
+        f"| {name} | {statistics.fmean(f['first_difference']):.1f}; {f['identical']} of {len(f['first_difference'])} | "
         f"{f['tokens_per_s']:.2f} | {f['logprob']:.3f} ± {f['logprob_stderr']:.3f} | "
         f"{f['logprob_vs_bf16']:+.3f} ± {f['logprob_vs_bf16_stderr']:.3f} | {f['kl']:.4f} ± {f['kl_stderr']:.4f} | "
         f"{fmt(f.get('prompt_kl_mean'), '.5f')} |"  # older reports lack it
