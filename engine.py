@@ -922,14 +922,17 @@ class Engine:
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context."""
         s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
-        if s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and self.auto and \
-                self.draft_config and s.method not in self.chosen:  # measured once, at the method's first request
+        measured = s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and \
+            self.auto and self.draft_config and s.method not in self.chosen  # once, at the method's first request
+        if measured:
             self.chosen[s.method], line = self.measurement.choose_shape(s.method, self.weights, self.draft_weights)
             print(line, file=sys.stderr)
-            _, note = self.measurement.speed_note(s.method, self.chosen[s.method], self.weights, self.draft_weights)
+        settings = s.resolve(self.device, self.chosen)
+        if measured:  # the cell it runs: the N or K given, else the one chosen
+            cell = (settings.particles, settings.draft_len)
+            _, note = self.measurement.speed_note(s.method, cell, self.weights, self.draft_weights)
             if note:
                 print(note, file=sys.stderr)
-        settings = s.resolve(self.device, self.chosen)
         if isinstance(stop, str):
             stop = [stop]
         strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)

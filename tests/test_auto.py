@@ -165,7 +165,7 @@ def test_a_method_predicted_slower_than_ar_or_sd_says_so(path, monkeypatch, caps
     fast.request("w1", max_new_tokens=4)
     assert "note:" not in capsys.readouterr().err
     assert fast.measurement.speed_note("smc", (3, 2))[0] == pytest.approx(2.22, abs=0.01)
-    monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 5, 2))  # ar 55, smc (95 + 4) / 3, sd K=4 (75 + 8) / 2.77
+    monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 5, 2))  # ar 55, smc 99 / 3, sd K=4 83 / 2.77
     assert fast.measurement.speed_note("smc", (3, 2), "bf16", "bf16")[1] == (
         "note: smc 3x2 is predicted to run at 1.67x ar here (measured matmul costs); --method sd (1.84x) is faster on "
         "this machine")
