@@ -928,8 +928,8 @@ class Engine:
             self.chosen[s.method], line = self.measurement.choose_shape(s.method, self.weights, self.draft_weights)
             print(line, file=sys.stderr)
         settings = s.resolve(self.device, self.chosen)
-        if measured:  # the cell it runs: the N or K given, else the one chosen
-            cell = (settings.particles, settings.draft_len)
+        cell = (settings.particles, settings.draft_len)
+        if measured and cell == self.chosen[s.method]:  # not where a given N or K overrides it
             _, note = self.measurement.speed_note(s.method, cell, self.weights, self.draft_weights)
             if note:
                 print(note, file=sys.stderr)
