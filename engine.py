@@ -1142,7 +1142,8 @@ def add_models(parser):
     parser.add_argument("--weights", choices=WEIGHTS, default=WEIGHTS[0], help="matmul weights' format (activations "
                         "in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured "
                         "(CPU) (default %(default)s)")
-    parser.add_argument("--remeasure", action="store_true", help="--weights auto: measure this machine again, not read back the choices kept in its cache")
+    parser.add_argument("--remeasure", action="store_true", help="--weights auto: measure this machine again, not "
+                        "read back the choices kept in its cache")
 
 
 def add_settings(parser, names, unset=()):
