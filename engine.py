@@ -792,16 +792,38 @@ def capacity(e, prompt_len, settings, shape, context=None):
 # ---------------------------------------------------------------- engine
 
 
+def on_disk(path):
+    """The bytes of a .gguf file, or of a model directory's weights."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
+
+
+def reading(paths):
+    """'PATH (1.1 GB) and the draft PATH (0.4 GB)': the files of [target, draft] (None: none) that load() reads."""
+    parts = []
+    for path, what in zip(paths, ("", "the draft ")):
+        if not path:
+            continue
+        size = on_disk(path)
+        if size >= 1e9:
+            parts.append(f"{what}{path} ({size / 1e9:.1f} GB)")
+        else:
+            parts.append(f"{what}{path} ({size / 1e6:.1f} MB)")
+    return " and ".join(parts)
+
+
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer (then
     prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
     is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
-    model's measured). Under torchrun each rank holds its target shard and decodes alike (same logits and rng)."""
+    model's measured once on this machine and kept; remeasure: measured again). Under torchrun each rank holds its
+    target shard and decodes alike (same logits and rng)."""
     # on_phase(batch, phase, seconds): after each phase a batch runs eagerly (decode's draft_block, verify_cycle),
     # timed with the device synchronised, and after it records its CUDA graphs ("record"); traces and bench.py set it
     on_phase = None
 
-    def __init__(self, target, draft=None, device=None, weights=None):
+    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
@@ -813,6 +835,7 @@ class Engine:
         # [target, draft]: a path's (Config, get, Tokenizer) until load() reads its weights; None for a model or none
         self.opened = [None if m is None or isinstance(m, model.Transformer) else loading.open_weights(m)
                        for m in (target, draft)]
+        self.paths = [m if opened else None for m, opened in zip((target, draft), self.opened)]  # the files
         target_file = self.opened[0]
         draft_file = self.opened[1]
         self.rank = 0
@@ -851,7 +874,7 @@ class Engine:
         self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
         if self.auto:
             self.measurement = formats.Measurement(self.opened, self.draft_config, unread,
-                                                   decode.free_bytes(self.device))
+                                                   decode.free_bytes(self.device), self.paths, remeasure)
         self.tokenizer = target_file[2] if target_file else None
         self.failure = None
         self.pad = self.config.vocab_size
@@ -868,6 +891,9 @@ class Engine:
             print(line, file=sys.stderr)
         target_file = self.opened[0]
         draft_file = self.opened[1]
+        files = [path if opened else None for path, opened in zip(self.paths, self.opened)]  # those not yet read
+        if any(files) and self.rank == 0:
+            print(f"loading {reading(files)} ...", file=sys.stderr, flush=True)
         if self.target is None and target_file:
             self.target = loading.build(*target_file[:2], self.device, self.dtype, tp=(self.rank, self.world),
                                         weights=self.weights)
@@ -898,11 +924,17 @@ class Engine:
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context."""
         s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
-        if s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and self.auto and \
-                self.draft_config and s.method not in self.chosen:  # measured once, at the method's first request
+        measured = s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and \
+            self.auto and self.draft_config and s.method not in self.chosen  # once, at the method's first request
+        if measured:
             self.chosen[s.method], line = self.measurement.choose_shape(s.method, self.weights, self.draft_weights)
             print(line, file=sys.stderr)
         settings = s.resolve(self.device, self.chosen)
+        cell = (settings.particles, settings.draft_len)
+        if measured and cell == self.chosen[s.method]:  # not where a given N or K overrides it
+            _, note = self.measurement.speed_note(s.method, cell, self.weights, self.draft_weights)
+            if note:
+                print(note, file=sys.stderr)
         if isinstance(stop, str):
             stop = [stop]
         strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)
@@ -1112,6 +1144,8 @@ def add_models(parser):
     parser.add_argument("--weights", choices=WEIGHTS, default=WEIGHTS[0], help="matmul weights' format (activations "
                         "in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured "
                         "(CPU) (default %(default)s)")
+    parser.add_argument("--remeasure", action="store_true", help="--weights auto: measure this machine again, not "
+                        "read back the choices kept in its cache")
 
 
 def add_settings(parser, names, unset=()):
@@ -1192,7 +1226,7 @@ def prepare(args, batch, world):
     if not batch:
         require(prompt.strip(), f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
     target, draft = model_paths(args.target, args.draft)
-    e = Engine(target, draft, args.device, args.weights)
+    e = Engine(target, draft, args.device, args.weights, args.remeasure)
     if args.chat:
         require(e.tokenizer and e.tokenizer.chat_template, f"--chat: {target} has no chat template; give the prompt "
                 "as the model should read it")

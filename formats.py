@@ -1,9 +1,16 @@
 """Weight formats: one holds every matmul weight (FORMATS), as packed bf16 or float32, int8, int4 or calibrated w8a8
 (Quantized); converting a model's weights into one; and --weights auto's Measurement, which times this machine's
-matmuls in each format and chooses the formats and the smc and sd cycle shapes that run fastest."""
+matmuls in each format, chooses the formats and the smc and sd cycle shapes that run fastest, and keeps its choices."""
 import collections
 import copy
+import dataclasses
+import hashlib
+import json
 import math
+import os
+import platform
+import sys
+import tempfile
 import timeit
 
 import torch
@@ -182,16 +189,113 @@ def clear_winner(costs, home):
     return best if gain > 0.2 * costs[home] and gain > 5 else home
 
 
+# ---------------------------------------------------------------- auto's choices, kept once per machine
+CACHE_ENV = "SMCSD_MINI_CACHE"  # a folder for auto's choices in place of the user's cache directory's (tests set it)
+UNREADABLE = (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError)  # a kept file's problems
+
+
+def cache_folder():
+    """Where auto keeps its choices: $SMCSD_MINI_CACHE, else smcsd-mini in the user's cache directory (XDG's)."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "smcsd-mini")
+
+
+def digest(text):
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cpu_identity():
+    """-> {"cpu": this CPU's model name, "flags": a digest of its feature flags} (/proc/cpuinfo, else platform's)."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                field, _, value = line.partition(":")
+                info.setdefault(field.strip(), value.strip())  # the first core's
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    return {"cpu": name, "flags": digest(info.get("flags") or info.get("Features", ""))}
+
+
+def file_identity(path):
+    """-> {"path": path's real path, "files": [[name, bytes, mtime in ns]]}: a .gguf file's, or a directory's weights,
+    config and tokenizer files'; any change to them gives another identity."""
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
+    names = [os.path.basename(path)]
+    if os.path.isdir(path):
+        folder = path
+        names = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json", ".gguf")))
+    files = []
+    for name in names:
+        stat = os.stat(os.path.join(folder, name))
+        files.append([name, stat.st_size, stat.st_mtime_ns])
+    return {"path": path, "files": files}
+
+
+def machine_key(paths, draft_config):
+    """What decides auto's choices: this CPU, its threads, torch's version, the code that times and chooses, and the
+    models (paths: [target, draft] files; a draft without a file by its Config), as JSON reads it back."""
+    code = "".join(open(m.__file__).read() for m in (sys.modules[__name__], kernels))
+    draft = None
+    if paths[1]:
+        draft = file_identity(paths[1])
+    elif draft_config:
+        draft = dataclasses.asdict(draft_config)
+    key = cpu_identity() | {"threads": torch.get_num_threads(), "torch": torch.__version__, "code": digest(code),
+                            "target": file_identity(paths[0]), "draft": draft}
+    return json.loads(json.dumps(key))
+
+
+def read_kept(path, key):
+    """-> ({decision: (choice, line)}, {timings' key: seconds}) kept in path for key; empty where there is no file.
+    A file that is not JSON, not whole, or another key's raises one of UNREADABLE."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except FileNotFoundError:
+        return {}, {}
+    if kept["key"] != key:
+        raise ValueError("another machine's or models' choices")
+    choices = {}
+    for decision, (choice, line) in kept["choices"].items():
+        if isinstance(choice, list):  # JSON's arrays: the tuples they were
+            choice = tuple(choice)
+        choices[decision] = (choice, str(line))
+    timings = {tuple(t[:5]): float(t[5]) for t in kept["timings"]}
+    return choices, timings
+
+
+def write_atomically(path, data):
+    """data as JSON in path through a temporary file renamed over it: a reader finds the old file or the new, whole."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".auto-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
 class Measurement:
     """--weights auto for an engine's pair: one forward's matmuls timed in each weight format on this machine, each
-    (matrix shape, format, threads, rows) once (self.timings, the one place a cache of them lives), and from those
-    timings the formats to load (choose_weights) and the smc and sd cycle shapes (choose_shape).
+    (matrix shape, format, threads, rows) once (self.timings), and from those timings the formats to load
+    (choose_weights), the smc and sd cycle shapes (choose_shape) and how fast a shape is predicted to run beside ar
+    (speed_note). Each choice is kept on disk (recall), so that a fixed seed gives the same tokens in every process.
 
     Built when the engine opens its files, from what they hold: opened, the engine's [target, draft] as
     loading.open_weights opened them (the draft's None: a draft model given, or none); draft_config, the draft's
-    Config, file or model, or None; unread_bytes, what the files' weights take in bf16; free_bytes, the memory free."""
+    Config, file or model, or None; unread_bytes, what the files' weights take in bf16; free_bytes, the memory free;
+    paths, the [target, draft] files (the target's None: nothing kept); remeasure: measure what the file keeps again."""
 
-    def __init__(self, opened=(None, None), draft_config=None, unread_bytes=0, free_bytes=math.inf):
+    def __init__(self, opened=(None, None), draft_config=None, unread_bytes=0, free_bytes=math.inf, paths=(None, None),
+                 remeasure=False):
         target_file = opened[0]
         draft_file = opened[1]
         self.config = None
@@ -207,6 +311,60 @@ class Measurement:
         self.unread_bytes = unread_bytes
         self.free_bytes = free_bytes
         self.timings = {}  # (out, in, format, threads, rows) -> seconds of one call of model.linear
+        self.remeasure = remeasure
+        self.path = None  # the file that keeps the choices: one per machine and pair of models
+        self.kept = {}  # decision -> (choice, line) read from that file
+        self.measured = {}  # decision -> (choice, line) measured by this process, for that file
+        self.said = set()  # the one-time lines said: "measuring", "read back", "not kept"
+        if paths[0]:
+            self.key = machine_key(paths, draft_config)
+            self.path = os.path.join(cache_folder(), f"auto-{digest(json.dumps(self.key, sort_keys=True))}.json")
+        if self.path and not remeasure:
+            self.read_file()
+
+    def say_once(self, what, line):
+        if what not in self.said:
+            self.said.add(what)
+            print(line, file=sys.stderr, flush=True)
+
+    def read_file(self):
+        """The choices and timings self.path keeps, if it is readable (else one line: measured again)."""
+        try:
+            self.kept, timings = read_kept(self.path, self.key)
+        except UNREADABLE as error:
+            self.say_once("unreadable", f"weights auto: {self.path} is unreadable ({error}); measuring again")
+            return
+        self.timings.update(timings)
+
+    def recall(self, decision, measure, usable=None):
+        """-> decision's (choice, line): read back where the file keeps it (and usable(choice) holds), else
+        measure() -> (choice, line), kept in the file for the processes after this one."""
+        if decision in self.kept and (usable is None or usable(self.kept[decision][0])):
+            self.say_once("read back", f"weights auto: read back from {self.path} (measured once on this machine; "
+                          "--remeasure measures again)")
+            return self.kept[decision]
+        once = "again, as asked" if self.remeasure else "once"
+        where = f" ({once}; kept in {self.path})" if self.path else ""
+        self.say_once("measuring", f"weights auto: measuring the weight formats on this CPU{where} ...")
+        choice, line = measure()
+        if self.path:
+            self.keep(decision, choice, line)
+        return choice, line
+
+    def keep(self, decision, choice, line):
+        """decision's choice and line, and every timing, into self.path beside what other processes kept there."""
+        self.measured[decision] = (choice, line)
+        try:
+            on_disk, _ = read_kept(self.path, self.key)
+        except UNREADABLE:  # said when read; replaced now
+            on_disk = {}
+        timings = [[*key, seconds] for key, seconds in self.timings.items()]
+        kept = {"key": self.key, "choices": on_disk | self.measured, "timings": timings}
+        try:
+            write_atomically(self.path, kept)
+        except OSError as error:
+            self.say_once("not kept", f"weights auto: cannot keep the choices in {self.path} ({error}); the next run "
+                          "measures again")
 
     def timed_calls(self, shape, fmt, rows):
         """-> {rows: seconds of one call of model.linear on a weight of shape [out, in] in format fmt}: the best of two
@@ -262,6 +420,11 @@ class Measurement:
                 costs["int4"][r] += 1e3 * extra
         return {fmt: costs[fmt] for fmt in formats if fmt in costs}
 
+    def fits(self, fmt):
+        """Whether the weights in format fmt fit the memory free (its activations' dtype for every weight: an upper
+        bound for int8 and int4)."""
+        return self.unread_bytes * FORMATS[fmt].itemsize / torch.bfloat16.itemsize <= self.free_bytes
+
     def candidates(self):
         """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
         (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as
@@ -269,8 +432,7 @@ class Measurement:
         tried = ("bf16", "float32", "int8")
         if self.home == "int4":
             tried += ("int4",)
-        fits = [f for f in tried
-                if self.unread_bytes * FORMATS[f].itemsize / torch.bfloat16.itemsize <= self.free_bytes]
+        fits = [f for f in tried if self.fits(f)]
         drafts = fits + ["int4"] * ("int4" not in fits)
         return fits, drafts
 
@@ -289,12 +451,40 @@ class Measurement:
         step_costs = {f: {(n, k): k * ms.get(n, 0) for n, k in shapes} for f, ms in steps.items()}
         return target_costs, step_costs
 
+    def per_token(self, method, cells, formats):
+        """-> {(N, K): ms per token of method's cycle}: the cycle's matmuls (cycle_costs), each model in its cheapest of
+        formats (a pair of lists: the target's, the draft's), over the tokens the cycle emits: smc's K + 1 always, the
+        others' (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE
+        (ar's cell (1, 0): one)."""
+        target, steps = self.cycle_costs(cells, *formats)
+        costs = {}
+        for n, k in cells:
+            emits = (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE)
+            if method == "smc":
+                emits = k + 1
+            cycle = min(ms[n, k] for ms in target.values()) + min((ms[n, k] for ms in steps.values()), default=0)
+            costs[n, k] = cycle / emits
+        return costs
+
+    def cheapest(self, method, formats):
+        """-> (smc's or sd's cell, {cell: ms per token}): of SMC_SHAPES (smc) or K = 2 .. 6 (sd), the cycle that costs
+        least per token (per_token), if clearly (clear_winner) below the CPU default's (3x2; sd 4)."""
+        if method == "smc":
+            cells = SMC_SHAPES
+            home = (3, 2)
+        else:
+            cells = [(1, k) for k in range(2, 7)]
+            home = (1, 4)
+        costs = self.per_token(method, cells, formats)
+        return clear_winner(costs, home), costs
+
     def choose_weights(self, shape):
         """-> ((the target's format, the draft's), the line that says so): for each model the format (FORMATS) whose
         part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs least on this machine,
         if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its format changes
         only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is int4
-        throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: self.held)."""
+        throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: self.held). Kept
+        (recall), unless the formats kept no longer fit the memory free."""
         if shape.method == "ar":
             rows = 1
         elif shape.tree:
@@ -303,6 +493,14 @@ class Measurement:
             rows = shape.particles * (shape.draft_len + 1)
         drafted = self.draft_home is not None and shape.method != "ar" and not shape.tree
         cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
+        decision = f"weights {shape.method} {cell[0]}x{cell[1]}"
+
+        def usable(choice):
+            return all(self.fits(f) for f in choice)
+        return self.recall(decision, lambda: self.measure_weights(shape.method, rows, cell, drafted), usable)
+
+    def measure_weights(self, method, rows, cell, drafted):
+        """choose_weights, measured: the cycle of cell (N, K) (K = 0: `rows` rows, no draft)."""
         target, steps = self.cycle_costs([cell], *self.candidates())
         home = self.home if self.home in target else "bf16"
         chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home)
@@ -314,40 +512,61 @@ class Measurement:
             return ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())
         draft_part = f", draft {draft}" if drafted else ""
         steps_part = f"; its {cell[1]} draft steps at {cell[0]} rows: {listed(steps)}" if drafted else ""
-        line = (f"weights: {chosen}{draft_part} (measured ms per {shape.method} cycle at {rows} rows: "
+        line = (f"weights: {chosen}{draft_part} (measured ms per {method} cycle at {rows} rows: "
                 f"{listed(target)}{steps_part})")
         return (chosen, draft), line
 
-    def choose_shape(self, method, weights="auto", draft_weights="auto"):
-        """smc without --particles or --draft-len, sd without --draft-len -> ((N, K), the line that says so): of
-        SMC_SHAPES (smc) or K = 2 .. 6 (sd), the cycle that costs least per token, each model in its cheapest format
-        (weights "auto": of candidates; else the loaded weights' and draft_weights'), if clearly (clear_winner) below
-        the CPU default's (3x2; sd 4). An smc cycle always emits K + 1 tokens, an sd cycle (1 - a^(K+1)) / (1 - a) on
-        average if the target accepts each draft token with chance a = ACCEPTANCE. The matmuls alone: the glue outside
-        them grows with the rows too, so a wider cycle gains less than predicted; and each forward has its own, so
-        sd's K = 1, twice the forwards a token, is left out."""
-        if method == "smc":
-            cells = SMC_SHAPES
-            home = (3, 2)
-        else:
-            cells = [(1, k) for k in range(2, 7)]
-            home = (1, 4)
+    def formats_of(self, weights, draft_weights):
+        """The formats a cycle's cost is taken in: auto's candidates, or the loaded weights' and draft_weights'."""
         if weights == "auto":
-            formats = self.candidates()
-        else:
-            formats = ([weights], [draft_weights])
-        target, steps = self.cycle_costs(cells, *formats)
-        if method == "smc":
-            emits = {(n, k): k + 1 for n, k in cells}
-        else:
-            emits = {(n, k): (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE) for n, k in cells}
-        per_token = {c: (min(ms[c] for ms in target.values()) + min(ms[c] for ms in steps.values())) / emits[c]
-                     for c in cells}
-        chosen = clear_winner(per_token, home)
+            return self.candidates()
+        return [weights], [draft_weights]
 
-        def name(c):
-            return f"{c[0]}x{c[1]}" if method == "smc" else f"K={c[1]}"
+    def choose_shape(self, method, weights="auto", draft_weights="auto"):
+        """smc without --particles or --draft-len, sd without --draft-len -> ((N, K), the line that says so): the
+        cheapest cell per token (cheapest), each model in its cheapest format (weights "auto": of candidates; else the
+        loaded weights' and draft_weights'); kept (recall). The matmuls alone: the glue outside them grows with the
+        rows too, so a wider cycle gains less than predicted; and each forward has its own, so sd's K = 1, twice the
+        forwards a token, is left out."""
+        decision = f"shape {method} {weights} {draft_weights}"
+        return self.recall(decision, lambda: self.measure_shape(method, weights, draft_weights))
+
+    def measure_shape(self, method, weights, draft_weights):
+        """choose_shape, measured."""
+        chosen, per_token = self.cheapest(method, self.formats_of(weights, draft_weights))
         prior = "" if method == "smc" else f", {ACCEPTANCE} of draft tokens accepted"
-        costs = ", ".join(f"{name(c)} {ms:.0f}" for c, ms in per_token.items())
-        return chosen, (f"{method} shape: {name(chosen)} (measured ms per token, a cycle's matmuls in its cheapest "
-                        f"formats{prior}: {costs})")
+        costs = ", ".join(f"{cell_name(method, c)} {ms:.0f}" for c, ms in per_token.items())
+        return chosen, (f"{method} shape: {cell_name(method, chosen)} (measured ms per token, a cycle's matmuls in its "
+                        f"cheapest formats{prior}: {costs})")
+
+    def speed_note(self, method, cell, weights="auto", draft_weights="auto"):
+        """smc's or sd's chosen cell -> (its predicted speed as a multiple of ar's, a note line where ar, or for smc sd
+        at its own K, is predicted faster on this machine, else ""): ms per token of each (per_token), ar's and sd's
+        in auto's formats; kept (recall)."""
+        decision = f"speed {method} {cell[0]}x{cell[1]} {weights} {draft_weights}"
+        return self.recall(decision, lambda: self.measure_speed(method, cell, weights, draft_weights))
+
+    def measure_speed(self, method, cell, weights, draft_weights):
+        """speed_note, measured."""
+        auto = self.candidates()
+        ar = self.per_token("ar", [(1, 0)], (auto[0], []))[1, 0]
+        ratio = ar / self.per_token(method, [cell], self.formats_of(weights, draft_weights))[cell]
+        faster = {"ar": 1.0}
+        if method == "smc":
+            sd_cell, sd_costs = self.cheapest("sd", auto)
+            faster["sd"] = ar / sd_costs[sd_cell]
+        best = max(faster, key=faster.get)
+        if faster[best] <= ratio:
+            return round(ratio, 2), ""
+        option = f"--method {best}"
+        if best != "ar":
+            option += f" ({faster[best]:.2f}x)"
+        return round(ratio, 2), (f"note: {method} {cell_name(method, cell)} is predicted to run at {ratio:.2f}x ar "
+                                 f"here (measured matmul costs); {option} is faster on this machine")
+
+
+def cell_name(method, cell):
+    """smc's (N, K) as NxK, sd's as K=K."""
+    if method == "smc":
+        return f"{cell[0]}x{cell[1]}"
+    return f"K={cell[1]}"

@@ -400,7 +400,7 @@ def main(argv=None):
         engine.require(int(os.environ.get("WORLD_SIZE", 1)) == 1, "server.py serves from one process: tensor "
                        "parallelism (torchrun) is for engine.py; run the server without torchrun")
         target, draft = engine.model_paths(args.target, args.draft)
-        eng = engine.Engine(target, draft, engine.device_of(args.device), args.weights)  # reads no weights yet
+        eng = engine.Engine(target, draft, engine.device_of(args.device), args.weights, args.remeasure)  # opens only
         longest = eng.config.max_seq_len
         context = args.context or min(engine.CONTEXT, longest)
         engine.require(context <= longest, f"--context {context} exceeds the model's {longest} tokens")

@@ -41,6 +41,12 @@ def pytest_sessionfinish(session):
         shutil.rmtree(folder)
 
 
+@pytest.fixture(autouse=True)
+def measurement_cache(tmp_path_factory, monkeypatch):
+    """--weights auto keeps its choices in a folder of each test's own, never in the user's cache directory."""
+    monkeypatch.setenv("SMCSD_MINI_CACHE", str(tmp_path_factory.mktemp("auto-cache")))
+
+
 @pytest.fixture
 def requirements_dry_run(request):
     """-> (exit status, stderr, path of the report) of pip's dry run, started with the session."""
