@@ -408,10 +408,6 @@ def main(argv=None):
         if defaults["method"] is None:
             defaults["method"] = default_method(draft)
         probe = eng.request([0], context=context, max_new_tokens=1, **defaults)  # checked before the weights
-        loading = f"loading {target}"
-        if draft:
-            loading += f" with draft {draft}"
-        print(loading, file=sys.stderr)
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (model.LoadError, engine.UsageError) as error:
         sys.exit(f"error: {error}")
