@@ -1145,7 +1145,7 @@ def add_models(parser):
                         "in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured "
                         "(CPU) (default %(default)s)")
     parser.add_argument("--remeasure", action="store_true", help="--weights auto: measure this machine again, not "
-                        "read back the choices kept in its cache")
+                        "read back the choices kept in its cache (default off)")
 
 
 def add_settings(parser, names, unset=()):

@@ -85,13 +85,13 @@ def test_a_long_prefill_says_how_far_it_has_come(pair, monkeypatch, capsys):
     monkeypatch.setattr(engine, "PROGRESS_S", 0.0)
     engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "4",
                  "--weights", "bf16", "--method", "ar"])
-    err = capsys.readouterr().err.splitlines()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefill")]
     assert [line.rsplit(",", 1)[0] for line in err] == ["prefill of 3 prompt tokens: 1 of 2 layers",
                                                        "prefill of 3 prompt tokens: 2 of 2 layers"]
     e = engine.Engine(*pair, weights="bf16")
     assert e.request("w1", max_new_tokens=2).on_prefill is None
     e.generate("w1 w2 w3", max_new_tokens=4, method="ar")
-    assert capsys.readouterr().err == ""
+    assert "prefill" not in capsys.readouterr().err
 
 
 def test_the_prefill_hook_changes_no_logit():
