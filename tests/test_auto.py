@@ -109,6 +109,7 @@ def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monke
     assert "weights auto: cannot keep the choices in " in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cli_measures_once_then_reads_back(path, tmp_path):
     """engine.py twice with one seed: the first run measures and keeps, the second reads back; the same tokens."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", formats.CACHE_ENV)}
@@ -133,6 +134,7 @@ def sleeping_costs(seconds):
     return cycle_costs
 
 
+@pytest.mark.slow
 def test_no_measuring_inside_a_requests_timed_span(path, monkeypatch):
     """Request.start is set when a slot admits it, after load() and request() have measured: the stats' seconds and
     tok/s leave the measuring out."""

@@ -21,6 +21,7 @@ def reference_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
 
 
+@pytest.mark.slow
 def test_quick_run_on_random_models(tmp_path, capsys):
     out = tmp_path / "bench.json"
     common = ["--quick", "--random", "tiny:tiny", "--threads", "1"]
@@ -211,6 +212,7 @@ def test_racer_shares_the_loaded_target_and_its_tokenizer():
         bench.main(["racer", "--random", "tiny:tiny", "--out", os.devnull])
 
 
+@pytest.mark.slow
 def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -241,6 +243,7 @@ def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_transformers_peers_read_a_gguf_pair_through_its_converted_directory(tmp_path):
     """transformers cannot read the engine's default pair (GGUF files): the peers convert a file once, beside it."""
     pytest.importorskip("transformers")
@@ -314,6 +317,7 @@ def test_help_describes_the_benchmark_in_full(capsys):
     assert "pass@1 and the target's log-probability" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank_zero_reports(tmp_path):
     """Two tensor-parallel ranks (gloo) of a random target: one table and one JSON, from rank 0; the random
     draft is whole on each rank."""

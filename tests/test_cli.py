@@ -110,6 +110,7 @@ def test_every_option_says_its_default(make):
             assert "default" in action.help, action.option_strings
 
 
+@pytest.mark.slow
 def test_the_project_installs_as_it_stands(tmp_path):
     """pyproject.toml names every top-level module and weights/fetch.py: a wheel built from them holds them all, and
     an editable install imports the engine from elsewhere."""

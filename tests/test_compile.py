@@ -19,7 +19,8 @@ import torch
 import kernels
 from bench import SHAPES
 
-pytestmark = pytest.mark.skipif(kernels.triton is None, reason="no triton")
+# Every kernel compiled for three GPU targets: minutes on a fresh cache, so the fast tier leaves it out.
+pytestmark = [pytest.mark.skipif(kernels.triton is None, reason="no triton"), pytest.mark.slow]
 # name: (backend, arch, warp size, shared memory one program may use: the opt-in maximum)
 TARGETS = {"sm_80": ("cuda", 80, 32, 166912), "sm_90": ("cuda", 90, 32, 232448), "gfx942": ("hip", "gfx942", 64, 65536)}
 NO_SPILLS = ("sm_80", "sm_90")  # where the bf16 path must not spill

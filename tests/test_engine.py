@@ -124,6 +124,7 @@ def noise_floor(p, samples, quantile=0.99):
 SAMPLES, K = 1500, 2  # continuations of 2K tokens: x0, then one cycle's t_1, t_2 and bonus token
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "sd"])
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_ar_and_sd_sample_the_target_distribution(method, temperature):
@@ -135,6 +136,7 @@ def test_ar_and_sd_sample_the_target_distribution(method, temperature):
     assert tv(found, target) < floor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("particles, draft_len", [(2, 1), (4, 1), (2, 2), (4, 2)])
 def test_mdsd_samples_the_target_distribution(particles, draft_len):
     """Multi-draft speculative sampling over N particles is exact: 4 tokens are x0 and two cycles at K = 1 (the
@@ -160,6 +162,7 @@ WIDE = tiny(2, 0.8, vocab=16, head_dim=16)  # int4 packs 16 output rows (the hea
                                                     ("int4", "int4", "sd"), ("int4", "int4", "mdsd"),
                                                     ("w8a8", "w8a8", "sd"), ("float32", "int4", "sd"),
                                                     ("float32", "int4", "mdsd")])
+@pytest.mark.slow
 def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, method):
     """sd and mdsd sample the target's distribution in the weights it has (3 tokens: x0 and one cycle at K = 1):
     the quantized or bf16 target's own exact distribution, computed in its own weights and activations; a draft
@@ -214,6 +217,7 @@ def test_greedy_sd_equals_greedy_ar(draft_len):
     assert sd.stats["acceptance"] == round(accepted / (cycles * draft_len), 4)
 
 
+@pytest.mark.slow
 def test_easd_is_sd_where_its_rule_never_fires_and_draws_from_the_target_where_it_does():
     """easd with an entropy no distribution reaches is sd token for token; where the rule fires on every draft
     token (entropy 0, the whole vocabulary as the top set) each cycle emits one draw from the target, so the output
@@ -379,6 +383,7 @@ def test_smc_lag_bounds_the_unsettled_text_and_keeps_the_distribution():
     assert tv(found, target) < noise_floor(target, SAMPLES)
 
 
+@pytest.mark.slow
 def test_smc_approaches_the_target_as_particles_grow():
     target, draft = exact(TARGET, 2 * K, 1.0), exact(DRAFT, 2 * K, 1.0)
     e = engine.Engine(TARGET, DRAFT)
@@ -391,6 +396,7 @@ def test_smc_approaches_the_target_as_particles_grow():
     assert distance[16] < 0.5 * tv(draft, target)
 
 
+@pytest.mark.slow
 def test_smc_with_a_power_target_approaches_p_to_the_alpha():
     """--power alpha: the population targets p ** alpha over whole sequences (normalised), sharper than p."""
     p = exact(TARGET, 2 * K, 1.0)
@@ -648,6 +654,7 @@ def test_many_eos_ids_use_a_table_not_isin(monkeypatch):
             assert not set(r.tokens) & set(eos) and (r.stats["stop"] == "eos" or len(r.tokens) == 12)
 
 
+@pytest.mark.slow
 def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
     """At temperature 0.02 sampling is the argmax: on this path the tiny models' logit margins are at least 1.3,
     65 once tempered, more than any two Gumbel draws differ. So the Triton kernels (Philox noise) give the
@@ -664,6 +671,7 @@ def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
     assert triton.stats["log_z"] == pytest.approx(reference.stats["log_z"], rel=1e-5) and triton.stats["log_z"] < -1
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log2(0) = -inf for an empty slot
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
@@ -682,6 +690,7 @@ def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
     assert [e.generate(**(options | r)).tokens for r in requests] == together()
 
 
+@pytest.mark.slow
 def test_racer_trees_through_the_interpreted_triton_kernels(monkeypatch):
     """The tree mask through the Triton attention kernel (interpreted) inside whole racer runs: greedy tokens
     equal to the reference kernels', and a request decodes alone as in a batch."""
@@ -1181,6 +1190,7 @@ def cli(*runs):
     return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
 
 
+@pytest.mark.slow
 def test_cli_json(pair):
     target, draft = pair
     run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "12"])
@@ -1193,6 +1203,7 @@ def test_cli_json(pair):
     assert api.tokens == out["tokens"] and api.text == out["text"]
 
 
+@pytest.mark.slow
 def test_cli_jsonl_gives_one_result_per_line(pair, tmp_path):
     target, draft = pair
     lines = [{"prompt": "w1 w2 w3"}, {"prompt": "w4", "max_new_tokens": 5, "seed": 7}, {"prompt": "w5 w6"}]
@@ -1211,6 +1222,7 @@ def test_cli_jsonl_gives_one_result_per_line(pair, tmp_path):
     assert colour.returncode == 1 and "prompt 1: got an unexpected keyword argument 'colour'" in colour.stderr
 
 
+@pytest.mark.slow
 def test_cli_trace(pair, tmp_path):
     target, draft = pair
     path = str(tmp_path / "run.jsonl")
@@ -1228,6 +1240,7 @@ def test_cli_trace(pair, tmp_path):
     assert not os.path.exists(tmp_path / "batch.jsonl")
 
 
+@pytest.mark.slow
 def test_cli_streams_text_then_a_summary(pair):
     target, draft = pair
     run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens",
@@ -1245,6 +1258,7 @@ def test_cli_streams_text_then_a_summary(pair):
     assert run.stdout.startswith("w1 w2 w3") and summary.startswith("[sd: ")
 
 
+@pytest.mark.slow
 def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, monkeypatch, capsys):
     """Under weights auto, smc's default (N, K) is measured at its first request: the bench grid's cell whose cycle
     costs least per token, if clearly (a fifth and 5 ms: not on these tiny models), else 3 x 2; given N or K stay."""
@@ -1308,6 +1322,7 @@ def cli_errors(pair):
     return {tuple(args): run for (args, _), run in zip(CLI_ERRORS, runs)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", CLI_ERRORS)
 def test_cli_errors_are_one_line(cli_errors, args, message):
     run = cli_errors[tuple(args)]

@@ -227,6 +227,7 @@ def test_tree_node_sees_no_sibling(attention):
 SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytest.param(kernels.sample_ref, id="ref")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", SAMPLERS)
 @pytest.mark.parametrize("temperatures", [0.7, (0.7, 1.5)], ids=["float", "per-request"])
 def test_sample_frequencies_match_tempered_softmax(sampler, temperatures):
@@ -242,6 +243,7 @@ def test_sample_frequencies_match_tempered_softmax(sampler, temperatures):
         assert ((observed - expected) ** 2 / expected).sum() < chi2_quantile(3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", SAMPLERS)
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_sample_logprobs_are_exact(sampler, temperature):
@@ -270,6 +272,7 @@ def test_greedy_is_argmax_with_logprob_zero(sampler):
     assert torch.equal(tokens, logits.argmax(-1)) and torch.equal(logprobs, torch.zeros_like(logprobs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_same_seed_same_tokens_new_counter_new_tokens(sampler):
     logits = torch.zeros(16, 1000, device=DEVICE)
@@ -315,6 +318,7 @@ def test_token_logprobs_per_request_temperature(logprobs):
     assert out[2:4].tolist() == [0.0, float("-inf")] and out[[0, 1, 4, 5]].isfinite().all()
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
 def test_token_logprobs_matches_reference(temperature):
@@ -460,6 +464,7 @@ logw_rows = st.integers(1, 12).flatmap(lambda n: st.lists(st.lists(
     min_size=1, max_size=3))
 
 
+@pytest.mark.slow
 @needs_triton
 @settings(max_examples=150, deadline=None)
 @given(rows=logw_rows, threshold=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**31))
@@ -647,6 +652,7 @@ def test_pack_int4_round_trip():
     assert torch.equal(torch.stack([packed & 15, packed >> 4], -1).flatten(1).int(), q)  # low nibble: even column
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(48, 96), (80, 288)])  # (out, in): in not a multiple of the in-tiles, 256 and 64

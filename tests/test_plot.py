@@ -49,6 +49,7 @@ def trace(pair, *runs):
     return [json.loads(run.stdout) for run in done]
 
 
+@pytest.mark.slow
 def test_smc_trace_pictures(pair, tmp_path):
     path = tmp_path / "run.jsonl"
     result, = trace(pair, (path, ["--particles", "4", "--draft-len", "2", "--ess-threshold", "0.9"]))
@@ -65,6 +66,7 @@ def test_smc_trace_pictures(pair, tmp_path):
         check_png(tmp_path / "pictures" / name)
 
 
+@pytest.mark.slow
 def test_sd_trace_draws_acceptance_and_ar_is_refused(pair, tmp_path, capsys):
     trace(pair, (tmp_path / "sd.jsonl", ["--method", "sd", "--draft-len", "3"]),
           (tmp_path / "ar.jsonl", ["--method", "ar"]))
@@ -76,6 +78,7 @@ def test_sd_trace_draws_acceptance_and_ar_is_refused(pair, tmp_path, capsys):
     assert err.startswith("plot.py: an ar trace") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_bench_pictures(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", False)
     report = tmp_path / "bench.json"

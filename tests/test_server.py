@@ -256,6 +256,7 @@ def test_concurrent_streams_equal_the_same_requests_alone(server):
     assert all(finish == "length" for _, finish, _ in alone), alone
 
 
+@pytest.mark.slow
 def test_overlap_and_racer_servers(pair, server):
     """--overlap (MineDraft halves) gives each request the plain server's text; --draft racer --tree serves
     tree drafts, greedy equal to ar."""
@@ -292,6 +293,7 @@ BAD = [  # (body, param or None, words of the message)
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_are_400_while_streams_continue(server):
     c = server.client
     streams = [c.completions.create(model="target", prompt="w3 w4", max_tokens=500, seed=i, stream=True,
@@ -316,6 +318,7 @@ def test_bad_requests_are_400_while_streams_continue(server):
 LONG = {"method": "sd"}  # 2000 tokens of sd take 30 s here (the random draft is rarely accepted): far past the bounds
 
 
+@pytest.mark.slow
 def test_disconnect_frees_the_slot(single):
     c = single.client
     stream = c.completions.create(model="target", prompt="w1 w2", max_tokens=2000, stream=True, extra_body=LONG)
@@ -359,6 +362,7 @@ def test_load(server):
     assert server.get("/health") == (200, {"status": "ok", "requests": 0})
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_server_in_one_line(pair):
     """Ctrl-C (SIGINT) while a request streams: the server ends it, shuts down and says so in one line, with no
     KeyboardInterrupt traceback."""

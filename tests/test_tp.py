@@ -128,6 +128,7 @@ def real_prefill(rank, path, text):
     return m.prefill(torch.tensor(ids), cache, logits="all"), model.KVCache.nbytes(m.config, 1, 100, 0, torch.float32)
 
 
+@pytest.mark.slow
 def test_qwen_logits_match_one_process(tmp_path):
     """The real 0.5B (14 heads, 2 KV heads) split in two, in float32."""
     text = "import numpy as np\n\ndef softmax(x):"
@@ -276,6 +277,7 @@ def torchrun(world, *args):
     return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_torchrun_engine_speaks_once_and_decodes_as_one_process(tiny_dirs, tmp_path):
     """An sd and an smc prompt of one .jsonl file on 1, 2 and 3 ranks (the three launched at once): two ranks
     print one line per prompt (rank 0 alone speaks) with the tokens of one process; three do not divide the KV
@@ -294,6 +296,7 @@ def test_torchrun_engine_speaks_once_and_decodes_as_one_process(tiny_dirs, tmp_p
         "error: --nproc-per-node 3 does not divide the target's 2 KV heads; use 1 or 2"]
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_others():
     """SIGKILL one of two ranks while they decode the real 0.5B: torchrun ends the other, no hang."""
     path = fetch_module().fetch("qwen2.5-coder-0.5b-instruct")
