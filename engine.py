@@ -1337,7 +1337,8 @@ def main(argv=None):
         if args.trace and rank == 0:
             import plot
             tracer = plot.Tracer(args.trace, e, requests[0])
-            requests[0].on_cycle, requests[0].on_done = tracer.cycle, tracer.done
+            requests[0].on_cycle = tracer.cycle
+            requests[0].on_done = tracer.done
         results = e.run(requests, args.slots)
     except (model.LoadError, UsageError) as error:
         fail(rank, error)
