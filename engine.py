@@ -924,9 +924,17 @@ class Engine:
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context."""
         s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
+        if isinstance(stop, str):
+            stop = [stop]
+        strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)
+        require(strings, "stop must be a string or a list of non-empty strings", "stop")
+        require(not stop or self.tokenizer is not None, "stop strings need a tokenizer: this engine's models have "
+                "none", "stop")
+        ids = self.encode(prompt)
         measured = s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and \
             self.auto and self.draft_config and s.method not in self.chosen  # once, at the method's first request
         if measured:
+            self.check_least_shape(ids, s, context)
             self.chosen[s.method], line = self.measurement.choose_shape(s.method, self.weights, self.draft_weights)
             print(line, file=sys.stderr)
         settings = s.resolve(self.device, self.chosen)
@@ -935,19 +943,19 @@ class Engine:
             _, note = self.measurement.speed_note(s.method, cell, self.weights, self.draft_weights)
             if note:
                 print(note, file=sys.stderr)
-        if isinstance(stop, str):
-            stop = [stop]
-        strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)
-        require(strings, "stop must be a string or a list of non-empty strings", "stop")
-        require(not stop or self.tokenizer is not None, "stop strings need a tokenizer: this engine's models have "
-                "none", "stop")
-        ids = self.encode(prompt)
         shape = settings.shape(self.racer)
         drafter = None
         if shape.tree:
             drafter = racer.Retrieval(ids, chain=not settings.tree)
         return Request(ids, settings, shape, capacity(self, len(ids), settings, shape, context), stop, self.tokenizer,
                        self.ends, drafter, on_tokens, on_text, on_done, on_cycle)
+
+    def check_least_shape(self, ids, settings, context):
+        """The context and memory a request needs in the least shape auto may choose (a draft block of one, one
+        particle unless given): a request that fails there fails in every shape, so it is refused before measuring."""
+        least = settings.resolve(self.device, {method: (1, 1) for method in METHODS})
+        shape = least.shape(self.racer)
+        check_memory(self, [Request(ids, least, shape, capacity(self, len(ids), least, shape, context))], 1)
 
     def requests(self, prompts, **options):
         """Checked Requests for a list of prompts, each text, ids, or {"prompt": ..., **options of its own}."""
@@ -1242,7 +1250,6 @@ def prepare(args, batch, world):
         items = [{"prompt": as_read(prompt)}]
     if not args.overlap:
         args.slots = min(args.slots, len(items))  # no caches for absent prompts
-    check_memory(e, least_requests(e, items, options, batch), args.slots)  # before weights auto measures a shape
     if batch:
         requests = e.requests(items, **options)
     else:
@@ -1257,33 +1264,6 @@ def check_writable(path, option):
     require(os.path.isdir(folder), f"{option} {path}: no such directory {folder}")
     require(os.access(folder, os.W_OK), f"{option} {path}: {folder} is not writable")
     require(not os.path.isdir(path), f"{option} {path}: a directory, not a file")
-
-
-def least_requests(e, items, options, batch):
-    """Requests for items ({"prompt": ..., **its options}) in the least shape weights auto may choose (a draft block
-    of one, one particle unless given): the checks the models' configs decide (context, memory) pass for them
-    before auto measures a shape, and a request that fails them fails in every shape."""
-    drafts = None
-    if e.racer:
-        drafts = "racer"
-    elif e.draft_config:
-        drafts = "model"
-    least = {method: (1, 1) for method in METHODS}
-    out = []
-    for i, item in enumerate(items):
-        one = options | item
-        prompt = one.pop("prompt")
-        one.pop("stop", None)
-        try:
-            settings = Settings.of(one).check(e.config.vocab_size, drafts).resolve(e.device, least)
-            ids = e.encode(prompt)
-            shape = settings.shape(e.racer)
-            out.append(Request(ids, settings, shape, capacity(e, len(ids), settings, shape)))
-        except UsageError as error:
-            if not batch:
-                raise
-            raise UsageError(f"prompt {i + 1}: {error}", error.param) from None
-    return out
 
 
 class PrefillProgress:
