@@ -1065,29 +1065,19 @@ def report_tables(report):
     subcommands print them; several reports bundled under a note ({"note", "runs"}) one after the other."""
     if "runs" in report:
         return "\n\n".join([report.get("note", "")] + [report_tables(run) for run in report["runs"]])
+    sections = [("formats", format_table), ("speed", None), ("phases", phase_table), ("lengths", length_table),
+                ("short_requests", short_table), ("racer", racer_table), ("peer", peer_table), ("batch", batch_table),
+                ("overlap_phases", overlap_table), ("quality", quality_table)]
     tables = []
     if "machine" in report:
         tables.append(machine_line(report["machine"]))
-    if "formats" in report:
-        tables.append(format_table(report["formats"]))
-    if "speed" in report:
-        tables.append(speed_table(report["speed"], report["copy_bandwidth_gbs"]))
-    if "phases" in report:
-        tables.append(phase_table(report["phases"]))
-    if "lengths" in report:
-        tables.append(length_table(report["lengths"]))
-    if "short_requests" in report:
-        tables.append(short_table(report["short_requests"]))
-    if "racer" in report:
-        tables.append(racer_table(report["racer"]))
-    if "peer" in report:
-        tables.append(peer_table(report["peer"]))
-    if "batch" in report:
-        tables.append(batch_table(report["batch"]))
-    if "overlap_phases" in report:
-        tables.append(overlap_table(report["overlap_phases"]))
-    if report.get("quality"):
-        tables.append(quality_table(report["quality"]))
+    for key, table in sections:
+        if not report.get(key):
+            continue
+        if key == "speed":  # its roofline columns need the run's copy bandwidth
+            tables.append(speed_table(report["speed"], report["copy_bandwidth_gbs"]))
+        else:
+            tables.append(table(report[key]))
     return "\n\n".join(tables)
 
 

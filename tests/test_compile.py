@@ -128,7 +128,9 @@ def launches(smem):
             monkeypatch.setattr(kernels, name, Recorder(name, log, label))
         monkeypatch.setattr(kernels, "launch_target", lambda t: smem)
         for target, draft, dtype, formats, R, prompt, suffix in PAIRS:
-            t, d, caps = MODELS[target], MODELS[draft], (prompt, suffix)
+            t = MODELS[target]
+            d = MODELS[draft]
+            caps = (prompt, suffix)
             for fmt in formats:
                 for method, N, K, tree in METHODS:
                     label[0] = f"{str(dtype)[6:]} {fmt} {target}:{draft} {method} {N}x{K}" \

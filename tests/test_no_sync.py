@@ -114,7 +114,9 @@ def test_the_memory_check_counts_every_graphs_pool_and_the_sort(monkeypatch):
     top-k or top-p adds what `restrict` sorts: float32 values and int64 indices of [R, N, K+1, V]."""
     e = engine.Engine(TARGET, DRAFT).load()
     s = e.request(PROMPT, method="smc", max_new_tokens=8, draft_len=2, particles=3).shape
-    R, caps, V = 4, (len(PROMPT), 16), e.config.vocab_size
+    R = 4
+    caps = (len(PROMPT), 16)
+    V = e.config.vocab_size
     need = lambda shape: decode.batch_bytes(e, shape, R, caps)  # noqa: E731
     eager, eager_pair = need(s), need(replace(s, overlap=True))
     monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
