@@ -12,12 +12,12 @@ import os
 import platform
 import statistics
 import string
-import subprocess
 import sys
 import time
 
 import torch
 
+import auto
 import decode
 import engine
 import formats
@@ -53,29 +53,16 @@ DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weigh
 # ---------------------------------------------------------------- machine
 
 
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def cpu_flags():
-    """The CPU's vector and matrix extensions that decide which weight format is fast (Linux: /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(flag for flag in set(flags) if flag.startswith(("avx", "amx", "fma", "f16c")))
+    """The CPU's vector and matrix extensions that decide which weight format is fast."""
+    return sorted(flag for flag in set(auto.cpu()["flags"]) if flag.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def machine(device):
     gpu = None
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": auto.cpu()["name"], "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "device": str(device), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+import auto
 import decode
 import formats
 import loading
@@ -873,7 +874,7 @@ class Engine:
         check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
         self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
         if self.auto:
-            self.measurement = formats.Measurement(self.opened, self.draft_config, unread,
+            self.measurement = auto.Measurement(self.opened, self.draft_config, unread,
                                                    decode.free_bytes(self.device), self.paths, remeasure)
         self.tokenizer = target_file[2] if target_file else None
         self.failure = None

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+import auto
 import decode
 import engine
 import formats
@@ -1278,7 +1279,7 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
     assert "(measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
     fixed = engine.Engine(*pair, weights="bf16").request("w1", max_new_tokens=8)  # a format given: no measuring
     assert (fixed.shape.particles, fixed.shape.draft_len) == (3, 2) and "smc shape" not in capsys.readouterr().err
-    assert formats.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
+    assert auto.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
 
 
 def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeypatch, capsys):

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import auto
 import formats
 import kernels
 import loading
@@ -444,7 +445,7 @@ def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
     """One forward's matmuls, from each of a layer's matrices and the head's timed, in the formats auto compares at
     every row count (how long they take is a benchmark's figure); an int4 model whose every matrix
     a file holds in int8 costs int8's (a Measurement times each once, so the sums are of the same timings)."""
-    measurement = formats.Measurement()
+    measurement = auto.Measurement()
     costs = measurement.measure_formats(QWEN_1_5B, [1, 9])
     assert list(costs) == ["bf16", "float32", "int8", "int4"] and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
@@ -456,7 +457,7 @@ def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
 def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
-    measured = formats.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
+    measured = auto.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
     assert list(measured) == ["bf16", "float32", "int8", "w8a8"]
 
 
@@ -466,12 +467,12 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
     chosen only if it is faster by a fifth and 5 ms, so that noise does not change the tokens."""
     import engine
     gguf_path = write_mixed_gguf(tmp_path / "m.gguf", "qwen2")
-    assert formats.file_format(loading.open_weights(gguf_path)) == "int4"
-    assert formats.file_format(loading.open_weights(tiny[1])) == "bf16"
-    assert formats.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
-    assert formats.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
-    assert formats.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
-    assert formats.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
+    assert auto.file_format(loading.open_weights(gguf_path)) == "int4"
+    assert auto.file_format(loading.open_weights(tiny[1])) == "bf16"
+    assert auto.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
+    assert auto.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
+    assert auto.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
+    assert auto.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
     e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto").load()  # smc 3x2 by default
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("weights: "))
     assert re.fullmatch(r"weights: (bf16|float32|int8|int4), draft (bf16|float32|int8|int4) \(measured ms per smc "
