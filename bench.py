@@ -26,6 +26,7 @@ import loading
 import model
 import peers
 import quality
+import scheduler
 
 CODE_PROMPT = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; return them sorted by start.
@@ -89,10 +90,10 @@ def copy_bandwidth(device, repeats=5):
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        engine.synchronize(device)
+        scheduler.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        engine.synchronize(device)
+        scheduler.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.nbytes / best / 1e9
 
@@ -330,10 +331,10 @@ def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
     best = math.inf
     for _ in range(repeats):
         cache.suffix_len.fill_(suffix)
-        engine.synchronize(m.device)
+        scheduler.synchronize(m.device)
         start = time.perf_counter()
         m.step(tokens, cache)
-        engine.synchronize(m.device)
+        scheduler.synchronize(m.device)
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
 

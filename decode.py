@@ -1,6 +1,6 @@
 """The device side of decoding: the State a batch's cycles update in place, the methods' rules, and one cycle
 function per method over (engine, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it;
-then a slot's prefill, graph recording and what a batch's memory takes.
+then a slot's prefill and graph recording.
 
     cycle(e, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (one target forward, the
                           method's rule, the flags the host reads)
@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-import formats
 import kernels
 import model
 import racer
@@ -548,46 +547,3 @@ def method_stats(st, r, req):
                 "resamples": int(st.resamples[r]), "collapses": int(st.collapses[r]),
                 "mean_ess": round(float(st.ess_sum[r]) / cycles, 3), "log_z": round(float(st.log_z[r] + final), 4)}
     return {}
-
-
-def free_bytes(device):
-    """Memory free for new tensors on device: on CUDA with what torch has cached but does not use; unknown: inf."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
-            torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return math.inf
-
-
-
-def unread_bytes(e):
-    """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
-    configs = [c for c, o in zip((e.config, e.draft_config), e.opened) if o]
-    n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
-    return (n + sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings and e.device.type == "cpu")) \
-        * e.dtype.itemsize
-
-
-def batch_bytes(e, shape, slots, caps):
-    """Memory a batch takes: its KV caches, each in its model's activations' dtype, and a cycle's working memory
-    (`cycle_bytes`). On CUDA graphs every graph keeps that in a private pool of its own: one for a batch, four for
-    MineDraft's pair (a draft and a verify graph for each half)."""
-    draft_dtype = e.draft.embed.dtype if e.draft else formats.FORMATS.get(e.draft_weights, e.dtype)
-    drafted = e.draft_config and shape.method != "ar"
-    models = [(e.config, e.dtype)] + ([(e.draft_config, draft_dtype)] if drafted else [])
-    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, dtype, slots) for c, dtype in models)
-    if not graphs(shape, e.device):
-        return need + cycle_bytes(e, shape, slots)
-    if shape.overlap:
-        return need + 4 * cycle_bytes(e, shape, -(-slots // 2))
-    return need + cycle_bytes(e, shape, slots)
-
-
-def cycle_bytes(e, shape, slots):
-    """A cycle's working memory over `slots` slots: its float32 logits [R, N, K+1, V] with a few copies, and where
-    requests restrict (top-k, top-p) what `restrict` sorts: their float32 values and int64 indices."""
-    logits = slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size
-    return 4 * logits * 4 + shape.restrict * logits * (4 + 8)

@@ -24,6 +24,7 @@ from starlette.routing import Route
 import engine
 import metrics
 import model
+import scheduler
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
 # Fields that change what a client gets back, with the values that change nothing; any other value is a 400.
@@ -394,7 +395,7 @@ def parser():
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
-        engine.check_slots(args.slots, args.overlap)
+        scheduler.check_slots(args.slots, args.overlap)
         engine.require(args.max_waiting >= 0, f"--max-waiting must be at least 0, got {args.max_waiting}")
         engine.require(args.context is None or args.context >= 1, f"--context must be at least 1, got {args.context}")
         engine.require(int(os.environ.get("WORLD_SIZE", 1)) == 1, "server.py serves from one process: tensor "

@@ -21,6 +21,7 @@ import kernels
 import loading
 import model
 import racer
+import scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PROMPT = 8, [1, 2, 3]
@@ -183,7 +184,7 @@ def test_memory_check_counts_each_cache_in_its_models_dtype():
         _, st, s = started(e, method="sd", draft_len=2, max_new_tokens=8)
     made = sum(t.nbytes for c in (st.tcache, st.dcache) for t in (c.prefix_k, c.prefix_v, c.suffix_k, c.suffix_v))
     logits = 4 * s.particles * (s.draft_len + 1) * WIDE.config.vocab_size * 4
-    assert decode.batch_bytes(e, s, 1, (len(PROMPT), st.hist.shape[2] - 1)) == made + logits
+    assert scheduler.batch_bytes(e, s, 1, (len(PROMPT), st.hist.shape[2] - 1)) == made + logits
 
 
 def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
@@ -296,7 +297,7 @@ def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     e = engine.Engine(TARGET, "racer")
     with torch.inference_mode():
         req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
-        b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
+        b = scheduler.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(4):
             b.cycle()
@@ -419,7 +420,7 @@ def test_smc_with_a_power_target_approaches_p_to_the_alpha():
 def started(e, **options):
     """A one-slot batch with PROMPT admitted -> its Models, State and Shape (call inside torch.inference_mode)."""
     req = e.request(PROMPT, **options)
-    b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
+    b = scheduler.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
     b.admit(req)
     return b.e, b.st, b.shape
 
@@ -623,8 +624,8 @@ def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, bud
     eager = e.generate(PROMPT, **options)
     monkeypatch.setattr(decode, "record", record)
     monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
-    admit = engine.Batch.admit
-    monkeypatch.setattr(engine.Batch, "admit", lambda b, req: recorded.append("admit") or admit(b, req))
+    admit = scheduler.Batch.admit
+    monkeypatch.setattr(scheduler.Batch, "admit", lambda b, req: recorded.append("admit") or admit(b, req))
     graph = e.generate(PROMPT, **options)
     assert graph.tokens == eager.tokens and len(graph.tokens) == budget and graph.stats["cycles"] == budget - 1
     assert recorded == ["cycle", "admit"]
@@ -781,13 +782,13 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = [r | {"top_p": 1.0} for r in mixed_requests(method)] + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
     alone = [e.generate(**(options | r)) for r in requests]  # one shape: top-p would make a batch of its own
-    rounds, run = [], engine.Batch.run_phase
+    rounds, run = [], scheduler.Batch.run_phase
     phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
     def traced(batch, fn):
         rounds.append((threading.get_ident(), id(batch), phases[fn]))
         return run(batch, fn)
-    monkeypatch.setattr(engine.Batch, "run_phase", traced)
+    monkeypatch.setattr(scheduler.Batch, "run_phase", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     halves = sorted({b for _, b, _ in rounds})
@@ -902,7 +903,7 @@ def test_a_failing_admit_leaves_its_slot_empty(monkeypatch):
         raise RuntimeError("no memory")
     with torch.inference_mode():
         req = e.request(PROMPT, method="smc", max_new_tokens=10)
-        b = engine.Batch(e, req.shape, 2, 8, req.capacity)
+        b = scheduler.Batch(e, req.shape, 2, 8, req.capacity)
         monkeypatch.setattr(TARGET, "prefill", half_done)
         with pytest.raises(RuntimeError, match="no memory"):
             b.admit(req)
@@ -935,14 +936,14 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
         m.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
         m.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
         m.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
-        assert decode.free_bytes(torch.device("cuda")) == 4 << 30
+        assert scheduler.free_bytes(torch.device("cuda")) == 4 << 30
     e = engine.Engine(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
     loop = e.serving(inbox, 2, (8, 16))
     while not done:
         next(loop)
-    monkeypatch.setattr(decode, "free_bytes", lambda device: 0)
+    monkeypatch.setattr(scheduler, "free_bytes", lambda device: 0)
     late, other = (e.request(PROMPT, method=m, max_new_tokens=6, seed=1, on_done=done.append) for m in ("sd", "smc"))
     inbox.put(late)
     inbox.put(other)
@@ -957,7 +958,7 @@ def test_idle_batches_are_dropped():
     import queue
     e = engine.Engine(TARGET, DRAFT)
     inbox, done, batches = queue.Queue(), [], []
-    sched = engine.Scheduler(e.load(), 2, (8, 32), False, idle_s=0.0)
+    sched = scheduler.Scheduler(e.load(), 2, (8, 32), False, idle_s=0.0)
     for method in ("sd", "smc", "ar"):
         inbox.put(e.request(PROMPT, method=method, max_new_tokens=6, on_done=done.append))
         with torch.inference_mode():
@@ -1397,10 +1398,10 @@ def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
             raised.append(finished.count("draft"))  # the drafts done when the error left the pair
             raise
     requests = [dict(prompt=PROMPT, seed=s, max_new_tokens=12) for s in range(4)]
-    pair_cycle, raised = engine.Pair.cycle, []
+    pair_cycle, raised = scheduler.Pair.cycle, []
     monkeypatch.setattr(decode, "verify_cycle", failing_verify)
     monkeypatch.setattr(decode, "draft_block", slow_draft)
-    monkeypatch.setattr(engine.Pair, "cycle", cycle)
+    monkeypatch.setattr(scheduler.Pair, "cycle", cycle)
     with pytest.raises(RuntimeError, match="verify failed"):
         e.generate(requests, method="sd", slots=4, overlap=True)
     assert raised == [2]  # the first half drafted alone, then beside the failing verify, and that draft had ended
