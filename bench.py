@@ -100,21 +100,15 @@ def copy_bandwidth(device, repeats=5):
 
 @contextlib.contextmanager
 def phase_times(e):
-    """Yields {phase: [seconds]}: what e's batches time in the block (Engine.on_phase): decode's draft_block and
-    verify_cycle of every eager cycle, on the thread that runs it, and "record", a batch's CUDA graphs recorded.
-    Blocks nest: an outer block's hook hears them too."""
+    """Yields {phase: [seconds]}: what e's batches time in the block (an observer of e's): decode's draft_block and
+    verify_cycle of every eager cycle, on the thread that runs it, "cycle" for a CUDA graph's replay, and "record", a
+    batch's CUDA graphs recorded. Blocks nest: every block's observer hears them."""
     spent = collections.defaultdict(list)
-    before = e.on_phase
 
     def collect(batch, phase, seconds):
         spent[phase].append(seconds)
-        if before:
-            before(batch, phase, seconds)
-    e.on_phase = collect
-    try:
+    with e.watching(collect):
         yield spent
-    finally:
-        e.on_phase = before
 
 
 # ---------------------------------------------------------------- models

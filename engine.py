@@ -3,6 +3,7 @@ Monte Carlo speculative decoding (smc), for one prompt or many, from the command
 Top to bottom: Settings and their one check; Request; Engine, the API; the CLI. Batches and their rounds are
 scheduler.py's."""
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -403,12 +404,10 @@ class Engine:
     prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
     is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
     model's measured once on this machine and kept; remeasure: measured again). Under torchrun each rank holds its
-    target shard and decodes alike (same logits and rng)."""
-    # on_phase(batch, phase, seconds): after each phase a batch runs eagerly (decode's draft_block, verify_cycle),
-    # timed with the device synchronised, and after it records its CUDA graphs ("record"); traces and bench.py set it
-    on_phase = None
+    target shard and decodes alike (same logits and rng). observers: each told (batch, phase, seconds) of every phase
+    the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched."""
 
-    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False):
+    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=()):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
@@ -462,6 +461,8 @@ class Engine:
                                                    scheduler.free_bytes(self.device), self.paths, remeasure)
         self.tokenizer = target_file[2] if target_file else None
         self.failure = None
+        # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
+        self.observers = list(observers)
         self.pad = self.config.vocab_size
         self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
         self.is_eos[self.config.eos_ids + [self.pad]] = True
@@ -487,6 +488,20 @@ class Engine:
                                        wider=False)
         self.opened = [None, None]
         return self
+
+    @property
+    def models(self):
+        """What decode's cycles read of this engine (after load())."""
+        return decode.Models(self.target, self.draft, self.is_eos, self.pad)
+
+    @contextlib.contextmanager
+    def watching(self, observer):
+        """observer(batch, phase, seconds) told of every phase the batches run in the block (scheduler.Batch)."""
+        self.observers.append(observer)
+        try:
+            yield
+        finally:
+            self.observers.remove(observer)
 
     def encode(self, prompt):
         """A prompt (text, or ids) -> its checked ids."""
@@ -904,6 +919,7 @@ def main(argv=None):
             tracer = plot.Tracer(args.trace, e, requests[0])
             requests[0].on_cycle = tracer.cycle
             requests[0].on_done = tracer.done
+            e.observers.append(tracer.phase)
         results = e.run(requests, args.slots)
     except (model.LoadError, UsageError) as error:
         fail(rank, error)

@@ -46,22 +46,27 @@ def synchronize(device):
 
 class Batch:
     """`slots` requests of one shape, each prefilled into a free slot between cycles. The caches and the CUDA graphs
-    of `phases` (the cycle, or MineDraft's draft and verify) are made once, here, over empty slots, which append
-    nothing. A graph runs every slot; an eager cycle (a CPU, where every row costs) up to the last busy one."""
+    of its phases (the whole cycle, or MineDraft's draft and verify) are made once, here, over empty slots, which
+    append nothing. A graph runs every slot; an eager phase (a CPU, where every row costs) up to the last busy one.
+    observers: each called (batch, phase's name, seconds) after every phase, the device synchronised around it, and
+    after the graphs are recorded ("record"); they time what runs, and change nothing of it."""
 
-    def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=("cycle",)):
-        self.e = e
+    def __init__(self, models, shape, slots, prefix_cap, suffix_cap, phases=None, observers=()):
+        self.models = models
         self.shape = shape
+        self.observers = observers
         self.requests = [None] * slots
         self.idle_since = time.monotonic()
-        self.st = decode.new_state(e, shape, slots, prefix_cap, suffix_cap)
+        self.st = decode.new_state(models, shape, slots, prefix_cap, suffix_cap)
+        graphed = decode.graphs(shape, models.device)
+        self.phases = phases or plain_phases(self.st, graphed)  # decode's functions, run in turn each cycle
         start = time.perf_counter()
-        self.graphs = {}  # a phase's name -> its CUDA graph's replay
-        if decode.graphs(shape, e.device):
-            for phase in phases:
-                self.graphs[phase] = decode.record(functools.partial(getattr(decode, phase), e, self.st, shape))
-        if self.graphs and e.on_phase:
-            e.on_phase(self, "record", time.perf_counter() - start)
+        self.graphs = {}  # a phase -> its CUDA graph's replay
+        if graphed:
+            for phase in self.phases:
+                self.graphs[phase] = decode.record(functools.partial(phase, models, self.st, shape))
+        if self.graphs:
+            self.tell("record", time.perf_counter() - start)
 
     def busy(self):
         return any(self.requests)
@@ -73,7 +78,7 @@ class Batch:
         r = self.requests.index(None)
         req.start = time.perf_counter()
         try:
-            decode.prefill_slot(self.e, self.st, self.shape, r, req)
+            decode.prefill_slot(self.models, self.st, self.shape, r, req)
         except BaseException:
             self.leave(r)
             raise
@@ -90,35 +95,29 @@ class Batch:
         if self.shape.tree:  # racer: each busy slot's draft tree from its request's Retrieval (host work)
             trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
             decode.plant(self.st, trees)
-        if self.e.on_phase and "cycle" not in self.graphs:
-            for phase in self.phases():
-                self.run_phase(phase)
-        else:
-            self.run_phase("cycle")
+        for phase in self.phases:
+            self.run_phase(phase)
         self.cycled()
 
-    def phases(self):
-        """The phases decode.cycle runs: the draft block where a draft model drafts, then the verify."""
-        if self.st.dcache is None:
-            return ("verify_cycle",)
-        return ("draft_block", "verify_cycle")
-
     def run_phase(self, phase):
-        """decode's phase ("cycle" or a part of it) as its graph's replay, or eagerly up to the last busy slot; an
-        eager one timed for the engine's on_phase, with the device synchronised, where the engine has one."""
-        if phase in self.graphs:
-            self.graphs[phase]()
+        """A phase (a function of decode's) as its graph's replay, or eagerly up to the last busy slot; timed for the
+        observers, if there are any."""
+        run = self.graphs.get(phase)
+        if run is None:
+            busy = 1 + max(r for r, req in enumerate(self.requests) if req)
+            run = functools.partial(phase, self.models, self.st.narrow(busy), self.shape)
+        if not self.observers:
+            run()
             return
-        busy = 1 + max(r for r, req in enumerate(self.requests) if req)
-        state = self.st.narrow(busy)
-        if not self.e.on_phase:
-            getattr(decode, phase)(self.e, state, self.shape)
-            return
-        synchronize(self.e.device)
+        synchronize(self.models.device)
         start = time.perf_counter()
-        getattr(decode, phase)(self.e, state, self.shape)
-        synchronize(self.e.device)
-        self.e.on_phase(self, phase, time.perf_counter() - start)
+        run()
+        synchronize(self.models.device)
+        self.tell(phase.__name__, time.perf_counter() - start)
+
+    def tell(self, phase, seconds):
+        for observer in self.observers:
+            observer(self, phase, seconds)
 
     def cycled(self):
         for r, req in enumerate(self.requests):
@@ -187,6 +186,13 @@ class Batch:
         """A plain batch holds no threads."""
 
 
+def plain_phases(st, graphed):
+    """A plain batch's phases: on CUDA graphs the whole cycle as one graph, else the cycle's phases in turn."""
+    if graphed:
+        return (decode.cycle,)
+    return decode.phases(st)
+
+
 def unread(req):
     """The first generated token req has not read yet (racer's drafter reads unsettled ones too)."""
     if req.drafter:
@@ -199,15 +205,15 @@ class Pair:
     other, on two threads (a CPU: half of the cores each; CUDA: a stream each, replaying the half's graphs). A
     request's tokens are those it gets without the overlap. A half is read and refilled only between its verify
     and its next draft; the first busy one drafts alone at the start, then the halves alternate."""
-    PHASES = ("draft_block", "verify_cycle")
 
-    def __init__(self, e, shape, slots, prefix_cap, suffix_cap):
+    def __init__(self, models, shape, slots, prefix_cap, suffix_cap, observers=()):
         check_slots(slots, overlap=True)
-        first = Batch(e, shape, (slots + 1) // 2, prefix_cap, suffix_cap, self.PHASES)
-        second = Batch(e, shape, slots // 2, prefix_cap, suffix_cap, self.PHASES)
+        self.phases = (decode.draft_block, decode.verify_cycle)
+        first = Batch(models, shape, (slots + 1) // 2, prefix_cap, suffix_cap, self.phases, observers)
+        second = Batch(models, shape, slots // 2, prefix_cap, suffix_cap, self.phases, observers)
         self.halves = [first, second]
         self.drafted = [False, False]  # whether a half's drafts wait for their verify
-        self.cuda = e.device.type == "cuda"
+        self.cuda = models.device.type == "cuda"
         if self.cuda:
             where = torch.cuda.current_device()
         else:
@@ -252,16 +258,17 @@ class Pair:
         """The drafted half verifies while the other drafts; both jobs end before an error in either is raised."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
+        draft, verify = self.phases
         phases = [next_phase(h, d) for h, d in zip(self.halves, self.drafted)]
-        if "verify_cycle" not in phases and phases[0] == "draft_block":
+        if verify not in phases and phases[0] is draft:
             phases[1] = None  # the halves start apart
         jobs = [self.pool.submit(self.run_half, h, p) for h, p in zip(self.halves, phases) if p]
         wait(jobs)
         for job in jobs:
             job.result()
-        self.drafted = [p == "draft_block" for p in phases]
+        self.drafted = [p is draft for p in phases]
         for h, p in zip(self.halves, phases):
-            if p == "verify_cycle":
+            if p is verify:
                 h.cycled()
 
     def close(self):
@@ -269,11 +276,12 @@ class Pair:
 
 
 def next_phase(half, drafted):
-    """A half's next phase: a drafted half verifies, a busy one drafts, an empty one rests (None)."""
+    """A half's next phase (of its draft and verify): a drafted half verifies, a busy one drafts, an empty one rests
+    (None)."""
     if drafted:
-        return "verify_cycle"
+        return half.phases[1]
     if half.busy():
-        return "draft_block"
+        return half.phases[0]
     return None
 
 
@@ -378,7 +386,7 @@ class Scheduler:
             check_fits(need, self.e.device, f"{self.slots} slots' KV caches and logits",
                        "lower the slots, particles, draft length or context")
             kind = Pair if shape.overlap else Batch
-            self.batches[shape] = kind(self.e, shape, self.slots, *self.caps)
+            self.batches[shape] = kind(self.e.models, shape, self.slots, *self.caps, observers=self.e.observers)
         return self.batches[shape]
 
     def evict(self, idle_s):

@@ -1,6 +1,7 @@
 """engine.py on tiny random models: exact output distributions of ar, sd and smc against the target's, computed
 by enumerating every continuation; the SMC-SD pitfalls (docs/design.md); bad input; the command line."""
 import copy
+import functools
 import json
 import math
 import multiprocessing
@@ -297,7 +298,7 @@ def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     e = engine.Engine(TARGET, "racer")
     with torch.inference_mode():
         req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
-        b = scheduler.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
+        b = scheduler.Batch(e.load().models, req.shape, 1, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(4):
             b.cycle()
@@ -420,9 +421,9 @@ def test_smc_with_a_power_target_approaches_p_to_the_alpha():
 def started(e, **options):
     """A one-slot batch with PROMPT admitted -> its Models, State and Shape (call inside torch.inference_mode)."""
     req = e.request(PROMPT, **options)
-    b = scheduler.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
+    b = scheduler.Batch(e.load().models, req.shape, 1, len(PROMPT), req.capacity)
     b.admit(req)
-    return b.e, b.st, b.shape
+    return b.models, b.st, b.shape
 
 
 def test_draft_and_target_caches_hold_every_particle_context():
@@ -786,7 +787,7 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
     def traced(batch, fn):
-        rounds.append((threading.get_ident(), id(batch), phases[fn]))
+        rounds.append((threading.get_ident(), id(batch), phases[fn.__name__]))
         return run(batch, fn)
     monkeypatch.setattr(scheduler.Batch, "run_phase", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
@@ -903,7 +904,7 @@ def test_a_failing_admit_leaves_its_slot_empty(monkeypatch):
         raise RuntimeError("no memory")
     with torch.inference_mode():
         req = e.request(PROMPT, method="smc", max_new_tokens=10)
-        b = scheduler.Batch(e, req.shape, 2, 8, req.capacity)
+        b = scheduler.Batch(e.models, req.shape, 2, 8, req.capacity)
         monkeypatch.setattr(TARGET, "prefill", half_done)
         with pytest.raises(RuntimeError, match="no memory"):
             b.admit(req)
@@ -1047,7 +1048,58 @@ def traced(e, tmp_path, **options):
     req = e.request(PROMPT, **options)
     tracer = plot.Tracer(str(tmp_path / "trace.jsonl"), e, req)
     req.on_cycle, req.on_done = tracer.cycle, tracer.done
-    return (e.run([req])[0], *plot.read_trace(str(tmp_path / "trace.jsonl")))
+    with e.watching(tracer.phase):
+        result = e.run([req])[0]
+    return (result, *plot.read_trace(str(tmp_path / "trace.jsonl")))
+
+
+def calls_of(monkeypatch, names):
+    """-> the list each call of decode's functions `names` appends its name to, as it runs them."""
+    calls = []
+
+    def logged(name, fn):
+        @functools.wraps(fn)  # its name, which observers hear
+        def call(*args, **keywords):
+            calls.append(name)
+            return fn(*args, **keywords)
+        return call
+    for name in names:
+        monkeypatch.setattr(decode, name, logged(name, getattr(decode, name)))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_observer_runs_the_same_cycle_functions(monkeypatch, tmp_path, method, graphs):
+    """One path: a traced run and one timed by bench.py's observer call decode's functions, in the same order, as
+    a plain run, eagerly and on the CUDA-graph path (its recording swapped for its warm-up, as a CPU can run it),
+    and give its tokens; the observers hear every phase."""
+    import bench
+    if graphs:
+        monkeypatch.setattr(decode, "record", lambda fn: fn() or fn)
+        monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
+    names = ["cycle", "draft_block", "verify_cycle", "ar_cycle", "sd_cycle", "smc_cycle", "prefill_slot", "publish"]
+    calls = calls_of(monkeypatch, names)
+    options = dict(method=method, particles=3, draft_len=2, max_new_tokens=12, temperature=1.0, seed=3)
+    e = engine.Engine(TARGET, DRAFT)
+    plain = e.generate(PROMPT, **options)
+    plain_calls = list(calls)
+    calls.clear()
+    result, _, cycles, _ = traced(e, tmp_path, **options)
+    assert result.tokens == plain.tokens and calls == plain_calls
+    calls.clear()
+    with bench.phase_times(e) as spent:
+        timed = e.generate(PROMPT, **options)
+    assert timed.tokens == plain.tokens and calls == plain_calls
+    cycle_phases = {"draft_block", "verify_cycle"}
+    if method == "ar":
+        cycle_phases = {"verify_cycle"}
+    heard = set(cycle_phases)
+    if graphs:
+        cycle_phases = {"cycle"}
+        heard = {"cycle", "record"}
+    assert set(spent) == heard
+    assert all(len(spent[p]) == result.stats["cycles"] for p in cycle_phases) and all("ms" in c for c in cycles)
 
 
 def test_a_trace_changes_nothing_and_agrees_with_the_statistics(tmp_path):

@@ -104,8 +104,8 @@ def test_each_graph_is_captured_on_a_stream_of_its_own(monkeypatch):
     e = engine.Engine(TARGET, DRAFT).load()
     req = e.request(PROMPT, method="smc", max_new_tokens=8, draft_len=2, particles=3, overlap=True)
     with torch.no_grad():
-        scheduler.Pair(e, req.shape, 2, len(PROMPT), req.capacity).close()
-        scheduler.Batch(e, replace(req.shape, overlap=False), 2, len(PROMPT), req.capacity)
+        scheduler.Pair(e.models, req.shape, 2, len(PROMPT), req.capacity).close()
+        scheduler.Batch(e.models, replace(req.shape, overlap=False), 2, len(PROMPT), req.capacity)
     streams = [c.get("stream") for c in captures]
     assert len(streams) == 5 and None not in streams and len({id(s) for s in streams}) == 5
 
