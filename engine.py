@@ -574,7 +574,8 @@ class Engine:
         """prompt: text, ids or {"prompt": ..., **its options} -> Result(text, tokens, stats); a list of prompts ->
         [Result], decoded together, `slots` at a time (default: up to BATCH), each with its own randomness. options:
         Settings' fields, and stop. on_tokens(settled tokens), called as more settle, stops the request by returning
-        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight)."""
+        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight); serving
+        also "refused" (too large for a slot or the memory free), "error" and "cancelled"."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
         if isinstance(prompt, dict):

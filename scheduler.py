@@ -370,6 +370,11 @@ class Scheduler:
                 if self.batch(req.shape).admit(req):
                     self.waiting.remove(req)
                     took.add(req.shape)
+            except UsageError as error:  # the request's own: it cannot fit a slot, or the memory free
+                if self.raise_errors:
+                    raise
+                self.waiting.remove(req)
+                self.end([req], "refused", error)
             except Exception as error:
                 if self.raise_errors:
                     raise

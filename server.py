@@ -214,11 +214,14 @@ class Clock:
 
 
 def error_of(result):
-    """(status, message) of a request that ended without an answer, else None."""
+    """(status, message, kind) of a request that ended without an answer, else None: a request the scheduler refused
+    (too large for a slot, or for the memory free) is the client's error."""
+    if result.stats["stop"] == "refused":
+        return 400, result.stats["error"], "invalid_request_error"
     if result.stats["stop"] == "error":
-        return 500, result.stats["error"]
+        return 500, result.stats["error"], "server_error"
     if result.stats["stop"] == "cancelled":  # with its client still there: only at shutdown
-        return 503, "the server is shutting down"
+        return 503, "the server is shutting down", "server_error"
     return None
 
 
@@ -247,8 +250,10 @@ async def completions(request):
     result = await until_done(request, req, events)
     if result is None:
         return Response(status_code=499)  # the client has gone: nobody reads this
-    if error_of(result):
-        raise ApiError(*error_of(result), kind="server_error")
+    failure = error_of(result)
+    if failure:
+        status, message, kind = failure
+        raise ApiError(status, message, kind=kind)
     if chat:
         part = {"message": {"role": "assistant", "content": result.text}}
     else:
@@ -289,8 +294,9 @@ async def sse(req, events, head, chat, include_usage):
             yield chunk({"role": "assistant", "content": ""})
         while isinstance(result := await events.get(), str):
             yield chunk({"content": result} if chat else result)
-        if error_of(result):
-            yield data(error_body(error_of(result)[1], kind="server_error"))
+        failure = error_of(result)
+        if failure:
+            yield data(error_body(failure[1], kind=failure[2]))
         else:
             yield chunk({} if chat else "", finish_reason(result), stats=result.stats)
             if include_usage:

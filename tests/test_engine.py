@@ -951,7 +951,7 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
     while len(done) < 3:
         next(loop)
     assert late.result.stats["stop"] == "length"  # its batch exists
-    assert other.result.stats["stop"] == "error" and "GiB" in other.result.stats["error"]  # a new batch: refused
+    assert other.result.stats["stop"] == "refused" and "GiB" in other.result.stats["error"]  # a new batch: refused
 
 
 def test_idle_batches_are_dropped():
@@ -989,7 +989,7 @@ def test_smc_particles_end_at_a_stop_string(tmp_path):
         assert r.stats["stop"] == "stop" and r.stats["cycles"] == first < 15 and "w6" not in r.text
 
 
-def test_a_request_larger_than_a_slot_ends_with_an_error():
+def test_a_request_larger_than_a_slot_is_refused():
     import queue
     e = engine.Engine(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
@@ -999,7 +999,7 @@ def test_a_request_larger_than_a_slot_ends_with_an_error():
     for _ in e.serving(inbox, 1, (16, 16), False):
         if len(done) == 2:
             break
-    assert big.result.stats["stop"] == "error" and "a slot holds 16 + 16" in big.result.stats["error"]
+    assert big.result.stats["stop"] == "refused" and "a slot holds 16 + 16" in big.result.stats["error"]
     assert small.result.stats["stop"] == "length"
 
 

@@ -754,11 +754,12 @@ def test_gguf_zero_heads(tmp_path):
     (lambda w, gguf, np: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(0.5)),
      "rope scaling factor is 0.5, expected at least 1"),
     (lambda w, gguf, np: w.add_rope_dimension_count(2), "llama.rope.dimension_count is 2, not the head size 4"),
+    (lambda w, gguf, np: w.add_rope_freq_base(-1.0), "llama.rope.freq_base is -1.0, expected a positive number"),
     (lambda w, gguf, np: w.add_bos_token_id(4), "bos token id 4 lies outside the vocabulary of 4"),
     (lambda w, gguf, np: w.add_uint32("general.alignment", 24), "general.alignment is 24, not a power of two"),
     (lambda w, gguf, np: w.add_tensor("output_norm.weight", np.zeros(8, np.int8)),
      "the gguf package cannot dequantize I8 tensors"),
-], ids=["yarn", "linear factor", "partial rotary", "bos id", "alignment", "type"])
+], ids=["yarn", "linear factor", "partial rotary", "rope theta", "bos id", "alignment", "type"])
 def test_gguf_bad_config(tmp_path, edit, problem):
     assert problem in load_error(write_gguf(tmp_path / "m.gguf", "llama", True, edit=edit))
 
