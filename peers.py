@@ -2,6 +2,7 @@
 draft, batched) on the same prompts and sampling, and llama.cpp itself on the models' GGUF files."""
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -139,16 +140,30 @@ def llama_cpp_rate(lib, ffi, llama_model, ids, temperature, new_tokens, seed):
     return new_tokens / seconds
 
 
+def llama_cpp():
+    """-> llama-cpp-cffi's (ffi, lib), or None where it is not installed, or installed but its library does not load
+    (a missing C++ runtime symbol, say: then one line on stderr says so)."""
+    os.environ.setdefault("LLAMA_CPP_BACKEND", "cpu")  # not its CUDA build on a GPU machine
+    try:
+        from llama.llama_cpp import ffi, lib
+    except ImportError:
+        return None
+    except OSError as error:
+        print(f"llama.cpp left out: llama-cpp-cffi's library does not load ({' '.join(str(error).split())})",
+              file=sys.stderr)
+        return None
+    return ffi, lib
+
+
 def llama_cpp_rows(paths, ids_by_prompt, temperature, new_tokens, repeats):
     """llama.cpp itself: ar on each model's GGUF file (paths: draft, target), the same prompt ids, temperature,
     new tokens (EOS ignored) and threads, the median of `repeats`; through llama-cpp-cffi (a prebuilt llama.cpp,
     its bindings of llama.h), where that is installed -> rows as hf_rows', none without it (llama-cpp-python
     compiles llama.cpp at install, so it is not used here)."""
-    os.environ.setdefault("LLAMA_CPP_BACKEND", "cpu")  # not its CUDA build on a GPU machine
-    try:
-        from llama.llama_cpp import ffi, lib
-    except ImportError:
+    bindings = llama_cpp()
+    if bindings is None:
         return []
+    ffi, lib = bindings
     lib.llama_backend_init()
     rows = []
     for role, path in zip(("draft", "target"), paths):
