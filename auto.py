@@ -55,8 +55,9 @@ ACCEPTANCE = 0.7  # a prior for sd: the chance that the target accepts a draft t
 def file_format(opened):
     """int4 when most of a model file's matmul values are 4-bit blocks (a Q4_K_M GGUF file, which int4 holds as they
     are: nearer the file than int8), else bf16: the format auto keeps unless another is clearly faster. opened: the
-    file's (Config, get, Tokenizer) as loading.open_weights gives them."""
-    c, get, _ = opened
+    file's loading.Opened."""
+    c = opened.config
+    get = opened.get
     sizes = {name: math.prod(s) for name, s in model.expected_shapes(c).items() if len(s) == 2}
     four = sum(n for name, n in sizes.items() if get(name, (0, 0, 1), "format") == "int4")
     return "int4" if 2 * four > sum(sizes.values()) else "bf16"
@@ -175,9 +176,9 @@ class Measurement:
         self.home = "bf16"  # the target file's own format (file_format)
         self.held = collections.Counter()  # {matrix: how many} of the target's that int4 holds in int8
         if target_file:
-            self.config = target_file[0]
+            self.config = target_file.config
             self.home = file_format(target_file)
-            names = formats.held_in_int8(*target_file[:2])
+            names = formats.held_in_int8(target_file.config, target_file.get)
             self.held = collections.Counter(name.rpartition(".")[2] for name in names)
         self.draft_home = file_format(draft_file) if draft_file else None  # None: no draft file to choose a format of
         self.draft_config = draft_config

@@ -416,7 +416,7 @@ class Engine:
             draft = None
         self.target = target if isinstance(target, model.Transformer) else None
         self.draft = draft if isinstance(draft, model.Transformer) else None
-        # [target, draft]: a path's (Config, get, Tokenizer) until load() reads its weights; None for a model or none
+        # [target, draft]: a path's loading.Opened until load() reads its weights; None for a model or none
         self.opened = [None if m is None or isinstance(m, model.Transformer) else loading.open_weights(m)
                        for m in (target, draft)]
         self.paths = [m if opened else None for m, opened in zip((target, draft), self.opened)]  # the files
@@ -437,12 +437,12 @@ class Engine:
         self.chosen = {}  # method -> the (N, K) auto measured for it
         dtype = torch.bfloat16 if self.auto else formats.weight_format(self.weights, device)
         if target_file:
-            self.config = model.shard_config(target_file[0], self.world)  # this rank's
+            self.config = model.shard_config(target_file.config, self.world)  # this rank's
         else:
             self.config = target.config
         self.draft_config = None
         if draft_file:
-            self.draft_config = draft_file[0]
+            self.draft_config = draft_file.config
         elif draft is not None:
             self.draft_config = draft.config
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
@@ -459,7 +459,7 @@ class Engine:
         if self.auto:
             self.measurement = auto.Measurement(self.opened, self.draft_config, unread,
                                                    scheduler.free_bytes(self.device), self.paths, remeasure)
-        self.tokenizer = target_file[2] if target_file else None
+        self.tokenizer = target_file.tokenizer if target_file else None
         self.failure = None
         # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
         self.observers = list(observers)
@@ -481,10 +481,10 @@ class Engine:
         if any(files) and self.rank == 0:
             print(f"loading {reading(files)} ...", file=sys.stderr, flush=True)
         if self.target is None and target_file:
-            self.target = loading.build(*target_file[:2], self.device, self.dtype, tp=(self.rank, self.world),
+            self.target = loading.build(target_file.config, target_file.get, self.device, self.dtype, tp=(self.rank, self.world),
                                         weights=self.weights)
         if self.draft is None and draft_file:
-            self.draft = loading.build(*draft_file[:2], self.device, self.dtype, weights=self.draft_weights,
+            self.draft = loading.build(draft_file.config, draft_file.get, self.device, self.dtype, weights=self.draft_weights,
                                        wider=False)
         self.opened = [None, None]
         return self
