@@ -166,10 +166,11 @@ class Measurement:
     Built when the engine opens its files, from what they hold: opened, the engine's [target, draft] as
     loading.open_weights opened them (the draft's None: a draft model given, or none); draft_config, the draft's
     Config, file or model, or None; unread_bytes, what the files' weights take in bf16; free_bytes, the memory free;
-    paths, the [target, draft] files (the target's None: nothing kept); remeasure: measure what the file keeps again."""
+    paths, the [target, draft] files (the target's None: nothing kept); remeasure: measure what the file keeps again;
+    say(line): where its one-time lines go (measuring, read back, not kept)."""
 
     def __init__(self, opened=(None, None), draft_config=None, unread_bytes=0, free_bytes=math.inf, paths=(None, None),
-                 remeasure=False):
+                 remeasure=False, say=None):
         target_file = opened[0]
         draft_file = opened[1]
         self.config = None
@@ -189,6 +190,7 @@ class Measurement:
         self.path = None  # the file that keeps the choices: one per machine and pair of models
         self.kept = {}  # decision -> (choice, line) read from that file
         self.measured = {}  # decision -> (choice, line) measured by this process, for that file
+        self.say = say  # say(line): where the lines below go (None: nowhere)
         self.said = set()  # the one-time lines said: "measuring", "read back", "not kept"
         if paths[0]:
             self.key = machine_key(paths, draft_config)
@@ -197,9 +199,9 @@ class Measurement:
             self.read_file()
 
     def say_once(self, what, line):
-        if what not in self.said:
+        if what not in self.said and self.say:
             self.said.add(what)
-            print(line, file=sys.stderr, flush=True)
+            self.say(line)
 
     def read_file(self):
         """The choices and timings self.path keeps, if it is readable (else one line: measured again)."""
@@ -353,7 +355,7 @@ class Measurement:
         return clear_winner(costs, home), costs
 
     def choose_weights(self, shape):
-        """-> ((the target's format, the draft's), the line that says so): for each model the format (formats.FORMATS) whose
+        """-> ((the target's format, the draft's), the line that says so): for each model the format (FORMATS) whose
         part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs least on this machine,
         if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its format changes
         only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is int4

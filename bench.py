@@ -149,7 +149,7 @@ def open_pair(args, device, world=1):
     if args.target:
         paths = (args.draft, args.target)
     weights = args.weights or DTYPE_FORMATS[args.dtype]
-    return engine.Engine(paths[1], paths[0], device, weights), paths
+    return engine.Engine(paths[1], paths[0], device, weights, on_line=engine.say), paths  # auto's lines on stderr
 
 
 def load_pair(args, device, world=1):

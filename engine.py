@@ -207,6 +207,9 @@ class Settings:
                      cuda_graphs=self.cuda_graphs, overlap=self.overlap)
 
 
+SETTINGS = {f.name for f in fields(Settings)}  # a request's options that are Settings'
+
+
 def option_name(name):
     """A Settings field's name as its command-line option says it: draft-len."""
     return name.replace("_", "-")
@@ -405,9 +408,10 @@ class Engine:
     is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
     model's measured once on this machine and kept; remeasure: measured again). Under torchrun each rank holds its
     target shard and decodes alike (same logits and rng). observers: each told (batch, phase, seconds) of every phase
-    the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched."""
+    the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched. on_line(text): each line the
+    engine reports (auto's measuring and choices, the files it reads); None: none is shown."""
 
-    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=()):
+    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=(), on_line=None):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
@@ -453,12 +457,13 @@ class Engine:
         if self.target:
             self.device = self.target.device
             self.dtype = self.target.embed.dtype
+        self.on_line = on_line
         unread = scheduler.unread_bytes(self)
         scheduler.check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
         self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
         if self.auto:
             self.measurement = auto.Measurement(self.opened, self.draft_config, unread,
-                                                   scheduler.free_bytes(self.device), self.paths, remeasure)
+                                                scheduler.free_bytes(self.device), self.paths, remeasure, self.say)
         self.tokenizer = target_file.tokenizer if target_file else None
         self.failure = None
         # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
@@ -474,20 +479,55 @@ class Engine:
             shape = shape or Settings().resolve(self.device).shape(self.racer)
             (self.weights, self.draft_weights), line = self.measurement.choose_weights(shape)
             self.dtype = formats.FORMATS[self.weights]
-            print(line, file=sys.stderr)
+            self.say(line)
         target_file = self.opened[0]
         draft_file = self.opened[1]
         files = [path if opened else None for path, opened in zip(self.paths, self.opened)]  # those not yet read
         if any(files) and self.rank == 0:
-            print(f"loading {reading(files)} ...", file=sys.stderr, flush=True)
+            self.say(f"loading {reading(files)} ...")
         if self.target is None and target_file:
-            self.target = loading.build(target_file.config, target_file.get, self.device, self.dtype, tp=(self.rank, self.world),
-                                        weights=self.weights)
+            self.target = loading.build(target_file.config, target_file.get, self.device, self.dtype,
+                                        tp=(self.rank, self.world), weights=self.weights)
         if self.draft is None and draft_file:
-            self.draft = loading.build(draft_file.config, draft_file.get, self.device, self.dtype, weights=self.draft_weights,
-                                       wider=False)
+            self.draft = loading.build(draft_file.config, draft_file.get, self.device, self.dtype,
+                                       weights=self.draft_weights, wider=False)
         self.opened = [None, None]
         return self
+
+    def drafts(self):
+        """What drafts for this engine: "model", "racer", or None (no draft: ar only)."""
+        if self.racer:
+            return "racer"
+        if self.draft_config:
+            return "model"
+        return None
+
+    def say(self, line):
+        if self.on_line:
+            self.on_line(line)
+
+    def choose(self, methods):
+        """weights auto: the (N, K) of each of methods (smc, sd) that requests resolve to where they leave it open,
+        measured once on this machine (kept; each said, with a note where ar or sd is predicted faster)."""
+        for method in methods:
+            self.chosen[method], line = self.measurement.choose_shape(method, self.weights, self.draft_weights)
+            self.say(line)
+            _, note = self.measurement.speed_note(method, self.chosen[method], self.weights, self.draft_weights)
+            if note:
+                self.say(note)
+
+    def unchosen(self, items):
+        """The methods of items ({"prompt", options...}) whose (N, K) auto is still to choose: smc's and sd's, where
+        an item leaves them open."""
+        methods = set()
+        if not (self.auto and self.draft_config):
+            return methods
+        for item in items:
+            method = item.get("method", Settings.method)
+            given = item.get("draft_len") is not None and (item.get("particles") is not None or method == "sd")
+            if method in ("smc", "sd") and not given and method not in self.chosen:
+                methods.add(method)
+        return methods
 
     @property
     def models(self):
@@ -522,8 +562,9 @@ class Engine:
                 **options):
         """A prompt (text or ids) and options (Settings' fields) -> a checked Request, before any weight is read;
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
-        block) a slot of the serving batch holds, where that is below the models' context."""
-        s = Settings.of(options).check(self.config.vocab_size, "racer" if self.racer else self.draft_config and "model")
+        block) a slot of the serving batch holds, where that is below the models' context. N and K left open are
+        auto's choice (`choose`, which `prepared` runs) or the defaults: a request measures nothing."""
+        s = Settings.of(options).check(self.config.vocab_size, self.drafts())
         if isinstance(stop, str):
             stop = [stop]
         strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)
@@ -531,18 +572,7 @@ class Engine:
         require(not stop or self.tokenizer is not None, "stop strings need a tokenizer: this engine's models have "
                 "none", "stop")
         ids = self.encode(prompt)
-        measured = s.method in ("smc", "sd") and not (s.draft_len and (s.particles or s.method == "sd")) and \
-            self.auto and self.draft_config and s.method not in self.chosen  # once, at the method's first request
-        if measured:
-            self.check_least_shape(ids, s, context)
-            self.chosen[s.method], line = self.measurement.choose_shape(s.method, self.weights, self.draft_weights)
-            print(line, file=sys.stderr)
         settings = s.resolve(self.device, self.chosen)
-        cell = (settings.particles, settings.draft_len)
-        if measured and cell == self.chosen[s.method]:  # not where a given N or K overrides it
-            _, note = self.measurement.speed_note(s.method, cell, self.weights, self.draft_weights)
-            if note:
-                print(note, file=sys.stderr)
         shape = settings.shape(self.racer)
         drafter = None
         if shape.tree:
@@ -550,39 +580,62 @@ class Engine:
         return Request(ids, settings, shape, capacity(self, len(ids), settings, shape, context), stop, self.tokenizer,
                        self.ends, drafter, on_tokens, on_text, on_done, on_cycle)
 
-    def check_least_shape(self, ids, settings, context):
-        """The context and memory a request needs in the least shape auto may choose (a draft block of one, one
+    def check_least_shape(self, item):
+        """The context and memory item's request needs in the least shape auto may choose (a draft block of one, one
         particle unless given): a request that fails there fails in every shape, so it is refused before measuring."""
-        least = settings.resolve(self.device, {method: (1, 1) for method in METHODS})
+        options = {name: value for name, value in item.items() if name in SETTINGS}
+        least = Settings.of(options).check(self.config.vocab_size, self.drafts())
+        least = least.resolve(self.device, {method: (1, 1) for method in METHODS})
         shape = least.shape(self.racer)
-        scheduler.check_memory(self, [Request(ids, least, shape, capacity(self, len(ids), least, shape, context))], 1)
+        ids = self.encode(item.get("prompt"))
+        needs = capacity(self, len(ids), least, shape, item.get("context"))
+        scheduler.check_memory(self, [Request(ids, least, shape, needs)], 1)
+
+    def prepared(self, items, numbered=True):
+        """Checked Requests of items ({"prompt": text or ids, **options}); under weights auto the (N, K) they leave
+        open measured first (`choose`), once every item fits the least shape auto may choose. numbered: an error
+        names its prompt's number."""
+        methods = self.unchosen(items)
+        if methods:
+            self.each(items, self.check_least_shape, numbered)
+            self.choose(sorted(methods))
+        return self.each(items, lambda item: self.request(**item), numbered)
+
+    def each(self, items, fn, numbered):
+        """[fn(item)] for items; numbered: a UsageError (or a wrong keyword) names the item's number."""
+        out = []
+        for i, item in enumerate(items):
+            try:
+                out.append(fn(item))
+            except (UsageError, TypeError) as error:
+                if not numbered:
+                    raise
+                raise UsageError(f"prompt {i + 1}: {error}", getattr(error, "param", None)) from None
+        return out
 
     def requests(self, prompts, **options):
         """Checked Requests for a list of prompts, each text, ids, or {"prompt": ..., **options of its own}."""
-        out = []
-        for i, prompt in enumerate(prompts):
-            try:
-                if isinstance(prompt, dict):
-                    out.append(self.request(**(options | prompt)))
-                else:
-                    out.append(self.request(prompt, **options))
-            except (UsageError, TypeError) as error:
-                raise UsageError(f"prompt {i + 1}: {error}", getattr(error, "param", None)) from None
-        return out
+        items = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                items.append(options | prompt)
+            else:
+                items.append(options | {"prompt": prompt})
+        return self.prepared(items)
 
     def generate(self, prompt, on_tokens=None, slots=None, **options):
         """prompt: text, ids or {"prompt": ..., **its options} -> Result(text, tokens, stats); a list of prompts ->
         [Result], decoded together, `slots` at a time (default: up to BATCH), each with its own randomness. options:
         Settings' fields, and stop. on_tokens(settled tokens), called as more settle, stops the request by returning
-        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight); serving
-        also "refused" (too large for a slot or the memory free), "error" and "cancelled"."""
+        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight);
+        serving also "refused" (too large for a slot or the memory free), "error" and "cancelled"."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
         if isinstance(prompt, dict):
             one = options | prompt
         else:
             one = options | {"prompt": prompt}
-        return self.run([self.request(on_tokens=on_tokens, **one)], 1)[0]
+        return self.run(self.prepared([one | {"on_tokens": on_tokens}], numbered=False), 1)[0]
 
     def run(self, requests, slots=None):
         """Decode checked Requests to the end -> their Results."""
@@ -835,7 +888,7 @@ def prepare(args, batch, world):
     if not batch:
         require(prompt.strip(), f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
     target, draft = model_paths(args.target, args.draft)
-    e = Engine(target, draft, args.device, args.weights, args.remeasure)
+    e = Engine(target, draft, args.device, args.weights, args.remeasure, on_line=say)
     if args.chat:
         require(e.tokenizer and e.tokenizer.chat_template, f"--chat: {target} has no chat template; give the prompt "
                 "as the model should read it")
@@ -854,7 +907,7 @@ def prepare(args, batch, world):
     if batch:
         requests = e.requests(items, **options)
     else:
-        requests = [e.request(**(options | items[0]))]
+        requests = e.prepared([options | items[0]], numbered=False)
     scheduler.check_memory(e, requests, args.slots)
     return e, requests, prompt
 
@@ -885,6 +938,11 @@ class PrefillProgress:
             print(f"prefill of {self.tokens} prompt tokens: {done} of {layers} layers, {now - self.start:.0f} s",
                   file=sys.stderr, flush=True)
             self.said = now
+
+
+def say(line):
+    """The CLI's engine lines, on stderr."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def print_piece(piece):

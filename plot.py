@@ -18,8 +18,8 @@ class Tracer:
     resampling, the ESS, whether the request resampled and each particle's ancestor, the settled and generated
     lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how many were accepted; and the
     phase times, `phase` being one of the engine's observers (draft, verify with the method's rule, cycle; a CUDA
-    graph's replay: the cycle alone). A first line holds the settings, a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no
-    half-written trace is left."""
+    graph's replay: the cycle alone). A first line holds the settings, a last one the result. Lines go to PATH.tmp,
+    renamed to PATH at the end, so no half-written trace is left."""
 
     def __init__(self, path, engine, request):
         self.path = path

@@ -407,14 +407,17 @@ def main(argv=None):
         engine.require(int(os.environ.get("WORLD_SIZE", 1)) == 1, "server.py serves from one process: tensor "
                        "parallelism (torchrun) is for engine.py; run the server without torchrun")
         target, draft = engine.model_paths(args.target, args.draft)
-        eng = engine.Engine(target, draft, engine.device_of(args.device), args.weights, args.remeasure)  # opens only
+        eng = engine.Engine(target, draft, engine.device_of(args.device), args.weights, args.remeasure,
+                            on_line=engine.say)  # opens only
         longest = eng.config.max_seq_len
         context = args.context or min(engine.CONTEXT, longest)
         engine.require(context <= longest, f"--context {context} exceeds the model's {longest} tokens")
         defaults = {name: getattr(args, name) for name in SERVED}
         if defaults["method"] is None:
             defaults["method"] = default_method(draft)
-        probe = eng.request([0], context=context, max_new_tokens=1, **defaults)  # checked before the weights
+        probe = {"prompt": [0], "context": context, "max_new_tokens": 1} | defaults
+        probe = eng.prepared([probe], numbered=False)[0]  # checked before the weights; auto's shape measured
+        eng.choose(eng.unchosen([{"method": method} for method in ("smc", "sd")]))  # the others' that clients ask
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (model.LoadError, engine.UsageError) as error:
         sys.exit(f"error: {error}")

@@ -54,7 +54,7 @@ def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monk
     """Two engines on the same files ("processes"), the second measuring float32 slow: it reads back the first's
     float32 and decodes the same tokens; remeasure measures again and chooses int8."""
     monkeypatch.setattr(auto.Measurement, "timed_calls", timings("float32"))
-    first = engine.Engine(path, path, weights="auto")
+    first = engine.Engine(path, path, weights="auto", on_line=engine.say)
     tokens = first.generate("w1 w2 w3", max_new_tokens=8, seed=3).tokens
     kept = first.measurement.path
     err = capsys.readouterr().err
@@ -63,13 +63,13 @@ def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monk
     assert os.path.dirname(kept) == os.environ[auto.CACHE_ENV] and os.listdir(os.path.dirname(kept)) == [
         os.path.basename(kept)]  # written whole, no temporary file left
     monkeypatch.setattr(auto.Measurement, "timed_calls", timings("int8"))
-    second = engine.Engine(path, path, weights="auto")
+    second = engine.Engine(path, path, weights="auto", on_line=engine.say)
     assert second.generate("w1 w2 w3", max_new_tokens=8, seed=3).tokens == tokens
     assert second.weights == "float32" and second.measurement.path == kept
     err = capsys.readouterr().err
     assert f"weights auto: read back from {kept} (measured once on this machine; --remeasure measures again)" in err
     assert "measuring" not in err
-    again = engine.Engine(path, path, weights="auto", remeasure=True).load()
+    again = engine.Engine(path, path, weights="auto", remeasure=True, on_line=engine.say).load()
     assert again.weights == "int8" and "(again, as asked; kept in " in capsys.readouterr().err
     assert engine.Engine(path, path, weights="auto").load().weights == "int8"  # what the last measuring kept
 
@@ -77,13 +77,13 @@ def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monk
 def test_the_key_is_the_machine_and_the_files(path, monkeypatch, tmp_path):
     """Another thread count, or a model file changed, is another file of choices; XDG_CACHE_HOME is honoured."""
     monkeypatch.setattr(auto.Measurement, "timed_calls", timings("float32"))
-    kept = engine.Engine(path, path, weights="auto").measurement.path
+    kept = engine.Engine(path, path, weights="auto", on_line=engine.say).measurement.path
     torch.set_num_threads(2)
-    assert engine.Engine(path, path, weights="auto").measurement.path != kept
+    assert engine.Engine(path, path, weights="auto", on_line=engine.say).measurement.path != kept
     torch.set_num_threads(1)
     config = os.path.join(path, "config.json")
     os.utime(config, ns=(0, os.stat(config).st_mtime_ns + 1))
-    assert engine.Engine(path, path, weights="auto").measurement.path != kept
+    assert engine.Engine(path, path, weights="auto", on_line=engine.say).measurement.path != kept
     monkeypatch.delenv(auto.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert auto.cache_folder() == str(tmp_path / "smcsd-mini")
@@ -93,11 +93,11 @@ def test_the_key_is_the_machine_and_the_files(path, monkeypatch, tmp_path):
 
 def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(auto.Measurement, "timed_calls", timings("float32"))
-    e = engine.Engine(path, path, weights="auto").load()
+    e = engine.Engine(path, path, weights="auto", on_line=engine.say).load()
     with open(e.measurement.path, "w") as f:
         f.write('{"key": ')  # half a file
     capsys.readouterr()
-    again = engine.Engine(path, path, weights="auto").load()
+    again = engine.Engine(path, path, weights="auto", on_line=engine.say).load()
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith(f"weights auto: {e.measurement.path} is unreadable (") and \
         lines[0].endswith("; measuring again")
@@ -105,7 +105,7 @@ def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monke
     assert json.load(open(e.measurement.path))["choices"]  # replaced, whole
     (tmp_path / "file").write_text("")
     monkeypatch.setenv(auto.CACHE_ENV, str(tmp_path / "file" / "cache"))  # a folder that cannot be made
-    assert engine.Engine(path, path, weights="auto").load().weights == "float32"
+    assert engine.Engine(path, path, weights="auto", on_line=engine.say).load().weights == "float32"
     assert "weights auto: cannot keep the choices in " in capsys.readouterr().err
 
 
@@ -136,9 +136,9 @@ def sleeping_costs(seconds):
 
 @pytest.mark.slow
 def test_no_measuring_inside_a_requests_timed_span(path, monkeypatch):
-    """Request.start is set when a slot admits it, after load() and request() have measured: the stats' seconds and
+    """Request.start is set when a slot admits it, after load() and choose() have measured: the stats' seconds and
     tok/s leave the measuring out."""
-    e = engine.Engine(path, path, weights="auto")
+    e = engine.Engine(path, path, weights="auto", on_line=engine.say)
     monkeypatch.setattr(e.measurement, "cycle_costs", sleeping_costs(0.5))
     began = time.perf_counter()
     stats = e.generate("w1 w2", max_new_tokens=4, seed=1).stats
@@ -157,20 +157,20 @@ def linear(base, per_row, step):
 def test_a_method_predicted_slower_than_ar_or_sd_says_so(path, monkeypatch, capsys):
     """smc 3x2's 9 verify rows on a CPU whose matmuls cost by the row: one note line, with the faster option;
     none where its rows come almost free."""
-    e = engine.Engine(path, path, weights="auto")
+    e = engine.Engine(path, path, weights="auto", on_line=engine.say)
     monkeypatch.setattr(e.measurement, "cycle_costs", linear(10, 10, 2))  # ar 20 ms a token, smc 3x2 (100 + 4) / 3
-    e.request("w1", max_new_tokens=4)
+    e.requests(["w1"], max_new_tokens=4)  # auto's shape chosen: e.choose
     assert capsys.readouterr().err.splitlines()[-1] == ("note: smc 3x2 is predicted to run at 0.58x ar here (measured "
                                                         "matmul costs); --method ar is faster on this machine")
-    fast = engine.Engine(path, path, weights="auto", remeasure=True)
+    fast = engine.Engine(path, path, weights="auto", remeasure=True, on_line=engine.say)
     monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 1, 5))  # ar 51, smc (59 + 10) / 3, sd K=4 27
-    fast.request("w1", max_new_tokens=4)
+    fast.requests(["w1"], max_new_tokens=4)
     assert "note:" not in capsys.readouterr().err
     assert fast.measurement.speed_note("smc", (3, 2))[0] == pytest.approx(2.22, abs=0.01)
     monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 5, 2))  # ar 55, smc 99 / 3, sd K=4 83 / 2.77
     assert fast.measurement.speed_note("smc", (3, 2), "bf16", "bf16")[1] == (
         "note: smc 3x2 is predicted to run at 1.67x ar here (measured matmul costs); --method sd (1.84x) is faster on "
         "this machine")
-    again = engine.Engine(path, path, weights="auto")  # kept: read back, not measured
+    again = engine.Engine(path, path, weights="auto", on_line=engine.say)  # kept: read back, not measured
     monkeypatch.setattr(again.measurement, "cycle_costs", None)
     assert again.measurement.speed_note("smc", (3, 2))[1] == ""

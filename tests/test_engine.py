@@ -1314,19 +1314,22 @@ def test_cli_streams_text_then_a_summary(pair):
 
 @pytest.mark.slow
 def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, monkeypatch, capsys):
-    """Under weights auto, smc's default (N, K) is measured at its first request: the bench grid's cell whose cycle
-    costs least per token, if clearly (a fifth and 5 ms: not on these tiny models), else 3 x 2; given N or K stay."""
-    e = engine.Engine(*pair, weights="auto")
-    first, again = e.request("w1 w2", max_new_tokens=8), e.request("w3", draft_len=3, max_new_tokens=8)
+    """Under weights auto, smc's default (N, K) is measured before its first requests (Engine.choose, from requests
+    and generate; a bare request measures nothing): the bench grid's cell whose cycle costs least per token, if
+    clearly (a fifth and 5 ms: not on these tiny models), else 3 x 2; given N or K stay."""
+    e = engine.Engine(*pair, weights="auto", on_line=engine.say)
+    assert e.request("w1 w2", max_new_tokens=8).shape.particles == 3 and not capsys.readouterr().err  # no measuring
+    first, again = e.requests(["w1 w2", {"prompt": "w3", "draft_len": 3}], max_new_tokens=8)
     chose = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note: ")]
     assert len(chose) == 2 and re.fullmatch(r"smc shape: 3x2 \(measured ms per token, a cycle's matmuls in its "
                                              r"cheapest formats: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[1])
     assert (first.shape.particles, first.shape.draft_len, again.shape.particles, again.shape.draft_len) == (3, 2, 3, 3)
     loaded = engine.Engine(*pair, weights="auto")  # as if auto had loaded int4, which these shapes cannot pack
     assert loaded.measurement.choose_shape("smc", "int4", "int4")[0] == (3, 2)  # each model timed in bf16 instead
-    picked = engine.Engine(*pair, weights="auto")
+    picked = engine.Engine(*pair, weights="auto", on_line=engine.say)
     monkeypatch.setattr(picked.measurement, "choose_shape", lambda method, *weights: ((4, 4), "smc shape: 4x4"))
-    wide, given = (picked.request("w1", max_new_tokens=8, **k) for k in ({"method": "smc"}, {"particles": 2}))
+    wide, given = picked.requests([{"prompt": "w1", "method": "smc"}, {"prompt": "w1", "particles": 2}],
+                                  max_new_tokens=8)
     assert (wide.shape.particles, wide.shape.draft_len, given.shape.particles, given.shape.draft_len) == (4, 4, 2, 4)
     assert picked.generate("w1 w2", max_new_tokens=6, seed=1).stats["particles"] == 4
     assert "(measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
@@ -1342,10 +1345,10 @@ def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeyp
     def costs(verify, step):  # verify {K: ms}; ar's one row 30
         return lambda cells, fmts, drafts: ({"int4": {c: verify.get(c[1], 30) for c in cells}, "bf16": {c: 500 for c
                                              in cells}}, {"int4": {c: c[1] * step for c in cells}})
-    e = engine.Engine(*pair, weights="auto")
+    e = engine.Engine(*pair, weights="auto", on_line=engine.say)
     monkeypatch.setattr(e.measurement, "cycle_costs", costs({2: 64, 3: 68, 4: 150, 5: 160, 6: 170}, 4))
-    assert e.request("w1", method="sd", max_new_tokens=8).shape.draft_len == 3
-    assert e.request("w2", method="sd", max_new_tokens=8, draft_len=5).shape.draft_len == 5
+    assert e.requests(["w1"], method="sd", max_new_tokens=8)[0].shape.draft_len == 3
+    assert e.requests(["w2"], method="sd", max_new_tokens=8, draft_len=5)[0].shape.draft_len == 5
     measuring, line, note = capsys.readouterr().err.splitlines()  # once an engine
     assert line.startswith("sd shape: K=3 (") and "K=3 32, K=4 60" in line  # (3 * 4 + 68) / (1 + .7 + .49 + .343)
     assert note == "note: sd K=3 is predicted to run at 0.95x ar here (measured matmul costs); --method ar is faster " \

@@ -473,7 +473,7 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
     assert auto.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
     assert auto.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
     assert auto.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
-    e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto").load()  # smc 3x2 by default
+    e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto", on_line=engine.say).load()  # smc 3x2 by default
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("weights: "))
     assert re.fullmatch(r"weights: (bf16|float32|int8|int4), draft (bf16|float32|int8|int4) \(measured ms per smc "
                         r"cycle at 9 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+; its 2 draft steps at 3 rows: "
