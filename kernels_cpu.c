@@ -8,8 +8,9 @@
  * vector t in the low nibbles and vector t + 4 in the high nibbles of 4 vectors (256 bytes).
  * Activations: xq int8 [rows, in], and per row and group dx (its step) and xs (dx x the sum of its codes), so a
  * group adds scale x dx x sum(code x xq) + low x xs to each column.
- * Speed: each group's codes are read and unpacked once for a tile of up to 16 rows, held in registers; a row's
- * group costs 8 dot-product instructions and 4 float ones; software prefetch runs ahead of the stream.
+ * Speed: a tile of rows x panels keeps its int32 sums and float accumulators in registers; each group's codes are
+ * read and unpacked once for the tile's rows, each row's activations broadcast once for its panels; the rows' sums
+ * are independent chains, interleaved; software prefetch runs ahead of the weight stream.
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,50 +87,69 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *
 /* ------------------------------------------------------------ one panel x a tile of rows */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KERNEL_ISA "avx512_vnni"
-#define MAX_TILE 16 /* rows sharing one pass over a panel: 16 accumulators and 8 code vectors in 32 registers */
+#define MAX_TILE 6 /* rows x panels x (a sum + an accumulator) and the codes in use fit 32 registers */
+#define PANELS 2 /* panels a tile: each broadcast activation feeds this many dot products */
 
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
-    __m512 acc[MAX_TILE];
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
+        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
+        int64_t out) {
+    __m512 acc[MAX_TILE][PANELS];
     #pragma GCC unroll 16
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < panels; c++) acc[r][c] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15);
     int gb = group_bytes(bits);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p = panel + g * gb;
-        #pragma GCC unroll 9
-        for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
-        __m512i w[8];
-        int loads = bits == 4 ? 4 : 8; /* a 4-bit vector unpacks into two */
-        #pragma GCC unroll 8
-        for (int t = 0; t < loads; t++) {
-            __m512i b = _mm512_loadu_si512(p + 64 * t);
-            w[t] = bits == 4 ? _mm512_and_si512(b, nibble) : b;
-            if (bits == 4) w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
-        }
-        const uint8_t *f = p + bits * PANEL * GROUP / 8;
-        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
-        __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + 32)));
+        __m512i s[MAX_TILE][PANELS];
         #pragma GCC unroll 16
-        for (int r = 0; r < rows; r++) {
-            const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
-            __m512i s0 = _mm512_setzero_si512();
-            __m512i s1 = _mm512_setzero_si512(); /* two chains where few rows would wait on one */
-            #pragma GCC unroll 8
-            for (int t = 0; t < 8; t++) {
-                if (rows < 4 && t % 2) s1 = _mm512_dpbusd_epi32(s1, w[t], _mm512_set1_epi32(a[t]));
-                else s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(a[t]));
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < panels; c++) s[r][c] = _mm512_setzero_si512();
+        #pragma GCC unroll 4
+        for (int c = 0; c < panels; c++) {
+            const uint8_t *p = panel + c * panel_bytes + g * gb;
+            #pragma GCC unroll 9
+            for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
+        }
+        /* inputs 4t .. 4t + 3 of every row in turn: the rows' sums are independent chains, interleaved here */
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            int t = bits == 4 ? i / 2 + 4 * (i % 2) : i; /* 4-bit: t and t + 4 come from one vector */
+            __m512i codes[PANELS];
+            #pragma GCC unroll 4
+            for (int c = 0; c < panels; c++) {
+                const uint8_t *p = panel + c * panel_bytes + g * gb;
+                if (bits == 8) codes[c] = _mm512_loadu_si512(p + 64 * t);
+                else if (t < 4) codes[c] = _mm512_and_si512(_mm512_loadu_si512(p + 64 * t), nibble);
+                else codes[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * (t - 4)), 4), nibble);
             }
-            __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), step, acc[r]);
-            acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * (in / GROUP) + g]), acc[r]);
+            #pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
+                __m512i x = _mm512_set1_epi32(a[t]);
+                #pragma GCC unroll 4
+                for (int c = 0; c < panels; c++) s[r][c] = _mm512_dpbusd_epi32(s[r][c], codes[c], x);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int c = 0; c < panels; c++) {
+            const uint8_t *f = panel + c * panel_bytes + g * gb + bits * PANEL * GROUP / 8;
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
+            __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + 32)));
+            #pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), step, acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * (in / GROUP) + g]), acc[r][c]);
+            }
         }
     }
     #pragma GCC unroll 16
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * out, acc[r]);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < panels; c++) _mm512_storeu_ps(y + r * out + c * PANEL, acc[r][c]);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PANELS 1
 #define MAX_TILE 3 /* 16 registers: 3 rows x (2 sums + 2 accumulators) and the codes being used */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KERNEL_ISA "avx512_vnni_256"
@@ -155,8 +175,11 @@ static inline __attribute__((always_inline)) __m256i dot_codes(__m256i sum, __m2
 #endif
 }
 
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
+        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
+        int64_t out) {
+    (void)panel_bytes; /* one panel a tile */
+    (void)panels;
     __m256 acc[MAX_TILE][2];
     #pragma GCC unroll 3
     for (int r = 0; r < rows; r++) {
@@ -212,11 +235,15 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 #else
 #define KERNEL_ISA "portable"
 #define MAX_TILE 1
+#define PANELS 1
 
-static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int8_t *xq, const float *dx,
-        const float *xs, int64_t in, int rows, float *y, int64_t out) {
+static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
+        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
     int gb = group_bytes(bits);
-    (void)rows; /* one row a tile */
+    (void)panel_bytes; /* one panel and one row a tile */
+    (void)panels;
+    (void)rows;
+    (void)in;
     for (int c = 0; c < PANEL; c++) {
         float acc = 0;
         for (int64_t g = 0; g < groups; g++) {
@@ -242,21 +269,38 @@ static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int
 }
 #endif
 
-/* A tile of each row count and code width, so that every loop over rows unrolls into registers. */
+/* A tile of each row count, panel count and code width, so that every loop over them unrolls into registers. */
 #define TILE(n) case n: \
-    if (bits == 4) panel_tile(panel, 4, groups, xq, dx, xs, in, n, y, out); \
-    else panel_tile(panel, 8, groups, xq, dx, xs, in, n, y, out); \
+    if (bits == 4 && panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 4, groups, xq, dx, xs, in, n, y, out); \
+    else if (bits == 4) panel_tile(panel, panel_bytes, 1, 4, groups, xq, dx, xs, in, n, y, out); \
+    else if (panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 8, groups, xq, dx, xs, in, n, y, out); \
+    else panel_tile(panel, panel_bytes, 1, 8, groups, xq, dx, xs, in, n, y, out); \
     break;
 
-static void panel_rows(const uint8_t *panel, int bits, int64_t groups, const int8_t *xq, const float *dx,
-        const float *xs, int64_t in, int rows, float *y, int64_t out) {
+static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
+        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
     switch (rows) {
         TILE(1)
-#if MAX_TILE >= 3
-        TILE(2) TILE(3)
+#if MAX_TILE >= 2
+        TILE(2)
 #endif
-#if MAX_TILE >= 16
-        TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14) TILE(15) TILE(16)
+#if MAX_TILE >= 3
+        TILE(3)
+#endif
+#if MAX_TILE >= 4
+        TILE(4)
+#endif
+#if MAX_TILE >= 5
+        TILE(5)
+#endif
+#if MAX_TILE >= 6
+        TILE(6)
+#endif
+#if MAX_TILE >= 7
+        TILE(7)
+#endif
+#if MAX_TILE >= 8
+        TILE(8)
 #endif
     }
 }
@@ -267,14 +311,21 @@ void matmul(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *x
     int64_t groups = in / GROUP;
     int64_t panel_bytes = groups * group_bytes(bits);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
-    int64_t panels = out / PANEL;
+    int64_t blocks = (out / PANEL + PANELS - 1) / PANELS; /* PANELS panels each, the last maybe fewer */
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t first_panel = b * PANELS;
+        int panels = out / PANEL - first_panel < PANELS ? (int)(out / PANEL - first_panel) : PANELS;
         for (int64_t t = 0; t < tiles; t++) {
-            int64_t first = rows * t / tiles; /* tiles of balanced size: 20 rows are 10 + 10, not 16 + 4 */
+            int64_t first = rows * t / tiles; /* tiles of balanced size: 9 rows are 5 + 4, not 6 + 3 */
             int64_t n = rows * (t + 1) / tiles - first;
-            panel_rows(w + p * panel_bytes, bits, groups, xq + first * in, dx + first * groups, xs + first * groups,
-                       in, (int)n, y + first * out + p * PANEL, out);
+            for (int done = 0; done < panels;) { /* a last block of fewer panels goes one panel at a time */
+                int now = panels - done == PANELS ? PANELS : 1;
+                panel_rows(w + (first_panel + done) * panel_bytes, panel_bytes, now, bits, groups, xq + first * in,
+                           dx + first * groups, xs + first * groups, in, (int)n,
+                           y + first * out + (first_panel + done) * PANEL, out);
+                done += now;
+            }
         }
     }
 }
