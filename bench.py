@@ -13,13 +13,13 @@ import os
 import platform
 import statistics
 import string
-import subprocess
 import sys
 import time
 import timeit
 
 import torch
 
+import auto
 import decode
 import engine
 import formats
@@ -28,6 +28,7 @@ import loading
 import model
 import peers
 import quality
+import scheduler
 
 CODE_PROMPT = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; return them sorted by start.
@@ -56,29 +57,16 @@ DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weigh
 # ---------------------------------------------------------------- machine
 
 
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def cpu_flags():
-    """The CPU's vector and matrix extensions that decide which weight format is fast (Linux: /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(flag for flag in set(flags) if flag.startswith(("avx", "amx", "fma", "f16c")))
+    """The CPU's vector and matrix extensions that decide which weight format is fast."""
+    return sorted(flag for flag in set(auto.cpu()["flags"]) if flag.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def machine(device):
     gpu = None
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": auto.cpu()["name"], "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "device": str(device), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -105,31 +93,25 @@ def copy_bandwidth(device, repeats=5):
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        engine.synchronize(device)
+        scheduler.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        engine.synchronize(device)
+        scheduler.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.nbytes / best / 1e9
 
 
 @contextlib.contextmanager
 def phase_times(e):
-    """Yields {phase: [seconds]}: what e's batches time in the block (Engine.on_phase): decode's draft_block and
-    verify_cycle of every eager cycle, on the thread that runs it, and "record", a batch's CUDA graphs recorded.
-    Blocks nest: an outer block's hook hears them too."""
+    """Yields {phase: [seconds]}: what e's batches time in the block (an observer of e's): decode's draft_block and
+    verify_cycle of every eager cycle, on the thread that runs it, "cycle" for a CUDA graph's replay, and "record", a
+    batch's CUDA graphs recorded. Blocks nest: every block's observer hears them."""
     spent = collections.defaultdict(list)
-    before = e.on_phase
 
     def collect(batch, phase, seconds):
         spent[phase].append(seconds)
-        if before:
-            before(batch, phase, seconds)
-    e.on_phase = collect
-    try:
+    with e.watching(collect):
         yield spent
-    finally:
-        e.on_phase = before
 
 
 # ---------------------------------------------------------------- models
@@ -355,10 +337,10 @@ def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
     best = math.inf
     for _ in range(repeats):
         cache.suffix_len.fill_(suffix)
-        engine.synchronize(m.device)
+        scheduler.synchronize(m.device)
         start = time.perf_counter()
         m.step(tokens, cache)
-        engine.synchronize(m.device)
+        scheduler.synchronize(m.device)
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
 
@@ -920,7 +902,7 @@ def weight_costs(names, rows, shape=(17920, 1536)):
         per_copy = sum(t.numel() * t.element_size() for t in first.parameters()) if isinstance(
             first, torch.nn.Module) else w.numel() * w.element_size()
         ws = [first] + [copy.deepcopy(first) if isinstance(first, torch.nn.Module) else formats.converted(w, name)
-                        for _ in range(max(1, int(2 * formats.cache_bytes() // per_copy)))]
+                        for _ in range(max(1, int(2 * auto.cache_bytes() // per_copy)))]
         out[name] = {}
         for r in rows:
             x = torch.randn(r, shape[1], dtype=formats.FORMATS[name])

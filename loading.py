@@ -6,6 +6,7 @@ import math
 import mmap
 import os
 import struct
+import typing
 from functools import partial
 
 import torch
@@ -541,15 +542,22 @@ class Tokenizer:
 
 
 # ---------------------------------------------------------------- opening and loading
+class Opened(typing.NamedTuple):
+    """A model file opened, its weights not yet read."""
+    config: model.Config
+    get: typing.Callable  # checked_getter's: a tensor by its Hugging Face name, read when asked
+    tokenizer: typing.Any
+
+
 def open_weights(path):
-    """-> (Config, get (checked_getter's), Tokenizer) for a Hugging Face directory or a .gguf file."""
+    """-> Opened (Config, get, Tokenizer) for a Hugging Face directory or a .gguf file."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):
-        return open_hf_dir(path)
+        return Opened(*open_hf_dir(path))
     if path.endswith(".gguf"):
-        return open_gguf(path)
+        return Opened(*open_gguf(path))
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 

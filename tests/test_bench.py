@@ -280,7 +280,7 @@ def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, mo
     save_tiny("qwen2", path := str(tmp_path))
     pair = bench.engine.Engine(path, path, "cpu", "auto").load()
     other = "float32" if pair.weights != "float32" else "bf16"
-    monkeypatch.setattr(bench.formats.Measurement, "choose_weights",
+    monkeypatch.setattr(bench.auto.Measurement, "choose_weights",
                         lambda self, shape: ((other, other), "weights: " + other))
     args = bench.parse(["speed", "--weights", "auto", "--methods", "ar,sd", "--new-tokens", "4", "--repeats", "1"])
     ar = bench.ar_engine(pair, (path, path), args)
