@@ -18,7 +18,9 @@ import torch
 
 import formats
 import kernels
+import kernels_cpu
 import model
+from kernels_cpu import CACHE_ENV, cache_folder  # one folder for what the engine keeps: auto's choices, the kernel
 
 # ---------------------------------------------------------------- this machine
 @functools.cache
@@ -47,7 +49,8 @@ def cache_bytes():
 
 
 # ---------------------------------------------------------------- the formats this machine runs fastest
-BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5}  # a weight's
+BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.625}  # a weight's (w4a8: f16 scale, low)
+FOUR_BITS = ("int4", "w4a8")  # the formats that hold a file's 4-bit blocks as they are, its wider ones wide
 SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3)
 ACCEPTANCE = 0.7  # a prior for sd: the chance that the target accepts a draft token
 
@@ -72,16 +75,7 @@ def clear_winner(costs, home):
 
 
 # ---------------------------------------------------------------- auto's choices, kept once per machine
-CACHE_ENV = "SMCSD_MINI_CACHE"  # a folder for auto's choices in place of the user's cache directory's (tests set it)
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError)  # a kept file's problems
-
-
-def cache_folder():
-    """Where auto keeps its choices: $SMCSD_MINI_CACHE, else smcsd-mini in the user's cache directory (XDG's)."""
-    if os.environ.get(CACHE_ENV):
-        return os.environ[CACHE_ENV]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "smcsd-mini")
 
 
 def digest(text):
@@ -242,18 +236,20 @@ class Measurement:
             self.say_once("not kept", f"weights auto: cannot keep the choices in {self.path} ({error}); the next run "
                           "measures again")
 
-    def timed_calls(self, shape, fmt, rows):
-        """-> {rows: seconds of one call of model.linear on a weight of shape [out, in] in format fmt}: the best of two
-        passes over copies of it, back to back, that fill 1.5 times the CPU's last-level cache, so that each pass reads
-        every copy from memory (at most 256 copies: matrices that small are a tiny model's, whose forward hits the
-        cache too)."""
-        key = (*shape, fmt, torch.get_num_threads())
+    def timed_calls(self, shape, fmt, rows, wide=False):
+        """-> {rows: seconds of one call of model.linear on a weight of shape [out, in] in format fmt (wide: as it holds
+        a file's wider blocks)}: the best of two passes over copies of it, back to back, that fill 1.5 times the CPU's
+        last-level cache, so that each pass reads every copy from memory (at most 256 copies: matrices that small are
+        a tiny model's, whose forward hits the cache too)."""
+        if fmt == "int4" and wide:  # int4 holds them in int8: its timings
+            return self.timed_calls(shape, "int8", rows)
+        key = (*shape, fmt, wide, torch.get_num_threads())
         todo = [r for r in rows if key + (r,) not in self.timings]
         if todo:
             values = torch.linspace(-0.05, 0.05, shape[1], dtype=formats.FORMATS[fmt])  # they alter no timing
             w = values.repeat(shape[0], 1)
-            first = formats.converted(w, fmt)
-            copies = min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt])))
+            first = formats.converted(w, fmt, wide=wide)
+            copies = min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt] * (1 + wide))))
             ws = [first]
             for _ in range(copies):  # oneDNN's packed tensors cannot be copied: packed again
                 ws.append(copy.deepcopy(first) if isinstance(first, formats.Quantized) else formats.converted(w, fmt))
@@ -268,33 +264,35 @@ class Measurement:
         R x N x (K + 1) for a verify), in each of fmts that can hold c's shapes (w8a8, slow to pack, only if asked).
         Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
         and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
-        sample read alone costs more a weight). held {matrix: how many}: those int4 holds in int8 (a GGUF file's
-        wider blocks: held_in_int8), priced in int8."""
+        sample read alone costs more a weight). held {matrix: how many}: those int4 holds in int8 and w4a8 in 8-bit
+        codes (a GGUF file's wider blocks: held_in_int8), priced so."""
         q = c.n_heads * c.head_dim
         kv = c.n_kv_heads * c.head_dim
         head = -(-c.vocab_size // 128) * 16
         sizes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (head, c.dim)]
         shapes = dict(zip(formats.MATMULS, sizes))
         counts = {m: c.n_layers for m in formats.MATMULS[:4]} | {"lm_head": c.vocab_size / head}
-        held_int4 = bool(held and "int4" in fmts)
         threads_before = torch.get_num_threads()
         per_call = {}
+        wide_call = {}
         torch.set_num_threads(threads or threads_before)
         try:
-            for fmt in dict.fromkeys(list(fmts) + ["int8"] * held_int4):
+            for fmt in fmts:
                 try:
                     per_call[fmt] = {m: self.timed_calls(shape, fmt, rows) for m, shape in shapes.items()}
+                    if held and fmt in FOUR_BITS:
+                        wide_call[fmt] = {m: self.timed_calls(shapes[m], fmt, rows, wide=True) for m in held}
                 except model.LoadError:  # int4 on sizes it cannot pack
                     continue
         finally:
             torch.set_num_threads(threads_before)
         costs = {fmt: {r: 1e3 * sum(counts[m] * t[m][r] for m in t) for r in rows} for fmt, t in per_call.items()}
-        if held and "int4" in costs:  # its held share of each matrix at int8's cost
+        for fmt, wide in wide_call.items():  # its held share of each matrix at the wide cost
             for r in rows:
                 extra = sum(counts[m] * n / (1 if m == "lm_head" else c.n_layers) *
-                            (per_call["int8"][m][r] - per_call["int4"][m][r]) for m, n in held.items())
-                costs["int4"][r] += 1e3 * extra
-        return {fmt: costs[fmt] for fmt in fmts if fmt in costs}
+                            (wide[m][r] - per_call[fmt][m][r]) for m, n in held.items())
+                costs[fmt][r] += 1e3 * extra
+        return costs
 
     def fits(self, fmt):
         """Whether the weights in format fmt fit the memory free (its activations' dtype for every weight: an upper
@@ -302,14 +300,16 @@ class Measurement:
         return self.unread_bytes * formats.FORMATS[fmt].itemsize / torch.bfloat16.itemsize <= self.free_bytes
 
     def candidates(self):
-        """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
-        (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as
-        much); for the draft, those and int4, since its format changes only the proposals)."""
+        """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 and w4a8 for a
+        4-bit file (each holds its blocks as they are; elsewhere they change the model more: on request only, as
+        w8a8, whose rounded activations change it as much); for the draft, those and int4 and w4a8, since its format
+        changes only the proposals). w4a8 where its kernel builds here."""
+        four = tuple(f for f in FOUR_BITS if f != "w4a8" or kernels_cpu.library()[0] is not None)
         tried = ("bf16", "float32", "int8")
         if self.home == "int4":
-            tried += ("int4",)
+            tried += four
         fits = [f for f in tried if self.fits(f)]
-        drafts = fits + ["int4"] * ("int4" not in fits)
+        drafts = fits + [f for f in four if f not in fits]
         return fits, drafts
 
     def cycle_costs(self, shapes, formats, draft_formats):

@@ -436,7 +436,7 @@ class Engine:
         elif weights in (None, "auto"):
             self.weights = "bf16"
         else:
-            self.weights = weights
+            self.weights = formats.usable(weights)
         self.draft_weights = self.weights
         self.chosen = {}  # method -> the (N, K) auto measured for it
         dtype = torch.bfloat16 if self.auto else formats.weight_format(self.weights, device)

@@ -1,16 +1,22 @@
-"""Weight formats: one holds every matmul weight (FORMATS), as packed bf16 or float32, int8, int4 or calibrated w8a8
-(Quantized); converting a model's weights into one. Which one runs fastest on this machine is auto.py's question."""
+"""Weight formats: one holds every matmul weight (FORMATS), as packed bf16 or float32, int8, int4, w4a8 or calibrated
+w8a8 (Quantized); converting a model's weights into one. Which one runs fastest on this machine is auto.py's question."""
+import logging
+
 import torch
 
 import kernels
+import kernels_cpu
 import model
+
+log = logging.getLogger("smcsd")
 
 # One format holds every matmul weight (each block's wqkv, wo, w13, w2 and the head); activations, embeddings and norms
 # are in the dtype its kernels are fast with. None is fastest everywhere (on AVX2 without native bf16, oneDNN cannot
 # pack bf16, whose F.linear cost grows with rows; torch's int8 and int4 kernels want bf16 activations, much slower with
-# float32; w8a8's int8 products need float32 ones, calibrated): auto.py times them on the machine.
+# float32; w8a8's int8 products need float32 ones, calibrated; w4a8's kernel rounds float32 ones to int8 itself):
+# auto.py times them on the machine.
 FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16,
-           "w8a8": torch.float32}
+           "w8a8": torch.float32, "w4a8": torch.float32}
 MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")  # a block's matmul weights, then the model's head
 
 
@@ -23,18 +29,36 @@ def weight_format(fmt, device="cpu"):
         raise model.LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
     if fmt == "w8a8" and kind != "cpu":
         raise model.LoadError(f"w8a8 weights run on the CPU only (FBGEMM's int8 products); use int8 on {device}")
+    if fmt == "w4a8" and kind != "cpu":
+        raise model.LoadError(f"w4a8 weights run on the CPU only (kernels_cpu.c); use int4 on {device}")
     return FORMATS[fmt]
+
+
+def usable(fmt):
+    """fmt, or int4 where it is w4a8 and its kernel cannot be built here (a line on the "smcsd" log says why)."""
+    if fmt != "w4a8" or kernels_cpu.library()[0] is not None:
+        return fmt
+    log.warning("%s; using int4 (torch's kernel) instead of w4a8", kernels_cpu.library()[1])
+    return "int4"
 
 
 class Quantized(torch.nn.Module):
     """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it.
     blocks: int4's (q, scale_zero) as read from a file (then w gives only the shape, device and dtype). w8a8: FBGEMM's
-    packed int8 (`packed_bytes` of it) and float32 outlier columns (kernels.w8a8_linear), amax [in] calibration's."""
+    packed int8 (`packed_bytes` of it) and float32 outlier columns (kernels.w8a8_linear), amax [in] calibration's.
+    w4a8: kernels_cpu's packed codes of `bits` bits; blocks its (codes, scale, low) as read from a file."""
 
-    def __init__(self, fmt, w, blocks=None, amax=None):
+    def __init__(self, fmt, w, blocks=None, amax=None, bits=4):
         super().__init__()
         self.fmt = fmt
         self.packed_bytes = 0
+        if fmt in ("int4", "w4a8") and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernels' tiles
+            raise model.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+        if fmt == "w4a8":
+            self.bits = bits
+            codes, scale, low = blocks or kernels_cpu.quantize(w, bits)
+            self.packed = torch.nn.Parameter(kernels_cpu.pack(codes, scale, low, bits), requires_grad=False)
+            return
         if fmt == "w8a8":
             if amax is None:
                 amax = w.new_ones(w.shape[1])
@@ -42,8 +66,6 @@ class Quantized(torch.nn.Module):
             self.w_outliers = torch.nn.Parameter(w_outliers, requires_grad=False)
             self.packed_bytes = w.numel() + 4 * len(w)  # int8 values, a float32 scale a row
             return
-        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
-            raise model.LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
         if blocks is None:
             blocks = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
         q, scale = blocks
@@ -58,15 +80,22 @@ class Quantized(torch.nn.Module):
         """x [..., in] @ the weight.T + bias [out] (model.linear's for this weight)."""
         if self.fmt == "w8a8":
             y = kernels.w8a8_linear(x, self.packed, self.outliers, self.w_outliers)
+        elif self.fmt == "w4a8":
+            y = kernels_cpu.w4a8_linear(x, self.packed, self.bits)
         else:
             y = kernels.quantized_linear(x, self.q, self.scale)
         return y if bias is None else y + bias
 
 
-def converted(w, fmt, amax=None):
-    """w [out, in] (plain, activations' dtype) in weight format fmt for model.linear: int8, int4, w8a8 quantized (amax:
-    w8a8's calibration; None: no outliers known, as for timing); on the CPU, bf16 and float32 in oneDNN's blocked layout
-    if it packs the dtype (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
+def converted(w, fmt, amax=None, wide=False):
+    """w [out, in] (plain, activations' dtype) in weight format fmt for model.linear: int8, int4, w4a8, w8a8 quantized
+    (amax: w8a8's calibration; None: no outliers known, as for timing; wide: a file's wider blocks, which int4 holds
+    in int8 and w4a8 in 8-bit codes); on the CPU, bf16 and float32 in oneDNN's blocked layout if it packs the dtype
+    (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
+    if fmt == "w4a8":
+        return Quantized(fmt, w, bits=8 if wide else 4)
+    if fmt == "int4" and wide:
+        fmt = "int8"
     if fmt in ("int8", "int4", "w8a8"):
         return Quantized(fmt, w, amax=amax)
     packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -87,7 +116,8 @@ def matmuls(transformer):
 
 
 def held_in_int8(c, get):
-    """The matmul weights ('layers.3.w2', 'lm_head') int4 holds in int8: a file's wider blocks (get's "format")."""
+    """The matmul weights ('layers.3.w2', 'lm_head') int4 holds in int8 and w4a8 in 8-bit codes: a file's wider
+    blocks (get's "format")."""
     held = set()
     for param, tensors, _ in model.layout(c):
         if not (param.endswith(MATMULS) or param == "embed" and c.tie_embeddings):
@@ -129,15 +159,13 @@ def calibrated(transformer, length=64):
 
 
 @torch.no_grad()
-def convert_weights(transformer, fmt=None, held=None):
-    """Every matmul weight not yet Quantized into format fmt (None: its dtype's) or held's for it, in place (held:
-    loading.fill_weights' {'layers.3.w2': 'int8'}); w8a8 calibrated first, a tied head copied (lookups need plain
-    rows)."""
+def convert_weights(transformer, fmt=None, held=()):
+    """Every matmul weight not yet Quantized into format fmt (None: its dtype's), the wider ones of held (a file's:
+    held_in_int8's names) wide, in place; w8a8 calibrated first, a tied head copied (lookups need plain rows)."""
     if fmt is None:
         fmt = "float32" if transformer.embed.dtype == torch.float32 else "bf16"
-    held = held or {}
     amax = calibrated(transformer) if fmt == "w8a8" else {}
     for name, m, attr in matmuls(transformer):
         w = getattr(m, attr)
         if not isinstance(w, Quantized):
-            replace(m, attr, converted(w, held.get(name, fmt), amax.get(name)))
+            replace(m, attr, converted(w, fmt, amax.get(name), wide=name in held))

@@ -12,6 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what the tests build or keep (kernels_cpu's compiled kernel at collection, auto's choices) never goes to the user's
+# cache directory; each test gets a folder of its own below (measurement_cache)
+os.environ["SMCSD_MINI_CACHE"] = tempfile.mkdtemp(prefix="smcsd-tests-")
 sys.path.insert(0, ROOT)
 DRY_RUN = pytest.StashKey()
 

@@ -226,39 +226,38 @@ def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
         assert r["mean_latency_s"] == r["max_latency_s"] == r["seconds"]
 
 
-def test_a_llama_cpp_library_that_fails_to_load_is_left_out(monkeypatch, capsys):
-    """An installed llama-cpp-cffi whose library does not load (its import raises OSError) is absent: no rows, and
-    one line that says why."""
-    import builtins
-    real_import = builtins.__import__
-
-    def failing(name, *args, **keywords):
-        if name.startswith("llama.llama_cpp"):
-            raise OSError("libllama.so: undefined symbol: _ZNSt7__cxx11")
-        return real_import(name, *args, **keywords)
-    monkeypatch.setattr(builtins, "__import__", failing)
-    assert peers.llama_cpp_rows(("a.gguf", "b.gguf"), {"code": [1]}, bench.TEMPERATURE, 5, 1) == []
-    err = capsys.readouterr().err.splitlines()
-    assert err == ["llama.cpp left out: llama-cpp-cffi's library does not load (libllama.so: undefined symbol: "
-                   "_ZNSt7__cxx11)"]
-
-
 def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     """The llama.cpp peer runs a model's GGUF file: the path itself, or the file a weights/ directory came from,
-    beside it; a model without one has no row. Its runs need llama-cpp-cffi, which is not a test requirement."""
+    beside it; a model without one has no row. Its runs need llama-cpp-python or llama-cpp-cffi, not test
+    requirements."""
     (tmp_path / "converted").mkdir()
     (tmp_path / "converted.gguf").write_bytes(b"")
     (tmp_path / "alone").mkdir()
     assert peers.gguf_of(str(tmp_path / "converted") + "/") == str(tmp_path / "converted.gguf")
     assert peers.gguf_of(str(tmp_path / "alone")) is None and peers.gguf_of(str(tmp_path / "x.gguf")) is None
-    if peers.llama_cpp() is None:
-        pytest.skip("llama-cpp-cffi is not installed, or its library does not load")
+    if peers.llama_cpp_bindings() is None:
+        pytest.skip("no llama.cpp bindings installed")
     gguf = fetch.fetch_gguf("smollm2-135m-instruct")
     rows = peers.llama_cpp_rows((str(tmp_path / "alone"), gguf), {"code": [1, 2, 3], "prose": [4]},
                                 bench.TEMPERATURE, 5, 2)
     assert [(r["prompt"], r["method"]) for r in rows] == \
         [(p, "llama.cpp ar, the target (smollm2-135m-instruct.gguf)") for p in ("code", "prose")]
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_a_llama_cpp_library_that_does_not_load_is_left_out_in_one_line(tmp_path, monkeypatch, capsys):
+    """An installed binding whose library cannot load (a C++ runtime older than its build's) is no peer: one line
+    says so, and the benchmark goes on without it."""
+    (tmp_path / "llama_cpp.py").write_text("raise ImportError('undefined symbol: __cxa_call_terminate')\n")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "__init__.py").write_text("")
+    (tmp_path / "llama" / "llama_cpp.py").write_text("raise OSError('libstdc++.so.6: version not found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("llama_cpp", "llama", "llama.llama_cpp"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert peers.llama_cpp_bindings() is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "__cxa_call_terminate" in lines[0] and "left out" in lines[1]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import decode
 import engine
 import formats
 import kernels
+import kernels_cpu
 import loading
 import model
 import racer
@@ -164,7 +165,8 @@ WIDE = tiny(2, 0.8, vocab=16, head_dim=16)  # int4 packs 16 output rows (the hea
 @pytest.mark.parametrize("fmt, draft_fmt, method", [("bf16", "bf16", "sd"), ("int8", "int8", "mdsd"),
                                                     ("int4", "int4", "sd"), ("int4", "int4", "mdsd"),
                                                     ("w8a8", "w8a8", "sd"), ("float32", "int4", "sd"),
-                                                    ("float32", "int4", "mdsd")])
+                                                    ("float32", "int4", "mdsd"), ("w4a8", "w4a8", "sd"),
+                                                    ("w4a8", "w4a8", "mdsd")])
 @pytest.mark.slow
 def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, method):
     """sd and mdsd sample the target's distribution in the weights it has (3 tokens: x0 and one cycle at K = 1):
@@ -758,6 +760,18 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
         together = e.generate(requests, slots=slots, **options)
         assert [r.tokens for r in together] == [r.tokens for r in alone]
         assert [r.stats["stop"] for r in together] == [r.stats["stop"] for r in alone]
+
+
+@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
+@pytest.mark.parametrize("method", engine.METHODS)
+def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
+    """w4a8 rounds each activation row on its own (per group of 32), so its batches keep every request's tokens."""
+    e = engine.Engine(in_format(WIDE, "w4a8"), in_format(perturbed(WIDE, 3, 0.3), "w4a8"))
+    options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
+    requests = mixed_requests(method)
+    alone = [e.generate(**(options | r)).tokens for r in requests]
+    for slots in (4, 2):
+        assert [r.tokens for r in e.generate(requests, slots=slots, **options)] == alone
 
 
 @pytest.mark.parametrize("method", engine.METHODS)

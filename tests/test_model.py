@@ -415,7 +415,8 @@ def test_weight_bytes_follow_the_format(tiny):
     rows, rest = sum(s[0] for s in shapes.values() if len(s) == 2), sum(s[0] for s in shapes.values() if len(s) == 1)
     expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
                 "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest,
-                "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest}
+                "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest,
+                "w4a8": matmul // 2 + 2 * 2 * matmul // 32 + 4 * rest}
     assert {fmt: loading.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
 
 
@@ -475,9 +476,9 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
     assert auto.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
     e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto", on_line=engine.say).load()  # smc 3x2 by default
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("weights: "))
-    assert re.fullmatch(r"weights: (bf16|float32|int8|int4), draft (bf16|float32|int8|int4) \(measured ms per smc "
-                        r"cycle at 9 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+; its 2 draft steps at 3 rows: "
-                        r"bf16 \d+, float32 \d+, int8 \d+, int4 \d+\)", line)
+    assert re.fullmatch(r"weights: (bf16|float32|int8|int4|w4a8), draft (bf16|float32|int8|int4|w4a8) \(measured ms "
+                        r"per smc cycle at 9 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+(, w4a8 \d+)?; its 2 draft "
+                        r"steps at 3 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+(, w4a8 \d+)?\)", line)
     assert line.split()[1:4:2] == [e.weights + ",", e.draft_weights]
 
 
@@ -486,7 +487,7 @@ def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     for call in (lambda: loading.load(os.path.join(path, "nope"), weights="int5"),
                  lambda: loading.build(loading.open_weights(path)[0], None, weights="fp8")):
         with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
-                                                   r"float32, int8, int4, w8a8$"):
+                                                   r"float32, int8, int4, w8a8, w4a8$"):
             call()
     with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
         loading.load(path, device="meta", weights="int4")
