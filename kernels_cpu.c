@@ -88,8 +88,9 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *
 /* ------------------------------------------------------------ one panel x a tile of rows */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KERNEL_ISA "avx512_vnni"
-#define MAX_TILE 6 /* rows x panels x (a sum + an accumulator) and the codes in use fit 32 registers */
-#define PANELS 2 /* panels a tile: each broadcast activation feeds this many dot products */
+#define MAX_TILE 12 /* rows of a one-panel tile: a sum and an accumulator a row, and the codes, in 32 registers */
+#define PANELS 2 /* panels of a tile of at most PAIR_ROWS rows: each broadcast activation feeds two dot products */
+#define PAIR_ROWS 6
 
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
         int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
@@ -151,6 +152,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PANELS 1
+#define PAIR_ROWS 3
 #define MAX_TILE 3 /* 16 registers: 3 rows x (2 sums + 2 accumulators) and the codes being used */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KERNEL_ISA "avx512_vnni_256"
@@ -237,6 +239,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 #define KERNEL_ISA "portable"
 #define MAX_TILE 1
 #define PANELS 1
+#define PAIR_ROWS 1
 
 static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
         const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
@@ -271,7 +274,11 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
 #endif
 
 /* A tile of each row count, panel count and code width, so that every loop over them unrolls into registers. */
-#define TILE(n) case n: \
+#define ONE_PANEL(n) case n: \
+    if (bits == 4) panel_tile(panel, panel_bytes, 1, 4, groups, xq, dx, xs, in, n, y, out); \
+    else panel_tile(panel, panel_bytes, 1, 8, groups, xq, dx, xs, in, n, y, out); \
+    break;
+#define PANELS_OR_ONE(n) case n: \
     if (bits == 4 && panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 4, groups, xq, dx, xs, in, n, y, out); \
     else if (bits == 4) panel_tile(panel, panel_bytes, 1, 4, groups, xq, dx, xs, in, n, y, out); \
     else if (panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 8, groups, xq, dx, xs, in, n, y, out); \
@@ -281,27 +288,13 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
 static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
         const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
     switch (rows) {
-        TILE(1)
-#if MAX_TILE >= 2
-        TILE(2)
-#endif
+        PANELS_OR_ONE(1)
 #if MAX_TILE >= 3
-        TILE(3)
+        PANELS_OR_ONE(2) PANELS_OR_ONE(3)
 #endif
-#if MAX_TILE >= 4
-        TILE(4)
-#endif
-#if MAX_TILE >= 5
-        TILE(5)
-#endif
-#if MAX_TILE >= 6
-        TILE(6)
-#endif
-#if MAX_TILE >= 7
-        TILE(7)
-#endif
-#if MAX_TILE >= 8
-        TILE(8)
+#if MAX_TILE >= 12
+        PANELS_OR_ONE(4) PANELS_OR_ONE(5) PANELS_OR_ONE(6)
+        ONE_PANEL(7) ONE_PANEL(8) ONE_PANEL(9) ONE_PANEL(10) ONE_PANEL(11) ONE_PANEL(12)
 #endif
     }
 }
@@ -319,10 +312,10 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
         int64_t first_panel = b * PANELS;
         int panels = out / PANEL - first_panel < PANELS ? (int)(out / PANEL - first_panel) : PANELS;
         for (int64_t t = 0; t < tiles; t++) {
-            int64_t first = rows * t / tiles; /* tiles of balanced size: 9 rows are 5 + 4, not 6 + 3 */
+            int64_t first = rows * t / tiles; /* tiles of balanced size: 16 rows are 8 + 8, not 12 + 4 */
             int64_t n = rows * (t + 1) / tiles - first;
-            for (int done = 0; done < panels;) { /* a last block of fewer panels goes one panel at a time */
-                int now = panels - done == PANELS ? PANELS : 1;
+            for (int done = 0; done < panels;) { /* a tall tile, or a last block of fewer panels: one at a time */
+                int now = panels - done == PANELS && n <= PAIR_ROWS ? PANELS : 1;
                 panel_rows(w + (first_panel + done) * panel_bytes, panel_bytes, now, bits, groups, xq + first * in,
                            dx + first * groups, xs + first * groups, in, (int)n,
                            y + first * out + (first_panel + done) * PANEL, out);
