@@ -956,6 +956,16 @@ def test_a_failing_pip_shows_its_last_lines_and_the_command_to_rerun(toy_fetch, 
     assert os.listdir(root) == []
 
 
+def test_the_bar_counts_each_wheel_once_wherever_pip_has_it(tmp_path):
+    """pip downloads a wheel into its temporary folder (TMPDIR, in the download folder), then copies it."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp" / "a.whl").write_bytes(b"x" * 10)
+    (tmp_path / "a.whl").write_bytes(b"x" * 4)  # a copy under way
+    (tmp_path / "b.whl").write_bytes(b"x" * 3)
+    (tmp_path / "pip.log").write_bytes(b"x" * 100)
+    assert fetch_module().wheel_bytes(str(tmp_path)) == 13
+
+
 def test_a_disk_without_room_is_one_line_before_pip_runs(toy_fetch, monkeypatch):
     fetch, root, data = toy_fetch
     monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", "raise SystemExit('pip ran')"])
