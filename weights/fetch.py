@@ -117,8 +117,8 @@ def run_pip(name, wheels, workdir, bar):
         with open(log_path) as log:
             last = log.read().splitlines()[-PIP_LINES:]
         rerun = shlex.join(pip_download(wheels, os.path.join(tempfile.gettempdir(), name)))
-        raise FetchError("\n".join([f"{name}: pip download failed (exit status {pip.returncode}); the last lines of its "
-                                    "log:", *("  " + line for line in last), f"to see all of it, run: {rerun}"]))
+        said = f"{name}: pip download failed (exit status {pip.returncode}); the last lines of its log:"
+        raise FetchError("\n".join([said, *("  " + line for line in last), f"to see all of it, run: {rerun}"]))
 
 
 def wheel_bytes(folder):
