@@ -544,6 +544,7 @@ HUB_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "*.safetensors", "model.safetensors.index.json")
 HUB_QUANT = "Q4_K_M"  # of a repo's several GGUF files, the one taken when none is named, as llama.cpp's -hf does
 PATH_FORM = "or give the path of a model directory or .gguf file"
+HUB_TIMEOUT_S = 10  # for the Hub's answer about a model: a network that drops its packets would hang without it
 
 
 class Download(NamedTuple):
@@ -573,12 +574,12 @@ def hub_parts(name):
 def located(name):
     """name's local path (itself where it exists or is no Hub id; a Hub id's files in the cache), or the Download that
     fetches a Hub id's files; a one-line LoadError where neither the cache nor the Hub has them."""
-    from huggingface_hub import constants
     if not isinstance(name, str) or os.path.exists(name):
         return name
     parts = hub_parts(name)
     if parts is None:
         return name  # open_weights says that it is missing
+    from huggingface_hub import constants
     cached = in_cache(name, *parts)
     if cached:
         return cached
@@ -630,7 +631,7 @@ def on_the_hub(name, repo, revision, pick):
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
     try:
-        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
     except GatedRepoError:
         raise LoadError(f"{name}: {repo} is gated: accept its terms on the Hub and set HF_TOKEN, {PATH_FORM}") from None
     except RepositoryNotFoundError:
@@ -640,8 +641,8 @@ def on_the_hub(name, repo, revision, pick):
         raise LoadError(f"{name}: {repo} has no revision {revision!r}") from None
     except Exception as error:  # the HTTP client's own errors, which differ between huggingface_hub's versions
         raise LoadError(f"{name}: no such file or directory, nor in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-                        f"and the Hub cannot be reached ({type(error).__name__}): fetch it where the Hub is reachable "
-                        f"(HF_HUB_OFFLINE=1 then reads the cache alone), {PATH_FORM}") from None
+                        f"and the Hub cannot be reached ({type(error).__name__}): fetch it into that cache where the "
+                        f"Hub is reachable (HF_HUB_OFFLINE=1 reads it without asking), {PATH_FORM}") from None
     sizes = {s.rfilename: s.size or 0 for s in info.siblings}
     files = hub_choice(name, repo, list(sizes), pick)
     if not files:

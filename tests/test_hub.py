@@ -135,7 +135,7 @@ def hub_answers(monkeypatch, files=None, error=None):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     calls = []
 
-    def model_info(self, repo, revision=None, files_metadata=False):
+    def model_info(self, repo, revision=None, files_metadata=False, timeout=None):
         if error:
             raise error
         return SimpleNamespace(siblings=[SimpleNamespace(rfilename=f, size=s) for f, s in files.items()])
@@ -212,8 +212,8 @@ def test_an_unreachable_hub_is_one_line(monkeypatch):
         loading.local_paths(["org/m"])
     assert str(error.value) == (f"org/m: no such file or directory, nor in the Hugging Face cache "
                                 f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached (ConnectionError): fetch "
-                                "it where the Hub is reachable (HF_HUB_OFFLINE=1 then reads the cache alone), or give "
-                                "the path of a model directory or .gguf file")
+                                "it into that cache where the Hub is reachable (HF_HUB_OFFLINE=1 reads it without "
+                                "asking), or give the path of a model directory or .gguf file")
 
 
 @pytest.mark.slow
