@@ -1,0 +1,333 @@
+/* w4a8 on the CPU: y = x @ w.T with w in 4-bit (or 8-bit) codes and x quantized to int8 per row and group of 32.
+ * kernels_cpu.py holds the PyTorch reference that defines it, the packing and the build; read that first.
+ *
+ * Weight layout, chosen for the dot product: panels of 16 output columns; a panel is in / 32 groups in order; a group
+ * is its codes (16 columns x 32 inputs), then 16 f16 scales, then 16 f16 lows: w[c, k] = scale[c] * code + low[c].
+ * The codes form 8 vectors of 64 bytes, vector t holding inputs 4t .. 4t + 3 of each column (byte 4c + i), so one
+ * vpdpbusd adds four products per column. 8-bit codes are those 8 vectors as they are (512 bytes); 4-bit ones pack
+ * vector t in the low nibbles and vector t + 4 in the high nibbles of 4 vectors (256 bytes).
+ * Activations: xq int8 [rows, in], and per row and group dx (its step) and xs (dx x the sum of its codes), so a
+ * group adds scale x dx x sum(code x xq) + low x xs to each column.
+ * Speed: a tile of rows x panels keeps its int32 sums and float accumulators in registers; each group's codes are
+ * read and unpacked once for the tile's rows, each row's activations broadcast once for its panels; the rows' sums
+ * are independent chains, interleaved; software prefetch runs ahead of the weight stream.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define PANEL 16
+#define PREFETCH 4096 /* bytes ahead in a panel's stream: the hardware prefetchers stop at page ends */
+
+static int group_bytes(int bits) { return bits * PANEL * GROUP / 8 + 4 * PANEL; }
+
+static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> float, subnormals included */
+    uint32_t sign = (uint32_t)(h >> 15) << 31;
+    int exponent = (h >> 10) & 31;
+    uint32_t mantissa = h & 1023;
+    float value = exponent == 0 ? ldexpf((float)mantissa, -24) : ldexpf((float)(mantissa | 1024), exponent - 25);
+    if (exponent == 31) value = mantissa ? NAN : INFINITY;
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    bits |= sign;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+/* ------------------------------------------------------------ activations: int8 per row and group of 32 */
+static inline void quantize_group(const float *v, int8_t *q, float *dx, float *xs) {
+    float amax = 0;
+    for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float step = amax / 127;
+    int sum = 0;
+    for (int i = 0; i < GROUP; i++) {
+        int code = step > 0 ? (int)nearbyintf(v[i] / step) : 0; /* round half to even, as torch.round */
+        q[i] = (int8_t)code;
+        sum += code;
+    }
+    *dx = step;
+    *xs = step * (float)sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *xs) {
+    __m512 a = _mm512_loadu_ps(v);
+    __m512 b = _mm512_loadu_ps(v + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float step = amax / 127;
+    if (step == 0) {
+        memset(q, 0, GROUP);
+        *dx = 0;
+        *xs = 0;
+        return;
+    }
+    __m512 divisor = _mm512_set1_ps(step);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, divisor));
+    __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, divisor));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
+    *dx = step;
+    *xs = step * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+#define QUANTIZE_GROUP quantize_group_avx512
+#else
+#define QUANTIZE_GROUP quantize_group
+#endif
+
+void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int threads) {
+    int64_t groups = rows * (in / GROUP);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (groups >= 1024)
+    for (int64_t g = 0; g < groups; g++) QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g);
+}
+
+/* ------------------------------------------------------------ one panel x a tile of rows */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KERNEL_ISA "avx512_vnni"
+#define MAX_TILE 6 /* rows x panels x (a sum + an accumulator) and the codes in use fit 32 registers */
+#define PANELS 2 /* panels a tile: each broadcast activation feeds this many dot products */
+
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
+        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
+        int64_t out) {
+    __m512 acc[MAX_TILE][PANELS];
+    #pragma GCC unroll 16
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < panels; c++) acc[r][c] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(15);
+    int gb = group_bytes(bits);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i s[MAX_TILE][PANELS];
+        #pragma GCC unroll 16
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < panels; c++) s[r][c] = _mm512_setzero_si512();
+        #pragma GCC unroll 4
+        for (int c = 0; c < panels; c++) {
+            const uint8_t *p = panel + c * panel_bytes + g * gb;
+            #pragma GCC unroll 9
+            for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
+        }
+        /* inputs 4t .. 4t + 3 of every row in turn: the rows' sums are independent chains, interleaved here */
+        #pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            int t = bits == 4 ? i / 2 + 4 * (i % 2) : i; /* 4-bit: t and t + 4 come from one vector */
+            __m512i codes[PANELS];
+            #pragma GCC unroll 4
+            for (int c = 0; c < panels; c++) {
+                const uint8_t *p = panel + c * panel_bytes + g * gb;
+                if (bits == 8) codes[c] = _mm512_loadu_si512(p + 64 * t);
+                else if (t < 4) codes[c] = _mm512_and_si512(_mm512_loadu_si512(p + 64 * t), nibble);
+                else codes[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * (t - 4)), 4), nibble);
+            }
+            #pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
+                __m512i x = _mm512_set1_epi32(a[t]);
+                #pragma GCC unroll 4
+                for (int c = 0; c < panels; c++) s[r][c] = _mm512_dpbusd_epi32(s[r][c], codes[c], x);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int c = 0; c < panels; c++) {
+            const uint8_t *f = panel + c * panel_bytes + g * gb + bits * PANEL * GROUP / 8;
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
+            __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + 32)));
+            #pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), step, acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * (in / GROUP) + g]), acc[r][c]);
+            }
+        }
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < panels; c++) _mm512_storeu_ps(y + r * out + c * PANEL, acc[r][c]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PANELS 1
+#define MAX_TILE 3 /* 16 registers: 3 rows x (2 sums + 2 accumulators) and the codes being used */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KERNEL_ISA "avx512_vnni_256"
+#define DOT(sum, u, s) _mm256_dpbusd_epi32(sum, u, s)
+#elif defined(__AVXVNNI__)
+#define KERNEL_ISA "avx_vnni"
+#define DOT(sum, u, s) _mm256_dpbusd_avx_epi32(sum, u, s)
+#else
+#define KERNEL_ISA "avx2"
+/* four u8 x s8 products a lane summed into its int32: pairs into int16 (4-bit codes cannot saturate), then pairs */
+#define DOT(sum, u, s) _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
+
+static inline __attribute__((always_inline)) __m256i dot_codes(__m256i sum, __m256i codes, __m256i x, int bits) {
+    if (bits == 4) return DOT(sum, codes, x);
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return DOT(sum, codes, x);
+#else
+    /* 8-bit codes would saturate maddubs' int16 pairs: their two nibbles apart, the high one's sum times 16 */
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i high = DOT(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble), x);
+    return DOT(_mm256_add_epi32(sum, _mm256_slli_epi32(high, 4)), _mm256_and_si256(codes, nibble), x);
+#endif
+}
+
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
+        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
+        int64_t out) {
+    (void)panel_bytes; /* one panel a tile */
+    (void)panels;
+    __m256 acc[MAX_TILE][2];
+    #pragma GCC unroll 3
+    for (int r = 0; r < rows; r++) {
+        acc[r][0] = _mm256_setzero_ps();
+        acc[r][1] = _mm256_setzero_ps();
+    }
+    const __m256i nibble = _mm256_set1_epi8(15);
+    int gb = group_bytes(bits);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = panel + g * gb;
+        for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
+        __m256i s[MAX_TILE][2];
+        #pragma GCC unroll 3
+        for (int r = 0; r < rows; r++) {
+            s[r][0] = _mm256_setzero_si256();
+            s[r][1] = _mm256_setzero_si256();
+        }
+        #pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* columns 0-7, then 8-15 */
+                __m256i codes;
+                if (bits == 8) codes = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h));
+                else codes = _mm256_loadu_si256((const __m256i *)(p + 64 * (t % 4) + 32 * h));
+                if (bits == 4) codes = _mm256_and_si256(t < 4 ? codes : _mm256_srli_epi16(codes, 4), nibble);
+                #pragma GCC unroll 3
+                for (int r = 0; r < rows; r++) {
+                    const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
+                    s[r][h] = dot_codes(s[r][h], codes, _mm256_set1_epi32(a[t]), bits);
+                }
+            }
+        }
+        const uint8_t *f = p + bits * PANEL * GROUP / 8;
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 16 * h)));
+            __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 32 + 16 * h)));
+            #pragma GCC unroll 3
+            for (int r = 0; r < rows; r++) {
+                __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * (in / GROUP) + g]));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), step, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(xs[r * (in / GROUP) + g]), acc[r][h]);
+            }
+        }
+    }
+    #pragma GCC unroll 3
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(y + r * out, acc[r][0]);
+        _mm256_storeu_ps(y + r * out + 8, acc[r][1]);
+    }
+}
+
+#else
+#define KERNEL_ISA "portable"
+#define MAX_TILE 1
+#define PANELS 1
+
+static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
+        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
+    int gb = group_bytes(bits);
+    (void)panel_bytes; /* one panel and one row a tile */
+    (void)panels;
+    (void)rows;
+    (void)in;
+    for (int c = 0; c < PANEL; c++) {
+        float acc = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *p = panel + g * gb;
+            const uint8_t *f = p + bits * PANEL * GROUP / 8;
+            int32_t s = 0;
+            for (int k = 0; k < GROUP; k++) {
+                int t = k / 4;
+                int at = 4 * c + k % 4;
+                int code = bits == 8 ? p[64 * t + at] : (p[64 * (t % 4) + at] >> (4 * (t / 4))) & 15;
+                s += code * xq[g * GROUP + k];
+            }
+            uint16_t scale;
+            uint16_t low;
+            memcpy(&scale, f + 2 * c, 2);
+            memcpy(&low, f + 32 + 2 * c, 2);
+            acc = fmaf((float)s, half_to_float(scale) * dx[g], acc);
+            acc = fmaf(half_to_float(low), xs[g], acc);
+        }
+        y[c] = acc;
+    }
+    (void)out;
+}
+#endif
+
+/* A tile of each row count, panel count and code width, so that every loop over them unrolls into registers. */
+#define TILE(n) case n: \
+    if (bits == 4 && panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 4, groups, xq, dx, xs, in, n, y, out); \
+    else if (bits == 4) panel_tile(panel, panel_bytes, 1, 4, groups, xq, dx, xs, in, n, y, out); \
+    else if (panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 8, groups, xq, dx, xs, in, n, y, out); \
+    else panel_tile(panel, panel_bytes, 1, 8, groups, xq, dx, xs, in, n, y, out); \
+    break;
+
+static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
+        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
+    switch (rows) {
+        TILE(1)
+#if MAX_TILE >= 2
+        TILE(2)
+#endif
+#if MAX_TILE >= 3
+        TILE(3)
+#endif
+#if MAX_TILE >= 4
+        TILE(4)
+#endif
+#if MAX_TILE >= 5
+        TILE(5)
+#endif
+#if MAX_TILE >= 6
+        TILE(6)
+#endif
+#if MAX_TILE >= 7
+        TILE(7)
+#endif
+#if MAX_TILE >= 8
+        TILE(8)
+#endif
+    }
+}
+
+/* y [rows, out] float32 = x @ w.T, x given as quantize_rows' (xq, dx, xs); threads split the panels. */
+void matmul(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx, const float *xs,
+            int64_t rows, float *y, int threads) {
+    int64_t groups = in / GROUP;
+    int64_t panel_bytes = groups * group_bytes(bits);
+    int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
+    int64_t blocks = (out / PANEL + PANELS - 1) / PANELS; /* PANELS panels each, the last maybe fewer */
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t first_panel = b * PANELS;
+        int panels = out / PANEL - first_panel < PANELS ? (int)(out / PANEL - first_panel) : PANELS;
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t first = rows * t / tiles; /* tiles of balanced size: 9 rows are 5 + 4, not 6 + 3 */
+            int64_t n = rows * (t + 1) / tiles - first;
+            for (int done = 0; done < panels;) { /* a last block of fewer panels goes one panel at a time */
+                int now = panels - done == PANELS ? PANELS : 1;
+                panel_rows(w + (first_panel + done) * panel_bytes, panel_bytes, now, bits, groups, xq + first * in,
+                           dx + first * groups, xs + first * groups, in, (int)n,
+                           y + first * out + (first_panel + done) * PANEL, out);
+                done += now;
+            }
+        }
+    }
+}
+
+const char *isa(void) { return KERNEL_ISA; }

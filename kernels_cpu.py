@@ -1,0 +1,173 @@
+"""The CPU kernel torch lacks: w4a8, a matmul of 4-bit (or 8-bit) weight codes times activations quantized to int8 per
+row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it. Its C source,
+kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles nothing);
+where no compiler works, `library()` says why and the engine falls back to int4. Imports no project file."""
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+GROUP = 32  # inputs sharing a weight scale and low, and an activation step
+PANEL = 16  # output columns the kernel computes side by side (one 512-bit register of int32 sums)
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+CACHE_ENV = "SMCSD_MINI_CACHE"  # a folder in place of the user's cache directory's (tests set it)
+
+
+# ---------------------------------------------------------------- the reference
+def quantize_rows_ref(x):
+    """x [..., in] float32 -> (xq int8 [..., in], dx [..., in / 32], xs [..., in / 32]): each group of 32 of a row in
+    steps dx = its largest |x| / 127, rounded half to even; xs = dx x the sum of its codes. No row depends on another."""
+    xg = x.float().unflatten(-1, (-1, GROUP))  # [..., in / 32, 32]
+    dx = xg.abs().amax(-1) / 127
+    q = torch.where(dx[..., None] > 0, xg / dx[..., None], torch.zeros_like(xg)).round()
+    return q.to(torch.int8).flatten(-2), dx, dx * q.sum(-1)
+
+
+def dequantize(codes, scale, low):
+    """codes [out, in] (0..15 or 0..255), scale and low [out, in / 32] -> float32 w [out, in] as the kernel sees it
+    (scale and low rounded to float16, as packed)."""
+    w = codes.float().unflatten(1, (-1, GROUP)) * scale.half().float()[..., None] + low.half().float()[..., None]
+    return w.flatten(1)
+
+
+def w4a8_linear_ref(x, codes, scale, low):
+    """x [..., in] @ w.T for w = dequantize(codes, scale, low), x rounded as quantize_rows_ref rounds it."""
+    xq, dx, _ = quantize_rows_ref(x)
+    x_hat = (xq.float().unflatten(-1, (-1, GROUP)) * dx[..., None]).flatten(-2)
+    return x_hat @ dequantize(codes, scale, low).T
+
+
+# ---------------------------------------------------------------- weights: quantized, packed
+def quantize(w, bits):
+    """w [out, in] -> (codes uint8 [out, in] in 0 .. 2^bits - 1, scale, low float16 [out, in / 32]): asymmetric per
+    group of 32 inputs, w ~ scale x code + low, with scale and low rounded first so the codes see the stored values."""
+    wg = w.float().unflatten(1, (-1, GROUP))  # [out, in / 32, 32]
+    low = wg.amin(-1)
+    scale = ((wg.amax(-1) - low) / (2**bits - 1)).clamp(min=1e-7).half()
+    low = low.half()
+    codes = ((wg - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 2**bits - 1)
+    return codes.to(torch.uint8).flatten(1), scale, low
+
+
+def pack(codes, scale, low, bits):
+    """codes [out, in], scale and low [out, in / 32] -> uint8 [out / 16, in / 32, bytes a group]: kernels_cpu.c's
+    layout (panels of 16 columns; per group the codes as 8 vectors of 4 inputs x 16 columns, then f16 scales, lows)."""
+    out, n = codes.shape
+    if out % PANEL or n % GROUP:
+        raise ValueError(f"w4a8 needs matmul weights of 16k x 32k, not {tuple(codes.shape)}")
+    v = codes.to(torch.uint8).reshape(out // PANEL, PANEL, n // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    v = v.reshape(out // PANEL, n // GROUP, 8, PANEL * 4)  # [panels, groups, vector t, 4 x column + input]
+    if bits == 4:
+        v = v[:, :, :4] | v[:, :, 4:] << 4  # vector t in the low nibbles, t + 4 in the high ones
+    per_group = lambda s: s.half().reshape(out // PANEL, PANEL, n // GROUP).transpose(1, 2).contiguous()
+    floats = torch.cat([per_group(scale), per_group(low)], -1).view(torch.uint8)  # [panels, groups, 64]
+    return torch.cat([v.flatten(2), floats], -1).contiguous()
+
+
+# ---------------------------------------------------------------- the compiled kernel
+def cache_folder():
+    """$SMCSD_MINI_CACHE, else smcsd-mini in the user's cache directory (XDG's)."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "smcsd-mini")
+
+
+def compiler():
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(cc, flags=FLAGS):
+    """-> the path of kernels_cpu.c compiled by cc with flags, built once into the cache folder, keyed on the source,
+    the compiler and what -march=native means here (its predefined macros); raises OSError with the compiler's
+    message."""
+    ident = subprocess.run([cc, *flags[:2], "-dM", "-E", "-"], input="", capture_output=True, text=True)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(open(SOURCE, "rb").read() + (version + ident.stdout + " ".join(flags)).encode())
+    folder = cache_folder()
+    path = os.path.join(folder, f"kernels_cpu-{platform.machine()}-{key.hexdigest()[:16]}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *flags, "-o", tmp, SOURCE], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise OSError(f"{cc} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
+        os.replace(tmp, path)  # whole or not at all: another process may load it at once
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def load(path):
+    """The compiled library with its argument types. torch is imported first, so its OpenMP runtime is the one the
+    library links: one pool of threads, not two fighting over the cores."""
+    lib = ctypes.CDLL(path)
+    i64 = ctypes.c_int64
+    ptr = ctypes.c_void_p
+    lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.isa.restype = ctypes.c_char_p
+    return lib
+
+
+_library = {}
+
+
+def library():
+    """-> (the compiled kernel library or None, a one-line reason where None), built and loaded once a process."""
+    if not _library:
+        cc = compiler()
+        try:
+            if cc is None:
+                raise OSError("no C compiler found (set CC, or install gcc)")
+            _library["lib"] = load(build(cc))
+            _library["why"] = ""
+        except (OSError, subprocess.SubprocessError) as error:
+            _library["lib"] = None
+            _library["why"] = f"the w4a8 kernel cannot be built here ({error})"
+    return _library["lib"], _library["why"]
+
+
+def isa():
+    """The instruction set the kernel was built for here ("avx512_vnni", "avx_vnni", "avx2", "portable"), or None."""
+    lib, _ = library()
+    return lib.isa().decode() if lib else None
+
+
+def pointer(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def quantize_rows(x2):
+    """x2 [rows, in] float32, contiguous -> quantize_rows_ref's (xq, dx, xs), by the compiled kernel."""
+    lib, _ = library()
+    rows, n = x2.shape
+    xq = torch.empty(rows, n, dtype=torch.int8)
+    dx = torch.empty(rows, n // GROUP)
+    xs = torch.empty(rows, n // GROUP)
+    lib.quantize_rows(pointer(x2), rows, n, pointer(xq), pointer(dx), pointer(xs), torch.get_num_threads())
+    return xq, dx, xs
+
+
+def w4a8_linear(x, packed, bits):
+    """x [..., in] float32 @ w.T for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by the compiled
+    kernel (float32 sums in another order)."""
+    lib, _ = library()
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    rows, n = x2.shape
+    out = packed.shape[0] * PANEL
+    xq, dx, xs = quantize_rows(x2)
+    y = torch.empty(rows, out)
+    lib.matmul(pointer(packed), bits, out, n, pointer(xq), pointer(dx), pointer(xs), rows, pointer(y),
+               torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], out)

@@ -1,0 +1,125 @@
+"""kernels_cpu: the compiled w4a8 matmul against its PyTorch reference, on every instruction set this CPU can run."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels_cpu
+
+needs_kernel = pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+
+
+def weights(out, n, bits, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, n, generator=g) * 0.05
+    w[:, 3] += 0.5  # a large input channel, as real models have
+    codes, scale, low = kernels_cpu.quantize(w, bits)
+    return w, codes, scale, low
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_bounds_the_error_by_half_a_step(bits):
+    w, codes, scale, low = weights(32, 64, bits)
+    assert codes.max() <= 2**bits - 1
+    err = (kernels_cpu.dequantize(codes, scale, low) - w).abs().unflatten(1, (-1, 32)).amax(-1)  # [out, in / 32]
+    assert (err <= scale.float() * 0.5 + 1e-3 * w.abs().max()).all()
+
+
+def test_quantize_rows_ref_steps_and_sums():
+    x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
+    xq, dx, xs = kernels_cpu.quantize_rows_ref(x)
+    assert dx.tolist() == [[0.0, pytest.approx(2 / 127)]]
+    assert xq[0, 32:35].tolist() == [64, -127, 32]  # 63.5 and 31.75 rounded half to even
+    assert xs[0, 1].item() == pytest.approx(dx[0, 1].item() * (64 - 127 + 32))
+
+
+@needs_kernel
+def test_quantize_rows_matches_the_reference_exactly():
+    x = torch.randn(7, 96) * torch.logspace(-3, 2, 96)
+    x[2, 32:64] = 0  # an all-zero group has step 0
+    for got, want in zip(kernels_cpu.quantize_rows(x), kernels_cpu.quantize_rows_ref(x)):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16, 17, 35])
+def test_w4a8_linear_matches_the_reference(bits, rows):
+    _, codes, scale, low = weights(48, 160, bits)
+    packed = kernels_cpu.pack(codes, scale, low, bits)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low)
+    torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits):
+    """The exact methods need it: a row alone and in a batch of any size give the same bits."""
+    _, codes, scale, low = weights(32, 96, bits)
+    packed = kernels_cpu.pack(codes, scale, low, bits)
+    x = torch.randn(20, 96)
+    together = kernels_cpu.w4a8_linear(x, packed, bits)
+    for i in (0, 7, 19):
+        assert torch.equal(kernels_cpu.w4a8_linear(x[i:i + 1], packed, bits), together[i:i + 1])
+    assert torch.equal(kernels_cpu.w4a8_linear(x[:5], packed, bits), together[:5])
+
+
+def test_pack_refuses_a_shape_the_kernel_cannot_tile():
+    codes = torch.zeros(24, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="16k x 32k"):
+        kernels_cpu.pack(codes, torch.ones(24, 2), torch.zeros(24, 2), 4)
+
+
+def isa_flags():
+    """-march choices this CPU can run, each compiling one of kernels_cpu.c's paths (the portable one always)."""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    marches = {"portable": ["-march=x86-64"] if "sse2" in flags else ["-O0"]}
+    if {"avx2", "fma", "f16c"} <= flags:
+        marches["avx2"] = ["-march=haswell"]
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        marches["avx512_vnni_256"] = ["-march=native", "-mno-avx512bw"]
+    return marches
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", sorted(isa_flags()))
+def test_every_path_of_the_source_matches_the_reference(isa, tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels_cpu.CACHE_ENV, str(tmp_path))
+    march = isa_flags()[isa]
+    flags = ["-O3", *march, "-fopenmp", "-shared", "-fPIC"]
+    if march == ["-O0"]:
+        flags = ["-O0", "-fopenmp", "-shared", "-fPIC"]
+    lib = kernels_cpu.load(kernels_cpu.build(kernels_cpu.compiler(), flags))
+    assert lib.isa().decode() == isa
+    monkeypatch.setitem(kernels_cpu._library, "lib", lib)
+    for bits in (4, 8):
+        _, codes, scale, low = weights(32, 128, bits)
+        packed = kernels_cpu.pack(codes, scale, low, bits)
+        for rows in (1, 3, 4, 7):
+            x = torch.randn(rows, 128)
+            want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low)
+            torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_build_is_kept_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels_cpu.CACHE_ENV, str(tmp_path))
+    first = kernels_cpu.build(kernels_cpu.compiler())
+    made = os.stat(first).st_mtime_ns
+    assert kernels_cpu.build(kernels_cpu.compiler()) == first
+    assert os.stat(first).st_mtime_ns == made
+    assert os.listdir(tmp_path) == [os.path.basename(first)]  # no temporary left beside it
+
+
+def test_no_compiler_is_one_line_and_no_library(tmp_path):
+    code = "import kernels_cpu; lib, why = kernels_cpu.library(); print(lib, why)"
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), kernels_cpu.CACHE_ENV: str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(kernels_cpu.SOURCE))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("None ")
+    assert len(run.stdout.strip().splitlines()) == 1
