@@ -4,6 +4,7 @@ report's tables again. Methods run interleaved in one process: ratios within a r
 import argparse
 import collections
 import contextlib
+import copy
 import datetime
 import importlib.util
 import json
@@ -12,12 +13,13 @@ import os
 import platform
 import statistics
 import string
-import subprocess
 import sys
 import time
+import timeit
 
 import torch
 
+import auto
 import decode
 import engine
 import formats
@@ -26,6 +28,7 @@ import loading
 import model
 import peers
 import quality
+import scheduler
 
 CODE_PROMPT = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; return them sorted by start.
@@ -36,6 +39,7 @@ CODE_PROMPT = '''def merge_intervals(intervals):
 '''
 PROSE_PROMPT = "The history of the printing press is a story of how ideas travel. In the fifteenth century,"
 TEMPERATURE = 0.7
+LLAMA_CPP_AR = "llama.cpp ar"  # speed's peer row: llama.cpp itself on the target's GGUF file
 SHORT_MAX_TOKENS = 256  # short requests stop at the end of their function, well within this
 # Stop strings where a completion's function body ends: a line that starts at the margin (quality.ends_body cuts
 # there). As stop strings they end every method there, smc's particles one by one included; the settled-text check
@@ -53,29 +57,16 @@ DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weigh
 # ---------------------------------------------------------------- machine
 
 
-def cpu_model():
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def cpu_flags():
-    """The CPU's vector and matrix extensions that decide which weight format is fast (Linux: /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(flag for flag in set(flags) if flag.startswith(("avx", "amx", "fma", "f16c")))
+    """The CPU's vector and matrix extensions that decide which weight format is fast."""
+    return sorted(flag for flag in set(auto.cpu()["flags"]) if flag.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def machine(device):
     gpu = None
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": auto.cpu()["name"], "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "device": str(device), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -102,31 +93,25 @@ def copy_bandwidth(device, repeats=5):
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        engine.synchronize(device)
+        scheduler.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        engine.synchronize(device)
+        scheduler.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.nbytes / best / 1e9
 
 
 @contextlib.contextmanager
 def phase_times(e):
-    """Yields {phase: [seconds]}: what e's batches time in the block (Engine.on_phase): decode's draft_block and
-    verify_cycle of every eager cycle, on the thread that runs it, and "record", a batch's CUDA graphs recorded.
-    Blocks nest: an outer block's hook hears them too."""
+    """Yields {phase: [seconds]}: what e's batches time in the block (an observer of e's): decode's draft_block and
+    verify_cycle of every eager cycle, on the thread that runs it, "cycle" for a CUDA graph's replay, and "record", a
+    batch's CUDA graphs recorded. Blocks nest: every block's observer hears them."""
     spent = collections.defaultdict(list)
-    before = e.on_phase
 
     def collect(batch, phase, seconds):
         spent[phase].append(seconds)
-        if before:
-            before(batch, phase, seconds)
-    e.on_phase = collect
-    try:
+    with e.watching(collect):
         yield spent
-    finally:
-        e.on_phase = before
 
 
 # ---------------------------------------------------------------- models
@@ -286,9 +271,10 @@ def run_engine(e, ids, method, N, K, new_tokens, seed):
     return stats | {"first_token_s": first_token_s}
 
 
-def speed(e, ids_by_prompt, args, ar):
+def speed(e, ids_by_prompt, args, ar, peer=None):
     """Every config on every prompt, interleaved, `repeats` times -> one row per (prompt, config) with the
-    median tokens/s and the statistics of the median run; ar on its engine (ar_engine's: e or its own)."""
+    median tokens/s and the statistics of the median run; ar on its engine (ar_engine's: e or its own); and
+    llama.cpp's ar on the target's file in the same loop where peer (a peers.LlamaCpp) is given."""
     def engine_of(method):
         if method == "ar":
             return ar
@@ -296,13 +282,19 @@ def speed(e, ids_by_prompt, args, ar):
     for ids in ids_by_prompt.values():  # warm-up: first calls allocate and pick kernels
         for method, N, K in configs(args, args.grid):
             run_engine(engine_of(method), ids, method, N, K, 4 * K, 0)
+        if peer:
+            peer.rate(ids, TEMPERATURE, 4, 0)
     runs = {}
+    peer_runs = {}
     for repeat in range(args.repeats):
         for name, ids in ids_by_prompt.items():
             for method, N, K in configs(args, args.grid):
                 stats = run_engine(engine_of(method), ids, method, N, K, args.new_tokens, repeat)
                 runs.setdefault((name, method, N, K), []).append(stats)
-    rows = []
+            if peer:
+                peer_runs.setdefault(name, []).append(peer.rate(ids, TEMPERATURE, args.new_tokens, repeat))
+    rows = [{"prompt": name, "method": LLAMA_CPP_AR, "N": 1, "K": 1, "tokens_per_s": statistics.median(rates),
+             "runs": rates, "weights": "its GGUF file", "build": peer.build} for name, rates in peer_runs.items()]
     for (name, method, N, K), all_stats in runs.items():
         ordered = sorted(all_stats, key=lambda s: s["tokens_per_s"])
         rows.append({"prompt": name, "method": method, "N": N, "K": K, "stats": ordered[len(ordered) // 2],
@@ -315,10 +307,12 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e):
     """Speed-up over ar on the same prompt, method statistics per cycle, and the roofline (of ar's own engine)."""
     ar = {r["prompt"]: r["tokens_per_s"] for r in rows if r["method"] == "ar"}
     for row in rows:
-        stats = row["stats"]
-        cycles = max(stats["cycles"], 1)
         if row["prompt"] in ar:
             row["speedup"] = row["tokens_per_s"] / ar[row["prompt"]]
+        if row["method"] == LLAMA_CPP_AR:
+            continue
+        stats = row["stats"]
+        cycles = max(stats["cycles"], 1)
         if row["method"] in ("sd", "easd", "mdsd"):
             row["accepted_per_cycle"] = stats["accepted"] / cycles
             row["acceptance"] = stats["acceptance"]
@@ -343,10 +337,10 @@ def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
     best = math.inf
     for _ in range(repeats):
         cache.suffix_len.fill_(suffix)
-        engine.synchronize(m.device)
+        scheduler.synchronize(m.device)
         start = time.perf_counter()
         m.step(tokens, cache)
-        engine.synchronize(m.device)
+        scheduler.synchronize(m.device)
         best = min(best, time.perf_counter() - start)
     return 1e3 * best
 
@@ -898,6 +892,25 @@ def format_report(target, prompts, names, new_tokens, device):
     return out
 
 
+def weight_costs(names, rows, shape=(17920, 1536)):
+    """{format: {rows: ps per weight}} of model.linear in each format over copies of one [out, in] matrix (the 1.5B's
+    gate/up) filling twice the last-level cache, so every pass reads them from memory; the best of 3 passes."""
+    out = {}
+    for name in names:
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(formats.FORMATS[name])
+        first = formats.converted(w, name)
+        per_copy = sum(t.numel() * t.element_size() for t in first.parameters()) if isinstance(
+            first, torch.nn.Module) else w.numel() * w.element_size()
+        ws = [first] + [copy.deepcopy(first) if isinstance(first, torch.nn.Module) else formats.converted(w, name)
+                        for _ in range(max(1, int(2 * auto.cache_bytes() // per_copy)))]
+        out[name] = {}
+        for r in rows:
+            x = torch.randn(r, shape[1], dtype=formats.FORMATS[name])
+            seconds = min(timeit.repeat(lambda: [model.linear(x, w) for w in ws], repeat=3, number=1))
+            out[name][r] = 1e12 * seconds / (len(ws) * w.numel())
+    return out
+
+
 def next_token_logprobs(m, ids):
     """[T, V] m's log-probabilities of the next token at every position of ids, at T = 1."""
     cache = model.KVCache(m.config, 1, len(ids), 1, m.device, m.embed.dtype)
@@ -1060,12 +1073,23 @@ def format_table(rows):
         for name, f in rows.items())
 
 
+def weight_cost_table(costs):
+    rows = list(next(iter(costs.values())))
+    ratios = [r for r in rows if r in (9, 16)] or rows[-1:]  # smc 3x2's verify and 16 rows, against one row
+    lines = ["| weights | " + " | ".join(f"{r} row{'s' * (r > 1)}" for r in rows) + " | " +
+             " | ".join(f"{r} rows / 1 row" for r in ratios) + " |", "|---" * (len(rows) + len(ratios) + 1) + "|"]
+    for name, ps in costs.items():
+        cells = [f"{ps[r]:.1f}" for r in rows] + [f"{ps[r] / ps[rows[0]]:.2f}x" for r in ratios]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "ps per weight (a call's time over its weights) at each row count:\n\n" + "\n".join(lines)
+
+
 def report_tables(report):
     """Every table of a report (old reports, from before the subcommands, included), in the order the
     subcommands print them; several reports bundled under a note ({"note", "runs"}) one after the other."""
     if "runs" in report:
         return "\n\n".join([report.get("note", "")] + [report_tables(run) for run in report["runs"]])
-    sections = [("formats", format_table), ("speed", None), ("phases", phase_table), ("lengths", length_table),
+    sections = [("weight_costs", weight_cost_table), ("formats", format_table), ("speed", None), ("phases", phase_table), ("lengths", length_table),
                 ("short_requests", short_table), ("racer", racer_table), ("peer", peer_table), ("batch", batch_table),
                 ("overlap_phases", overlap_table), ("quality", quality_table)]
     tables = []
@@ -1096,7 +1120,13 @@ def command_speed(args, device, rank, world, report):
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
     bandwidth = copy_bandwidth(device)
     ar = ar_engine(e, paths, args)
-    rows = speed(e, ids_by_prompt, args, ar)
+    peer = None
+    if paths and device.type == "cpu" and peers.gguf_of(paths[1]):
+        peer = peers.LlamaCpp.load(peers.gguf_of(paths[1]))
+    if peer:
+        report["llama_cpp_build"] = peer.build
+        print(f"beside {LLAMA_CPP_AR} ({peer.build})", file=sys.stderr)
+    rows = speed(e, ids_by_prompt, args, ar, peer)
     annotate(e, rows, ids_by_prompt, args, bandwidth, ar)
     report["copy_bandwidth_gbs"] = bandwidth
     report["speed"] = rows
@@ -1191,6 +1221,9 @@ def command_quality(args, device, rank, world, report):
 
 
 def command_formats(args, device, rank, world, report):
+    report["weight_costs"] = weight_costs(["bf16", *args.formats], args.rows)
+    show(weight_cost_table(report["weight_costs"]))
+    write(report, args.out, rank)
     _, paths = open_pair(args, device, world)
     texts = [p["prompt"] for p in problem_set(args)[:args.problems]]
     report["formats"] = format_report(paths[1], texts, args.formats, args.quality_tokens, device)
@@ -1294,7 +1327,7 @@ QUICK = {  # --quick: each subcommand's smoke settings
     "batch": dict(concurrency=[1, 2], new_tokens=32, repeats=1),
     "peers": dict(new_tokens=32, repeats=1),
     "quality": dict(problems=2, samples=1, quality_tokens=64),
-    "formats": dict(problems=2, quality_tokens=64),
+    "formats": dict(problems=2, quality_tokens=64, rows=[1, 9]),
 }
 EPILOG = """examples:
   python bench.py speed                                # the default pair: ar, sd and smc on code and prose prompts
@@ -1367,6 +1400,8 @@ def parser(argv):
                         "its samples' log-probability under the unquantized target")
     formats_p.add_argument("--formats", type=format_names, default=format_names("float32,int8,int4"), metavar="FORMAT,...",
                            help=f"of {','.join(formats.FORMATS)} (bf16, the reference, always runs)")
+    formats_p.add_argument("--rows", type=numbers, default=numbers("1,2,3,4,6,9,12,16"), metavar="R,...",
+                           help="row counts of the table of what a weight costs in each format")
     add_problem_set(formats_p, FORMAT_PROMPTS)
     report_p = commands.add_parser("report", help="print a report's tables (any bench.py JSON) as markdown")
     report_p.add_argument("file")

@@ -1,8 +1,8 @@
 """The device side of decoding: the State a batch's cycles update in place, the methods' rules, and one cycle
 function per method over (engine, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it;
-then a slot's prefill, graph recording and what a batch's memory takes.
+then a slot's prefill and graph recording.
 
-    cycle(e, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (one target forward, the
+    cycle(m, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (one target forward, the
                           method's rule, the flags the host reads)
 """
 import copy
@@ -11,12 +11,26 @@ from dataclasses import dataclass, fields
 
 import torch
 
-import formats
 import kernels
 import model
 import racer
 
 # ---------------------------------------------------------------- decoding state
+
+
+@dataclass
+class Models:
+    """What a cycle reads besides its State: the target, the draft (None: none, or racer's host-side drafts), the
+    EOS table is_eos [V + 1] (torch.isin sorts, and syncs) and the pad id V, the token an ended particle appends."""
+    target: model.Transformer
+    draft: model.Transformer | None
+    is_eos: torch.Tensor
+    pad: int
+
+    @property
+    def device(self):
+        return self.target.device
+
 
 
 @dataclass
@@ -75,22 +89,22 @@ class State:
         return part
 
 
-def new_state(e, shape, R, prefix_cap, suffix_cap):
+def new_state(m, shape, R, prefix_cap, suffix_cap):
     """A State of R empty slots."""
     N = shape.particles
     K = shape.draft_len
-    V = e.config.vocab_size
+    V = m.target.config.vocab_size
 
     def new(*size, dtype=torch.float32, value=0):
-        return torch.full(size, value, dtype=dtype, device=e.device)
+        return torch.full(size, value, dtype=dtype, device=m.device)
 
     i64 = torch.int64
     i32 = torch.int32
     drafts = shape.method != "ar" and not shape.tree  # racer drafts on the host, ar not at all
-    tcache = model.KVCache(e.target.config, N, prefix_cap, suffix_cap, e.device, e.target.embed.dtype, R)
+    tcache = model.KVCache(m.target.config, N, prefix_cap, suffix_cap, m.device, m.target.embed.dtype, R)
     dcache = None
-    if drafts and e.draft is not None:
-        dcache = model.KVCache(e.draft.config, N, prefix_cap, suffix_cap, e.device, e.draft.embed.dtype, R)
+    if drafts and m.draft is not None:
+        dcache = model.KVCache(m.draft.config, N, prefix_cap, suffix_cap, m.device, m.draft.embed.dtype, R)
     tree = {}
     if shape.tree:
         T = shape.tree + 1
@@ -184,22 +198,28 @@ def smc_increments(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
 
 
 # ---------------------------------------------------------------- cycles: fixed shapes, no host sync
-# Each cycle function takes the Engine e (its target, draft, is_eos [V + 1], pad), the State and its batch's Shape.
+# Each cycle function takes the Models m, the State and its batch's Shape.
 
 
-def cycle(e, st, shape):
-    """One cycle of shape.method over the slots of st, then their flags for the host."""
-    if shape.method != "ar" and not shape.tree:
-        draft_block(e, st, shape)
-    verify_cycle(e, st, shape)
+def cycle(m, st, shape):
+    """One cycle of shape.method over the slots of st, then their flags for the host: its phases in turn."""
+    for phase in phases(st):
+        phase(m, st, shape)
 
 
-def verify_cycle(e, st, shape):
+def phases(st):
+    """The functions a cycle runs, in order: the draft block where a draft model drafts, then the verify."""
+    if st.dcache is None:
+        return (verify_cycle,)
+    return (draft_block, verify_cycle)
+
+
+def verify_cycle(m, st, shape):
     """The cycle after drafting: the target's verify and the method's rule, then the flags."""
     if shape.tree:
-        racer_cycle(e, st, shape)
+        racer_cycle(m, st, shape)
     else:
-        RULES[shape.method](e, st, shape)
+        RULES[shape.method](m, st, shape)
     if st.dcache is not None:
         st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
     publish(st)
@@ -213,9 +233,9 @@ def pending(st):
     return x[..., 0], x[..., 1]
 
 
-def ids(e, tokens):
+def ids(m, tokens):
     """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
-    return tokens.clamp(max=e.pad - 1)
+    return tokens.clamp(max=m.pad - 1)
 
 
 def restricted(logits, st, shape):
@@ -238,34 +258,34 @@ def publish(st):
     st.live &= ~done
 
 
-def append(e, st, tokens, kept):
+def append(m, st, tokens, kept):
     """Commit the first `kept` [R] of tokens [R, N, T] (none where a slot is not live): history, lengths,
     finished. The target holds K/V for the old pending token and the kept tokens but the last."""
     R, N, T = tokens.shape
     kept = kept * st.live
     at = st.gen_len.long()[:, None, None] + 1 + torch.arange(T, device=tokens.device)  # [R, 1, T]
     st.hist.scatter_(2, at.clamp(max=st.hist.shape[-1] - 1).expand(R, N, T), tokens)  # a done slot's stay inside
-    st.finished |= (e.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
+    st.finished |= (m.is_eos[tokens] & (torch.arange(T, device=tokens.device) < kept[:, None, None])).any(-1)
     st.gen_len += kept
     st.tcache.suffix_len += kept
 
 
-def ar_cycle(e, st, shape):
+def ar_cycle(m, st, shape):
     """One target step on the pending token."""
     x0 = pending(st)[1]  # [R, N]
-    logits = restricted(e.target.step(ids(e, x0[..., None]), st.tcache)[:, 0, 0], st, shape)  # [R, V]
+    logits = restricted(m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0], st, shape)  # [R, V]
     token = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
-    append(e, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
+    append(m, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
 
 
-def draft_block(e, st, shape):
+def draft_block(m, st, shape):
     """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
     -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, N, K, V]. Advances the
     draft's suffix_len by K + 1."""
     R, N = st.finished.shape
-    x = ids(e, torch.stack(pending(st), -1))  # [R, N, 2]
+    x = ids(m, torch.stack(pending(st), -1))  # [R, N, 2]
     for k in range(shape.draft_len):
-        out = e.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
+        out = m.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
         st.dcache.suffix_len += x.shape[-1]
         t, logq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)  # [R * N]
         x = t.view(R, N, 1)
@@ -275,14 +295,14 @@ def draft_block(e, st, shape):
             st.q_logits[:, :, k] = out
 
 
-def verify(e, st, t, shape):
+def verify(m, st, t, shape):
     """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
     x0 = pending(st)[1]  # [R, N]
     block = torch.cat([x0[..., None], t], -1)  # [R, N, K+1]
-    return restricted(e.target.step(ids(e, block), st.tcache), st, shape)
+    return restricted(m.target.step(ids(m, block), st.tcache), st, shape)
 
 
-def sd_cycle(e, st, shape):
+def sd_cycle(m, st, shape):
     """Speculative sampling over N drafts of K tokens from one prefix (sd: N = 1; mdsd: SpecInfer's and SpecTr's
     multi-draft rule), each request accepting its own count. Depth by depth, over the particles whose drafts so far
     are the accepted ones (viable), their tokens c are tried in turn, accepted with probability min(1, r(c)/q(c)),
@@ -293,7 +313,7 @@ def sd_cycle(e, st, shape):
     K = shape.draft_len
     R, N = st.finished.shape
     device = st.gen_len.device
-    p = probs(verify(e, st, st.drafted, shape), st.temp_t)  # [R, N, K+1, V]
+    p = probs(verify(m, st, st.drafted, shape), st.temp_t)  # [R, N, K+1, V]
     q = probs(st.q_logits, st.temp_d)  # [R, N, K, V]
     rows = torch.arange(R, device=device)
     viable = torch.ones(R, N, dtype=torch.bool, device=device)  # [R, N] the drafts equal to what was accepted
@@ -345,7 +365,7 @@ def sd_cycle(e, st, shape):
                 copy_rows(kv, winner, start, K + 1)
     st.dcache.suffix_len -= K - n  # the draft keeps K/V up to t_{n-1}
     st.accepted += n
-    append(e, st, tokens[:, None].expand(R, N, K + 1), n + 1)
+    append(m, st, tokens[:, None].expand(R, N, K + 1), n + 1)
 
 
 def copy_rows(kv, source, start, T):
@@ -357,7 +377,7 @@ def copy_rows(kv, source, start, T):
     kv.scatter_(4, at.expand(L, R, N, H, T, D), chosen.expand(L, R, N, H, T, D))
 
 
-def racer_cycle(e, st, shape):
+def racer_cycle(m, st, shape):
     """sd on racer's draft tree, verified exactly in one target forward: a node sees the prefix, its ancestors
     and itself (st.mask), at position length + depth. From the root, y ~ p is drawn at each node and the child
     whose token is y followed, else y emitted: the text follows p exactly (greedy: ar's tokens), a chain being the
@@ -367,7 +387,7 @@ def racer_cycle(e, st, shape):
     device = st.gen_len.device
     nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
     base = st.tcache.suffix_len.clone()
-    logits = e.target.step(ids(e, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
+    logits = m.target.step(ids(m, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
     logits = restricted(logits, st, shape)  # [R, T, V]
     y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
     follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
@@ -384,25 +404,25 @@ def racer_cycle(e, st, shape):
     st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
     st.accepted_at += torch.arange(K, device=device) < n[:, None]
     st.accepted += n
-    append(e, st, tokens[:, None], n.int() + 1)
+    append(m, st, tokens[:, None], n.int() + 1)
 
 
-def smc_cycle(e, st, shape):
+def smc_cycle(m, st, shape):
     """Weight each particle's K drafted tokens by one target forward, append K + 1 tokens (the last a bonus
     token from the target), resample where the ESS falls below the threshold. A power target p ** alpha
     (shape.power) weighs a draft token alpha log p - log q (`power_bonus`)."""
     K = shape.draft_len
     R, N = st.finished.shape
     t = st.drafted  # [R, N, K]
-    logits = verify(e, st, t, shape)  # [R, N, K+1, V]
+    logits = verify(m, st, t, shape)  # [R, N, K+1, V]
     logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
     bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, shape.power)
     b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
     x0 = pending(st)[1]
-    increments, tokens = smc_increments(x0, t, b, shape.power * logp, st.logq, st.finished, e.is_eos, e.pad,
+    increments, tokens = smc_increments(x0, t, b, shape.power * logp, st.logq, st.finished, m.is_eos, m.pad,
                                         log_bonus)
     st.logw += increments
-    append(e, st, tokens, torch.full_like(st.gen_len, K + 1))
+    append(m, st, tokens, torch.full_like(st.gen_len, K + 1))
     resample(st, shape)
 
 
@@ -461,12 +481,12 @@ def graphs(shape, device):
 # ---------------------------------------------------------------- slots and memory
 
 
-def prefill_slot(e, st, shape, r, req):
+def prefill_slot(m, st, shape, r, req):
     """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
     settings = req.settings
     N = shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = e.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill)  # [V]
+    logits = m.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill)  # [V]
     st.rng[r] = torch.tensor([settings.seed, 0])
     st.temp_d[r] = settings.draft_temperature
     st.temp_t[r] = settings.target_temperature
@@ -483,13 +503,13 @@ def prefill_slot(e, st, shape, r, req):
         st.dcache.prefix_len[r] = 0  # a one-token prompt leaves it empty
         st.dcache.suffix_len[r] = 0
         if len(req.ids) > 1:
-            e.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
+            m.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
     st.hist[r] = 0
     st.hist[r, :, 0] = prompt[-1]
     st.hist[r, :, 1] = x0
     st.gen_len[r] = 1
     st.max_new[r] = settings.max_new_tokens
-    st.finished[r] = e.is_eos[x0]
+    st.finished[r] = m.is_eos[x0]
     st.live[r] = True
     st.lag[r] = settings.lag
     for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.accepted_at, st.resamples, st.collapses, st.triggers):
@@ -548,46 +568,3 @@ def method_stats(st, r, req):
                 "resamples": int(st.resamples[r]), "collapses": int(st.collapses[r]),
                 "mean_ess": round(float(st.ess_sum[r]) / cycles, 3), "log_z": round(float(st.log_z[r] + final), 4)}
     return {}
-
-
-def free_bytes(device):
-    """Memory free for new tensors on device: on CUDA with what torch has cached but does not use; unknown: inf."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
-            torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return math.inf
-
-
-
-def unread_bytes(e):
-    """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
-    configs = [c for c, o in zip((e.config, e.draft_config), e.opened) if o]
-    n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
-    return (n + sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings and e.device.type == "cpu")) \
-        * e.dtype.itemsize
-
-
-def batch_bytes(e, shape, slots, caps):
-    """Memory a batch takes: its KV caches, each in its model's activations' dtype, and a cycle's working memory
-    (`cycle_bytes`). On CUDA graphs every graph keeps that in a private pool of its own: one for a batch, four for
-    MineDraft's pair (a draft and a verify graph for each half)."""
-    draft_dtype = e.draft.embed.dtype if e.draft else formats.FORMATS.get(e.draft_weights, e.dtype)
-    drafted = e.draft_config and shape.method != "ar"
-    models = [(e.config, e.dtype)] + ([(e.draft_config, draft_dtype)] if drafted else [])
-    need = sum(model.KVCache.nbytes(c, shape.particles, *caps, dtype, slots) for c, dtype in models)
-    if not graphs(shape, e.device):
-        return need + cycle_bytes(e, shape, slots)
-    if shape.overlap:
-        return need + 4 * cycle_bytes(e, shape, -(-slots // 2))
-    return need + cycle_bytes(e, shape, slots)
-
-
-def cycle_bytes(e, shape, slots):
-    """A cycle's working memory over `slots` slots: its float32 logits [R, N, K+1, V] with a few copies, and where
-    requests restrict (top-k, top-p) what `restrict` sorts: their float32 values and int64 indices."""
-    logits = slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size
-    return 4 * logits * 4 + shape.restrict * logits * (4 + 8)

@@ -1,6 +1,7 @@
 """Generation: autoregressive decoding (ar), speculative sampling (sd, mdsd, easd, racer drafts) and sequential
 Monte Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
-Top to bottom: Settings and their one check; Request; Batch and Pair; the Scheduler; Engine, the API; the CLI."""
+Top to bottom: Settings and their one check; Request; Engine, the API; the CLI. Batches and their rounds are
+scheduler.py's."""
 import argparse
 import contextlib
 import functools
@@ -11,16 +12,18 @@ import queue
 import sys
 import time
 import typing
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+import auto
 import decode
 import formats
 import loading
 import model
 import racer
+import scheduler
+from scheduler import DeviceFailed, UsageError, require
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
@@ -40,28 +43,9 @@ WEIGHTS = ("auto", *formats.FORMATS)
 SLOTS = 4  # requests decoded together by a server, or by the CLI from a .jsonl file
 BATCH = 8  # the most prompts of one generate call decoded together, by default
 CONTEXT = 2048  # the tokens a server's slot holds, by default
-IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
 PROGRESS_S = 5.0  # the CLI's prefill says how far it has come once it takes this long, and then this often
 KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false",
          tuple: "three numbers ENTROPY,TOP,SHARE (TOP an integer)"}
-
-
-class UsageError(Exception):
-    """A one-line problem with a request, before any work; param: the option at fault."""
-
-    def __init__(self, message, param=None):
-        super().__init__(message)
-        self.param = param
-
-
-class DeviceFailed(Exception):
-    """The device runs nothing more (a CUDA error poisons the context for every later call)."""
-
-
-def require(ok, message, param=None):
-    """A UsageError naming param, the option at fault, unless ok."""
-    if not ok:
-        raise UsageError(message, param)
 
 
 # ---------------------------------------------------------------- settings
@@ -373,404 +357,6 @@ def until_eos(tokens, ends):
     return next((tokens[:i] for i, t in enumerate(tokens) if t in ends), tokens)
 
 
-# ---------------------------------------------------------------- batches
-
-
-def synchronize(device):
-    """Wait for the device's queued work, so that a host clock times it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Batch:
-    """`slots` requests of one shape, each prefilled into a free slot between cycles. The caches and the CUDA graphs
-    of `phases` (the cycle, or MineDraft's draft and verify) are made once, here, over empty slots, which append
-    nothing. A graph runs every slot; an eager cycle (a CPU, where every row costs) up to the last busy one."""
-
-    def __init__(self, e, shape, slots, prefix_cap, suffix_cap, phases=("cycle",)):
-        self.e = e
-        self.shape = shape
-        self.requests = [None] * slots
-        self.idle_since = time.monotonic()
-        self.st = decode.new_state(e, shape, slots, prefix_cap, suffix_cap)
-        start = time.perf_counter()
-        self.graphs = {}  # a phase's name -> its CUDA graph's replay
-        if decode.graphs(shape, e.device):
-            for phase in phases:
-                self.graphs[phase] = decode.record(functools.partial(getattr(decode, phase), e, self.st, shape))
-        if self.graphs and e.on_phase:
-            e.on_phase(self, "record", time.perf_counter() - start)
-
-    def busy(self):
-        return any(self.requests)
-
-    def admit(self, req):
-        """Prefill req into a free slot (False if none); a failure leaves the slot empty."""
-        if None not in self.requests:
-            return False
-        r = self.requests.index(None)
-        req.start = time.perf_counter()
-        try:
-            decode.prefill_slot(self.e, self.st, self.shape, r, req)
-        except BaseException:
-            self.leave(r)
-            raise
-        self.requests[r] = req
-        req.prefill_seconds = time.perf_counter() - req.start
-        return True
-
-    def leave(self, r):
-        self.requests[r] = None
-        self.idle_since = time.monotonic()
-        decode.empty_slot(self.st, r)
-
-    def cycle(self):
-        if self.shape.tree:  # racer: each busy slot's draft tree from its request's Retrieval (host work)
-            trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
-            decode.plant(self.st, trees)
-        if self.e.on_phase and "cycle" not in self.graphs:
-            for phase in self.phases():
-                self.run_phase(phase)
-        else:
-            self.run_phase("cycle")
-        self.cycled()
-
-    def phases(self):
-        """The phases decode.cycle runs: the draft block where a draft model drafts, then the verify."""
-        if self.st.dcache is None:
-            return ("verify_cycle",)
-        return ("draft_block", "verify_cycle")
-
-    def run_phase(self, phase):
-        """decode's phase ("cycle" or a part of it) as its graph's replay, or eagerly up to the last busy slot; an
-        eager one timed for the engine's on_phase, with the device synchronised, where the engine has one."""
-        if phase in self.graphs:
-            self.graphs[phase]()
-            return
-        busy = 1 + max(r for r, req in enumerate(self.requests) if req)
-        state = self.st.narrow(busy)
-        if not self.e.on_phase:
-            getattr(decode, phase)(self.e, state, self.shape)
-            return
-        synchronize(self.e.device)
-        start = time.perf_counter()
-        getattr(decode, phase)(self.e, state, self.shape)
-        synchronize(self.e.device)
-        self.e.on_phase(self, phase, time.perf_counter() - start)
-
-    def cycled(self):
-        for r, req in enumerate(self.requests):
-            if req:
-                req.cycles += 1
-                if req.on_cycle:
-                    req.on_cycle(self, r)
-
-    def collect(self, reason=None):
-        """Read every slot's flags and the history's new part (the host's one read of a round), pass settled
-        tokens on, end the requests that are done, cancelled, or (reason given, e.g. "interrupted") all of them."""
-        busy = [(r, req) for r, req in enumerate(self.requests) if req]
-        if not busy:
-            return
-        flags = self.st.flags.tolist()  # [R, 4]: done, settled count, degenerate, length
-        lo = min(unread(req) for _, req in busy)
-        hi = max(flags[r][3] for r, _ in busy)
-        rows = self.st.hist[:, 0, 1 + lo:1 + hi].tolist()  # [R, hi - lo] particle 0's: settled tokens are everyone's
-        cues = None
-        if self.shape.tree:
-            cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)]
-        for r, req in busy:
-            done, count, degenerate, length = flags[r]
-            if req.drafter:
-                req.drafter.update(rows[r][req.drafter.seen - lo:length - lo], zip(cues[0][r], cues[1][r]), req.cycles)
-            why = reason
-            if not why and degenerate:
-                why = "degenerate"
-            elif not why and req.cancelled:
-                why = "cancelled"
-            count = min(count, req.settings.max_new_tokens)
-            if why is None and count > len(req.settled):
-                why = req.release(rows[r][len(req.settled) - lo:count - lo])
-            if why is None and not done and req.stop_strings and self.shape.particles > 1:
-                done = self.stop_particles(r, req, length)
-            if why or done:
-                self.finish_slot(r, req, why)
-            else:
-                req.streamed = len(req.settled)
-
-    def finish_slot(self, r, req, why):
-        """Finish slot r's request: with what settled when `why` ends it early, else with its returned particle."""
-        if why:
-            tokens = req.settled
-        else:
-            tokens = self.returned(r, req)
-        req.finish(tokens, req.stats(tokens, why) | decode.method_stats(self.st, r, req))
-        self.leave(r)
-
-    def stop_particles(self, r, req, length):
-        """A particle whose text holds a stop string ends there, as at an EOS (its tokens drafted past it that
-        cycle weigh p/q, 1 in expectation, so the prefix keeps its distribution) -> whether all have ended.
-        Otherwise a request would end only once its particles agree on the text up to the string."""
-        histories = self.st.hist[r, :, 1:1 + length].tolist()  # [N, length]
-        ended = [i for i, tokens in enumerate(histories) if req.holds_stop(tokens)]
-        self.st.finished[r, ended] = True
-        return bool(self.st.finished[r].all())
-
-    def returned(self, r, req):
-        """Slot r's returned particle's tokens."""
-        req.particle = decode.pick(self.st, r, req.settings.select)
-        length = min(int(self.st.gen_len[r]), req.settings.max_new_tokens)
-        return self.st.hist[r, req.particle, 1:1 + length].tolist()
-
-    def close(self):
-        """A plain batch holds no threads."""
-
-
-def unread(req):
-    """The first generated token req has not read yet (racer's drafter reads unsettled ones too)."""
-    if req.drafter:
-        return min(len(req.settled), req.drafter.seen)
-    return len(req.settled)
-
-
-class Pair:
-    """MineDraft (arXiv 2603.18016): a batch's slots as two halves, one drafting while the target verifies the
-    other, on two threads (a CPU: half of the cores each; CUDA: a stream each, replaying the half's graphs). A
-    request's tokens are those it gets without the overlap. A half is read and refilled only between its verify
-    and its next draft; the first busy one drafts alone at the start, then the halves alternate."""
-    PHASES = ("draft_block", "verify_cycle")
-
-    def __init__(self, e, shape, slots, prefix_cap, suffix_cap):
-        check_slots(slots, overlap=True)
-        first = Batch(e, shape, (slots + 1) // 2, prefix_cap, suffix_cap, self.PHASES)
-        second = Batch(e, shape, slots // 2, prefix_cap, suffix_cap, self.PHASES)
-        self.halves = [first, second]
-        self.drafted = [False, False]  # whether a half's drafts wait for their verify
-        self.cuda = e.device.type == "cuda"
-        if self.cuda:
-            where = torch.cuda.current_device()
-        else:
-            where = max(1, torch.get_num_threads() // 2)
-        self.pool = ThreadPoolExecutor(2, initializer=self.start_thread, initargs=(where,))
-
-    def start_thread(self, where):
-        """A pool thread's device and stream (CUDA), or its share of the cores (a CPU)."""
-        if self.cuda:
-            torch.cuda.set_device(where)
-            torch.cuda.set_stream(torch.cuda.Stream())
-        else:
-            torch.set_num_threads(where)
-
-    @property
-    def requests(self):
-        return self.halves[0].requests + self.halves[1].requests
-
-    @property
-    def idle_since(self):
-        return max(h.idle_since for h in self.halves)
-
-    def busy(self):
-        return any(h.busy() for h in self.halves)
-
-    def admit(self, req):
-        return any(not d and h.admit(req) for h, d in zip(self.halves, self.drafted))
-
-    def collect(self, reason=None):
-        for h, d in zip(self.halves, self.drafted):
-            if reason or not d:
-                h.collect(reason)
-
-    def run_half(self, half, phase):
-        """half's phase, on a pool thread."""
-        with torch.inference_mode():
-            half.run_phase(phase)
-            if self.cuda:
-                torch.cuda.current_stream().synchronize()
-
-    def cycle(self):
-        """The drafted half verifies while the other drafts; both jobs end before an error in either is raised."""
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()  # prefills on this thread's stream come first
-        phases = [next_phase(h, d) for h, d in zip(self.halves, self.drafted)]
-        if "verify_cycle" not in phases and phases[0] == "draft_block":
-            phases[1] = None  # the halves start apart
-        jobs = [self.pool.submit(self.run_half, h, p) for h, p in zip(self.halves, phases) if p]
-        wait(jobs)
-        for job in jobs:
-            job.result()
-        self.drafted = [p == "draft_block" for p in phases]
-        for h, p in zip(self.halves, phases):
-            if p == "verify_cycle":
-                h.cycled()
-
-    def close(self):
-        self.pool.shutdown()
-
-
-def next_phase(half, drafted):
-    """A half's next phase: a drafted half verifies, a busy one drafts, an empty one rests (None)."""
-    if drafted:
-        return "verify_cycle"
-    if half.busy():
-        return "draft_block"
-    return None
-
-
-# ---------------------------------------------------------------- scheduler
-
-
-class Scheduler:
-    """One serving loop's requests, waiting and running. Requests of one shape share a batch of `slots` slots of
-    caps (prompt, rest) tokens, made at the shape's first request, dropped once idle for idle_s. raise_errors
-    (generate): a failure raises; else (serve) it ends its batch's requests "error", unless the device failed."""
-
-    def __init__(self, e, slots, caps, raise_errors, idle_s=IDLE_S):
-        self.e = e
-        self.slots = slots
-        self.caps = caps
-        self.raise_errors = raise_errors
-        self.idle_s = idle_s
-        self.batches = {}  # Shape -> its Batch or Pair
-        self.waiting = []
-
-    def busy(self):
-        return bool(self.waiting) or any(b.busy() for b in self.batches.values())
-
-    def rounds(self, inbox, until_idle):
-        """Take Requests from inbox until None arrives (what still runs ends "cancelled") or, with until_idle,
-        until none is left; yields after every round."""
-        while not until_idle or self.busy() or not inbox.empty():
-            items = self.take(inbox)
-            self.waiting += [item for item in items if item is not None]
-            if None in items:
-                self.end_all("cancelled")
-                return
-            self.round()
-            yield
-
-    def take(self, inbox):
-        """Everything in inbox; when idle, first wait for work, waking to drop idle batches."""
-        items = []
-        if not self.busy():
-            timeout = self.idle_s if self.batches else None
-            with contextlib.suppress(queue.Empty):
-                items.append(inbox.get(timeout=timeout))
-        while not inbox.empty():  # this loop is the queue's one reader
-            items.append(inbox.get())
-        return items
-
-    def round(self):
-        """Collect every batch (ending what the last cycle finished), admit waiting requests (and collect their
-        batches: a request can be done as it is admitted), cycle the busy batches, drop idle ones."""
-        for key, b in list(self.batches.items()):
-            self.guarded(key, b.collect)
-        for key in self.admit_waiting():
-            self.guarded(key, self.batches[key].collect)
-        for key, b in list(self.batches.items()):
-            if b.busy():
-                self.guarded(key, b.cycle)
-        self.evict(self.idle_s)
-
-    def guarded(self, key, fn):
-        try:
-            fn()
-        except Exception as error:
-            if self.raise_errors:
-                raise
-            b = self.batches.pop(key)
-            b.close()
-            self.failed([req for req in b.requests if req], error)
-
-    def failed(self, requests, error):
-        self.end(requests, "error", error)
-        if not self.e.device_ok():
-            raise DeviceFailed(f"the device failed and can run nothing more: {' '.join(str(error).split())}")
-
-    def admit_waiting(self):
-        """Move waiting requests into free slots of their shape's batch -> the keys of the batches that took one."""
-        took = set()
-        for req in list(self.waiting):
-            if req.cancelled:
-                self.waiting.remove(req)
-                self.end([req], "cancelled")
-                continue
-            try:
-                if len(req.ids) > self.caps[0] or req.capacity > self.caps[1]:
-                    raise UsageError(f"the request needs {len(req.ids)} + {req.capacity} tokens; a slot holds "
-                                     f"{self.caps[0]} + {self.caps[1]}: check requests with request(context=...)")
-                if self.batch(req.shape).admit(req):
-                    self.waiting.remove(req)
-                    took.add(req.shape)
-            except Exception as error:
-                if self.raise_errors:
-                    raise
-                self.waiting.remove(req)
-                self.failed([req], error)
-        return took
-
-    def batch(self, shape):
-        """shape's batch, made if there is none (after dropping idle batches if memory is short)."""
-        if shape not in self.batches:
-            need = decode.batch_bytes(self.e, shape, self.slots, self.caps)
-            if need > decode.free_bytes(self.e.device):
-                self.evict(0.0)
-            check_fits(need, self.e.device, f"{self.slots} slots' KV caches and logits",
-                       "lower the slots, particles, draft length or context")
-            kind = Pair if shape.overlap else Batch
-            self.batches[shape] = kind(self.e, shape, self.slots, *self.caps)
-        return self.batches[shape]
-
-    def evict(self, idle_s):
-        """Drop the batches idle for idle_s or more: a long-running server keeps no cache per shape it has seen."""
-        for key, b in list(self.batches.items()):
-            if not b.busy() and time.monotonic() - b.idle_since >= idle_s:
-                self.batches.pop(key).close()
-
-    def end(self, requests, why, error=None):
-        """End requests with what they made so far, stats["stop"] = why (an error's message in stats["error"])."""
-        said = {}
-        if error:
-            said = {"error": " ".join(str(error).split())}
-        for req in requests:
-            req.finish(req.settled, req.stats(req.settled, why) | said)
-
-    def end_all(self, why, error=None):
-        """End every request, running and waiting; after an error the device is not read again."""
-        running = []
-        for b in self.batches.values():
-            if error is None:
-                b.collect(why)
-            running += [req for req in b.requests if req]
-            b.close()
-        self.end(running + self.waiting, why, error)
-        self.batches = {}
-        self.waiting = []
-
-
-def check_fits(need, device, what, advice):
-    if need > decode.free_bytes(device):
-        raise UsageError(f"{what} need {need / 2**30:.2f} GiB but only {decode.free_bytes(device) / 2**30:.2f} GiB is "
-                         f"free on {device}; {advice}")
-
-
-def check_slots(slots, overlap):
-    """Slots a batch can run: one at least, two under overlap (a half each)."""
-    require(slots >= 1, f"--slots must be at least 1, got {slots}", "slots")
-    require(slots >= 2 or not overlap, "overlap needs at least 2 slots, one for each half", "overlap")
-
-
-def check_memory(e, requests, slots):
-    """The unread weights and the batches these requests need fit in free memory (or a UsageError) -> the caps
-    (prompt, suffix) of a slot that holds any of them."""
-    caps = (max(len(r.ids) for r in requests), max(r.capacity for r in requests))
-    shapes = {r.shape for r in requests}
-    need = decode.unread_bytes(e) + sum(decode.batch_bytes(e, shape, slots, caps) for shape in shapes)
-    what = f"{slots} slots' KV caches and logits"
-    if e.opened[0]:
-        what = "the weights, " + what
-    check_fits(need, e.device, what, "lower --slots, --particles, --draft-len or --max-new-tokens")
-    return caps
-
-
 def capacity(e, prompt_len, settings, shape, context=None):
     """The context's checks -> the suffix a request needs: its budget and a draft block of lookahead."""
     lookahead = 0  # what a cycle writes past the new tokens
@@ -818,12 +404,10 @@ class Engine:
     prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
     is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
     model's measured once on this machine and kept; remeasure: measured again). Under torchrun each rank holds its
-    target shard and decodes alike (same logits and rng)."""
-    # on_phase(batch, phase, seconds): after each phase a batch runs eagerly (decode's draft_block, verify_cycle),
-    # timed with the device synchronised, and after it records its CUDA graphs ("record"); traces and bench.py set it
-    on_phase = None
+    target shard and decodes alike (same logits and rng). observers: each told (batch, phase, seconds) of every phase
+    the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched."""
 
-    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False):
+    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=()):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
@@ -834,7 +418,7 @@ class Engine:
         self.draft = draft if isinstance(draft, model.Transformer) else None
         # [target, draft]: the files (a Hub id's in the Hugging Face cache), None for a model or none
         self.paths = loading.local_paths([None if isinstance(m, model.Transformer) else m for m in (target, draft)])
-        # a path's (Config, get, Tokenizer) until load() reads its weights
+        # a path's loading.Opened until load() reads its weights
         self.opened = [loading.open_weights(path) if path else None for path in self.paths]
         target_file = self.opened[0]
         draft_file = self.opened[1]
@@ -848,17 +432,17 @@ class Engine:
         elif weights in (None, "auto"):
             self.weights = "bf16"
         else:
-            self.weights = weights
+            self.weights = formats.usable(weights)
         self.draft_weights = self.weights
         self.chosen = {}  # method -> the (N, K) auto measured for it
         dtype = torch.bfloat16 if self.auto else formats.weight_format(self.weights, device)
         if target_file:
-            self.config = model.shard_config(target_file[0], self.world)  # this rank's
+            self.config = model.shard_config(target_file.config, self.world)  # this rank's
         else:
             self.config = target.config
         self.draft_config = None
         if draft_file:
-            self.draft_config = draft_file[0]
+            self.draft_config = draft_file.config
         elif draft is not None:
             self.draft_config = draft.config
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
@@ -869,14 +453,16 @@ class Engine:
         if self.target:
             self.device = self.target.device
             self.dtype = self.target.embed.dtype
-        unread = decode.unread_bytes(self)
-        check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
+        unread = scheduler.unread_bytes(self)
+        scheduler.check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
         self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
         if self.auto:
-            self.measurement = formats.Measurement(self.opened, self.draft_config, unread,
-                                                   decode.free_bytes(self.device), self.paths, remeasure)
-        self.tokenizer = target_file[2] if target_file else None
+            self.measurement = auto.Measurement(self.opened, self.draft_config, unread,
+                                                   scheduler.free_bytes(self.device), self.paths, remeasure)
+        self.tokenizer = target_file.tokenizer if target_file else None
         self.failure = None
+        # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
+        self.observers = list(observers)
         self.pad = self.config.vocab_size
         self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
         self.is_eos[self.config.eos_ids + [self.pad]] = True
@@ -895,13 +481,27 @@ class Engine:
         if any(files) and self.rank == 0:
             print(f"loading {reading(files)} ...", file=sys.stderr, flush=True)
         if self.target is None and target_file:
-            self.target = loading.build(*target_file[:2], self.device, self.dtype, tp=(self.rank, self.world),
+            self.target = loading.build(target_file.config, target_file.get, self.device, self.dtype, tp=(self.rank, self.world),
                                         weights=self.weights)
         if self.draft is None and draft_file:
-            self.draft = loading.build(*draft_file[:2], self.device, self.dtype, weights=self.draft_weights,
+            self.draft = loading.build(draft_file.config, draft_file.get, self.device, self.dtype, weights=self.draft_weights,
                                        wider=False)
         self.opened = [None, None]
         return self
+
+    @property
+    def models(self):
+        """What decode's cycles read of this engine (after load())."""
+        return decode.Models(self.target, self.draft, self.is_eos, self.pad)
+
+    @contextlib.contextmanager
+    def watching(self, observer):
+        """observer(batch, phase, seconds) told of every phase the batches run in the block (scheduler.Batch)."""
+        self.observers.append(observer)
+        try:
+            yield
+        finally:
+            self.observers.remove(observer)
 
     def encode(self, prompt):
         """A prompt (text, or ids) -> its checked ids."""
@@ -955,7 +555,7 @@ class Engine:
         particle unless given): a request that fails there fails in every shape, so it is refused before measuring."""
         least = settings.resolve(self.device, {method: (1, 1) for method in METHODS})
         shape = least.shape(self.racer)
-        check_memory(self, [Request(ids, least, shape, capacity(self, len(ids), least, shape, context))], 1)
+        scheduler.check_memory(self, [Request(ids, least, shape, capacity(self, len(ids), least, shape, context))], 1)
 
     def requests(self, prompts, **options):
         """Checked Requests for a list of prompts, each text, ids, or {"prompt": ..., **options of its own}."""
@@ -974,7 +574,8 @@ class Engine:
         """prompt: text, ids or {"prompt": ..., **its options} -> Result(text, tokens, stats); a list of prompts ->
         [Result], decoded together, `slots` at a time (default: up to BATCH), each with its own randomness. options:
         Settings' fields, and stop. on_tokens(settled tokens), called as more settle, stops the request by returning
-        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight)."""
+        True. stats["stop"]: "eos", "length", "stop", "stopped", "interrupted", or "degenerate" (smc: no weight); serving
+        also "refused" (too large for a slot or the memory free), "error" and "cancelled"."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
             return self.run(self.requests(prompt, **options), slots)
         if isinstance(prompt, dict):
@@ -1002,7 +603,7 @@ class Engine:
             events.clear()
         yield from events
 
-    def serve(self, inbox, slots=SLOTS, context=CONTEXT, idle_s=IDLE_S):
+    def serve(self, inbox, slots=SLOTS, context=CONTEXT, idle_s=scheduler.IDLE_S):
         """Decode the Requests put in inbox (a queue.Queue) until None arrives (what still runs ends "cancelled").
         context: the tokens a slot holds (a pair (prompt, rest) for each apart; check requests with request(context=)).
         A failing batch ends its requests "error" and serving goes on; a failed device ends them all: DeviceFailed."""
@@ -1010,19 +611,19 @@ class Engine:
         for _ in self.serving(inbox, slots, caps, idle_s):
             pass
 
-    def serving(self, inbox, slots=None, caps=None, idle_s=IDLE_S):
+    def serving(self, inbox, slots=None, caps=None, idle_s=scheduler.IDLE_S):
         """The Scheduler's loop, yielding after every round, over a list of Requests (checked to fit, `slots` at a
         time, default up to BATCH, until all end) or a queue.Queue (slots of caps tokens, until None arrives)."""
         until_idle = isinstance(inbox, list)
         if until_idle:
             requests = inbox
             slots = slots or min(len(requests), BATCH)
-            caps = check_memory(self, requests, slots)
+            caps = scheduler.check_memory(self, requests, slots)
             self.load(requests[0].shape)
             inbox = queue.Queue()
             for req in requests:
                 inbox.put(req)
-        sched = Scheduler(self.load(), slots, caps, until_idle, idle_s)
+        sched = scheduler.Scheduler(self.load(), slots, caps, until_idle, idle_s)
         with torch.inference_mode():
             try:
                 yield from sched.rounds(inbox, until_idle)
@@ -1220,7 +821,7 @@ def prepare(args, batch, world):
     Settings.of(options).check(None, drafts)  # before the pair is fetched
     require(world == 1 or args.target, "under torchrun give --target (and --draft): fetch the default pair first "
             "with python weights/fetch.py, so that the ranks do not fetch it at once")
-    check_slots(args.slots, args.overlap)
+    scheduler.check_slots(args.slots, args.overlap)
     require(args.prompt is None or not args.prompt_file, "give --prompt or --prompt-file, not both")
     require(not (args.trace and batch), "--trace follows one prompt; give --prompt or a text --prompt-file")
     if args.trace:
@@ -1255,7 +856,7 @@ def prepare(args, batch, world):
         requests = e.requests(items, **options)
     else:
         requests = [e.request(**(options | items[0]))]
-    check_memory(e, requests, args.slots)
+    scheduler.check_memory(e, requests, args.slots)
     return e, requests, prompt
 
 
@@ -1320,6 +921,7 @@ def main(argv=None):
             tracer = plot.Tracer(args.trace, e, requests[0])
             requests[0].on_cycle = tracer.cycle
             requests[0].on_done = tracer.done
+            e.observers.append(tracer.phase)
         results = e.run(requests, args.slots)
     except (model.LoadError, UsageError) as error:
         fail(rank, error)

@@ -1,29 +1,22 @@
-"""Weight formats: one holds every matmul weight (FORMATS), as packed bf16 or float32, int8, int4 or calibrated w8a8
-(Quantized); converting a model's weights into one; and --weights auto's Measurement, which times this machine's
-matmuls in each format, chooses the formats and the smc and sd cycle shapes that run fastest, and keeps its choices."""
-import collections
-import copy
-import dataclasses
-import hashlib
-import json
-import math
-import os
-import platform
-import sys
-import tempfile
-import timeit
+"""Weight formats: one holds every matmul weight (FORMATS), as packed bf16 or float32, int8, int4, w4a8 or calibrated
+w8a8 (Quantized); converting a model's weights into one. Which one runs fastest on this machine is auto.py's question."""
+import logging
 
 import torch
 
 import kernels
+import kernels_cpu
 import model
+
+log = logging.getLogger("smcsd")
 
 # One format holds every matmul weight (each block's wqkv, wo, w13, w2 and the head); activations, embeddings and norms
 # are in the dtype its kernels are fast with. None is fastest everywhere (on AVX2 without native bf16, oneDNN cannot
 # pack bf16, whose F.linear cost grows with rows; torch's int8 and int4 kernels want bf16 activations, much slower with
-# float32; w8a8's int8 products need float32 ones, calibrated): a Measurement times them on the machine.
+# float32; w8a8's int8 products need float32 ones, calibrated; w4a8's kernel rounds float32 ones to int8 itself):
+# auto.py times them on the machine.
 FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16,
-           "w8a8": torch.float32}
+           "w8a8": torch.float32, "w4a8": torch.float32}
 MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")  # a block's matmul weights, then the model's head
 
 
@@ -36,18 +29,36 @@ def weight_format(fmt, device="cpu"):
         raise model.LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
     if fmt == "w8a8" and kind != "cpu":
         raise model.LoadError(f"w8a8 weights run on the CPU only (FBGEMM's int8 products); use int8 on {device}")
+    if fmt == "w4a8" and kind != "cpu":
+        raise model.LoadError(f"w4a8 weights run on the CPU only (kernels_cpu.c); use int4 on {device}")
     return FORMATS[fmt]
+
+
+def usable(fmt):
+    """fmt, or int4 where it is w4a8 and its kernel cannot be built here (a line on the "smcsd" log says why)."""
+    if fmt != "w4a8" or kernels_cpu.library()[0] is not None:
+        return fmt
+    log.warning("%s; using int4 (torch's kernel) instead of w4a8", kernels_cpu.library()[1])
+    return "int4"
 
 
 class Quantized(torch.nn.Module):
     """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it.
     blocks: int4's (q, scale_zero) as read from a file (then w gives only the shape, device and dtype). w8a8: FBGEMM's
-    packed int8 (`packed_bytes` of it) and float32 outlier columns (kernels.w8a8_linear), amax [in] calibration's."""
+    packed int8 (`packed_bytes` of it) and float32 outlier columns (kernels.w8a8_linear), amax [in] calibration's.
+    w4a8: kernels_cpu's packed codes of `bits` bits; blocks its (codes, scale, low) as read from a file."""
 
-    def __init__(self, fmt, w, blocks=None, amax=None):
+    def __init__(self, fmt, w, blocks=None, amax=None, bits=4):
         super().__init__()
         self.fmt = fmt
         self.packed_bytes = 0
+        if fmt in ("int4", "w4a8") and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernels' tiles
+            raise model.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+        if fmt == "w4a8":
+            self.bits = bits
+            codes, scale, low = blocks or kernels_cpu.quantize(w, bits)
+            self.packed = torch.nn.Parameter(kernels_cpu.pack(codes, scale, low, bits), requires_grad=False)
+            return
         if fmt == "w8a8":
             if amax is None:
                 amax = w.new_ones(w.shape[1])
@@ -55,8 +66,6 @@ class Quantized(torch.nn.Module):
             self.w_outliers = torch.nn.Parameter(w_outliers, requires_grad=False)
             self.packed_bytes = w.numel() + 4 * len(w)  # int8 values, a float32 scale a row
             return
-        if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
-            raise model.LoadError(f"int4 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
         if blocks is None:
             blocks = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
         q, scale = blocks
@@ -71,15 +80,22 @@ class Quantized(torch.nn.Module):
         """x [..., in] @ the weight.T + bias [out] (model.linear's for this weight)."""
         if self.fmt == "w8a8":
             y = kernels.w8a8_linear(x, self.packed, self.outliers, self.w_outliers)
+        elif self.fmt == "w4a8":
+            y = kernels_cpu.w4a8_linear(x, self.packed, self.bits)
         else:
             y = kernels.quantized_linear(x, self.q, self.scale)
         return y if bias is None else y + bias
 
 
-def converted(w, fmt, amax=None):
-    """w [out, in] (plain, activations' dtype) in weight format fmt for model.linear: int8, int4, w8a8 quantized (amax:
-    w8a8's calibration; None: no outliers known, as for timing); on the CPU, bf16 and float32 in oneDNN's blocked layout
-    if it packs the dtype (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
+def converted(w, fmt, amax=None, wide=False):
+    """w [out, in] (plain, activations' dtype) in weight format fmt for model.linear: int8, int4, w4a8, w8a8 quantized
+    (amax: w8a8's calibration; None: no outliers known, as for timing; wide: a file's wider blocks, which int4 holds
+    in int8 and w4a8 in 8-bit codes); on the CPU, bf16 and float32 in oneDNN's blocked layout if it packs the dtype
+    (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
+    if fmt == "w4a8":
+        return Quantized(fmt, w, bits=8 if wide else 4)
+    if fmt == "int4" and wide:
+        fmt = "int8"
     if fmt in ("int8", "int4", "w8a8"):
         return Quantized(fmt, w, amax=amax)
     packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -100,7 +116,8 @@ def matmuls(transformer):
 
 
 def held_in_int8(c, get):
-    """The matmul weights ('layers.3.w2', 'lm_head') int4 holds in int8: a file's wider blocks (get's "format")."""
+    """The matmul weights ('layers.3.w2', 'lm_head') int4 holds in int8 and w4a8 in 8-bit codes: a file's wider
+    blocks (get's "format")."""
     held = set()
     for param, tensors, _ in model.layout(c):
         if not (param.endswith(MATMULS) or param == "embed" and c.tie_embeddings):
@@ -142,431 +159,13 @@ def calibrated(transformer, length=64):
 
 
 @torch.no_grad()
-def convert_weights(transformer, fmt=None, held=None):
-    """Every matmul weight not yet Quantized into format fmt (None: its dtype's) or held's for it, in place (held:
-    loading.fill_weights' {'layers.3.w2': 'int8'}); w8a8 calibrated first, a tied head copied (lookups need plain
-    rows)."""
+def convert_weights(transformer, fmt=None, held=()):
+    """Every matmul weight not yet Quantized into format fmt (None: its dtype's), the wider ones of held (a file's:
+    held_in_int8's names) wide, in place; w8a8 calibrated first, a tied head copied (lookups need plain rows)."""
     if fmt is None:
         fmt = "float32" if transformer.embed.dtype == torch.float32 else "bf16"
-    held = held or {}
     amax = calibrated(transformer) if fmt == "w8a8" else {}
     for name, m, attr in matmuls(transformer):
         w = getattr(m, attr)
         if not isinstance(w, Quantized):
-            replace(m, attr, converted(w, held.get(name, fmt), amax.get(name)))
-
-
-# ---------------------------------------------------------------- --weights auto: the formats this machine runs fastest
-BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5}  # a weight's
-SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3)
-ACCEPTANCE = 0.7  # a prior for sd: the chance that the target accepts a draft token
-
-
-def cache_bytes():
-    """This CPU's last-level cache (sysfs), 32 MiB where that does not say."""
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
-            return int(f.read().strip().removesuffix("K")) * 1024
-    except (OSError, ValueError):
-        return 32 * 2**20
-
-
-def file_format(opened):
-    """int4 when most of a model file's matmul values are 4-bit blocks (a Q4_K_M GGUF file, which int4 holds as they
-    are: nearer the file than int8), else bf16: the format auto keeps unless another is clearly faster. opened: the
-    file's (Config, get, Tokenizer) as loading.open_weights gives them."""
-    c, get, _ = opened
-    sizes = {name: math.prod(s) for name, s in model.expected_shapes(c).items() if len(s) == 2}
-    four = sum(n for name, n in sizes.items() if get(name, (0, 0, 1), "format") == "int4")
-    return "int4" if 2 * four > sum(sizes.values()) else "bf16"
-
-
-def clear_winner(costs, home):
-    """The cheapest format in costs ({format: ms}) if it beats home by a fifth and 5 ms (a scheduler's time slice),
-    else home: so that timing noise does not change the format, and with it the tokens of a fixed seed."""
-    best = min(costs, key=costs.get)
-    gain = costs[home] - costs[best]
-    return best if gain > 0.2 * costs[home] and gain > 5 else home
-
-
-# ---------------------------------------------------------------- auto's choices, kept once per machine
-CACHE_ENV = "SMCSD_MINI_CACHE"  # a folder for auto's choices in place of the user's cache directory's (tests set it)
-UNREADABLE = (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError)  # a kept file's problems
-
-
-def cache_folder():
-    """Where auto keeps its choices: $SMCSD_MINI_CACHE, else smcsd-mini in the user's cache directory (XDG's)."""
-    if os.environ.get(CACHE_ENV):
-        return os.environ[CACHE_ENV]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "smcsd-mini")
-
-
-def digest(text):
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cpu_identity():
-    """-> {"cpu": this CPU's model name, "flags": a digest of its feature flags} (/proc/cpuinfo, else platform's)."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                field, _, value = line.partition(":")
-                info.setdefault(field.strip(), value.strip())  # the first core's
-    except OSError:
-        pass
-    name = info.get("model name") or platform.processor() or platform.machine()
-    return {"cpu": name, "flags": digest(info.get("flags") or info.get("Features", ""))}
-
-
-def file_identity(path):
-    """-> {"path": path's real path, "files": [[name, bytes, mtime in ns]]}: a .gguf file's, or a directory's weights,
-    config and tokenizer files'; any change to them gives another identity."""
-    path = os.path.realpath(path)
-    folder = os.path.dirname(path)
-    names = [os.path.basename(path)]
-    if os.path.isdir(path):
-        folder = path
-        names = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json", ".gguf")))
-    files = []
-    for name in names:
-        stat = os.stat(os.path.join(folder, name))
-        files.append([name, stat.st_size, stat.st_mtime_ns])
-    return {"path": path, "files": files}
-
-
-def machine_key(paths, draft_config):
-    """What decides auto's choices: this CPU, its threads, torch's version, the code that times and chooses, and the
-    models (paths: [target, draft] files; a draft without a file by its Config), as JSON reads it back."""
-    code = "".join(open(m.__file__).read() for m in (sys.modules[__name__], kernels))
-    draft = None
-    if paths[1]:
-        draft = file_identity(paths[1])
-    elif draft_config:
-        draft = dataclasses.asdict(draft_config)
-    key = cpu_identity() | {"threads": torch.get_num_threads(), "torch": torch.__version__, "code": digest(code),
-                            "target": file_identity(paths[0]), "draft": draft}
-    return json.loads(json.dumps(key))
-
-
-def read_kept(path, key):
-    """-> ({decision: (choice, line)}, {timings' key: seconds}) kept in path for key; empty where there is no file.
-    A file that is not JSON, not whole, or another key's raises one of UNREADABLE."""
-    try:
-        with open(path) as f:
-            kept = json.load(f)
-    except FileNotFoundError:
-        return {}, {}
-    if kept["key"] != key:
-        raise ValueError("another machine's or models' choices")
-    choices = {}
-    for decision, (choice, line) in kept["choices"].items():
-        if isinstance(choice, list):  # JSON's arrays: the tuples they were
-            choice = tuple(choice)
-        choices[decision] = (choice, str(line))
-    timings = {tuple(t[:5]): float(t[5]) for t in kept["timings"]}
-    return choices, timings
-
-
-def write_atomically(path, data):
-    """data as JSON in path through a temporary file renamed over it: a reader finds the old file or the new, whole."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".auto-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-
-
-class Measurement:
-    """--weights auto for an engine's pair: one forward's matmuls timed in each weight format on this machine, each
-    (matrix shape, format, threads, rows) once (self.timings), and from those timings the formats to load
-    (choose_weights), the smc and sd cycle shapes (choose_shape) and how fast a shape is predicted to run beside ar
-    (speed_note). Each choice is kept on disk (recall), so that a fixed seed gives the same tokens in every process.
-
-    Built when the engine opens its files, from what they hold: opened, the engine's [target, draft] as
-    loading.open_weights opened them (the draft's None: a draft model given, or none); draft_config, the draft's
-    Config, file or model, or None; unread_bytes, what the files' weights take in bf16; free_bytes, the memory free;
-    paths, the [target, draft] files (the target's None: nothing kept); remeasure: measure what the file keeps again."""
-
-    def __init__(self, opened=(None, None), draft_config=None, unread_bytes=0, free_bytes=math.inf, paths=(None, None),
-                 remeasure=False):
-        target_file = opened[0]
-        draft_file = opened[1]
-        self.config = None
-        self.home = "bf16"  # the target file's own format (file_format)
-        self.held = collections.Counter()  # {matrix: how many} of the target's that int4 holds in int8
-        if target_file:
-            self.config = target_file[0]
-            self.home = file_format(target_file)
-            names = held_in_int8(*target_file[:2])
-            self.held = collections.Counter(name.rpartition(".")[2] for name in names)
-        self.draft_home = file_format(draft_file) if draft_file else None  # None: no draft file to choose a format of
-        self.draft_config = draft_config
-        self.unread_bytes = unread_bytes
-        self.free_bytes = free_bytes
-        self.timings = {}  # (out, in, format, threads, rows) -> seconds of one call of model.linear
-        self.remeasure = remeasure
-        self.path = None  # the file that keeps the choices: one per machine and pair of models
-        self.kept = {}  # decision -> (choice, line) read from that file
-        self.measured = {}  # decision -> (choice, line) measured by this process, for that file
-        self.said = set()  # the one-time lines said: "measuring", "read back", "not kept"
-        if paths[0]:
-            self.key = machine_key(paths, draft_config)
-            self.path = os.path.join(cache_folder(), f"auto-{digest(json.dumps(self.key, sort_keys=True))}.json")
-        if self.path and not remeasure:
-            self.read_file()
-
-    def say_once(self, what, line):
-        if what not in self.said:
-            self.said.add(what)
-            print(line, file=sys.stderr, flush=True)
-
-    def read_file(self):
-        """The choices and timings self.path keeps, if it is readable (else one line: measured again)."""
-        try:
-            self.kept, timings = read_kept(self.path, self.key)
-        except UNREADABLE as error:
-            self.say_once("unreadable", f"weights auto: {self.path} is unreadable ({error}); measuring again")
-            return
-        self.timings.update(timings)
-
-    def recall(self, decision, measure, usable=None):
-        """-> decision's (choice, line): read back where the file keeps it (and usable(choice) holds), else
-        measure() -> (choice, line), kept in the file for the processes after this one."""
-        if decision in self.kept and (usable is None or usable(self.kept[decision][0])):
-            self.say_once("read back", f"weights auto: read back from {self.path} (measured once on this machine; "
-                          "--remeasure measures again)")
-            return self.kept[decision]
-        once = "again, as asked" if self.remeasure else "once"
-        where = f" ({once}; kept in {self.path})" if self.path else ""
-        self.say_once("measuring", f"weights auto: measuring the weight formats on this CPU{where} ...")
-        choice, line = measure()
-        if self.path:
-            self.keep(decision, choice, line)
-        return choice, line
-
-    def keep(self, decision, choice, line):
-        """decision's choice and line, and every timing, into self.path beside what other processes kept there."""
-        self.measured[decision] = (choice, line)
-        try:
-            on_disk, _ = read_kept(self.path, self.key)
-        except UNREADABLE:  # said when read; replaced now
-            on_disk = {}
-        timings = [[*key, seconds] for key, seconds in self.timings.items()]
-        kept = {"key": self.key, "choices": on_disk | self.measured, "timings": timings}
-        try:
-            write_atomically(self.path, kept)
-        except OSError as error:
-            self.say_once("not kept", f"weights auto: cannot keep the choices in {self.path} ({error}); the next run "
-                          "measures again")
-
-    def timed_calls(self, shape, fmt, rows):
-        """-> {rows: seconds of one call of model.linear on a weight of shape [out, in] in format fmt}: the best of two
-        passes over copies of it, back to back, that fill 1.5 times the CPU's last-level cache, so that each pass reads
-        every copy from memory (at most 256 copies: matrices that small are a tiny model's, whose forward hits the
-        cache too)."""
-        key = (*shape, fmt, torch.get_num_threads())
-        todo = [r for r in rows if key + (r,) not in self.timings]
-        if todo:
-            values = torch.linspace(-0.05, 0.05, shape[1], dtype=FORMATS[fmt])  # they alter no timing
-            w = values.repeat(shape[0], 1)
-            first = converted(w, fmt)
-            copies = min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt])))
-            ws = [first]
-            for _ in range(copies):  # oneDNN's packed tensors cannot be copied: packed again
-                ws.append(copy.deepcopy(first) if isinstance(first, Quantized) else converted(w, fmt))
-            for r in todo:
-                x = torch.randn(r, shape[1], dtype=FORMATS[fmt])
-                passes = timeit.repeat(lambda: [model.linear(x, w) for w in ws], repeat=2, number=1)
-                self.timings[key + (r,)] = min(passes) / len(ws)
-        return {r: self.timings[key + (r,)] for r in rows}
-
-    def measure_formats(self, c, rows, formats=("bf16", "float32", "int8", "int4"), threads=None, held=None):
-        """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
-        R x N x (K + 1) for a verify), in each format that can hold c's shapes (w8a8, slow to pack, only if asked).
-        Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
-        and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
-        sample read alone costs more a weight). held {matrix: how many}: those int4 holds in int8 (a GGUF file's
-        wider blocks: held_in_int8), priced in int8."""
-        q = c.n_heads * c.head_dim
-        kv = c.n_kv_heads * c.head_dim
-        head = -(-c.vocab_size // 128) * 16
-        sizes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.ffn_dim, c.dim), (c.dim, c.ffn_dim), (head, c.dim)]
-        shapes = dict(zip(MATMULS, sizes))
-        counts = {m: c.n_layers for m in MATMULS[:4]} | {"lm_head": c.vocab_size / head}
-        held_int4 = bool(held and "int4" in formats)
-        threads_before = torch.get_num_threads()
-        per_call = {}
-        torch.set_num_threads(threads or threads_before)
-        try:
-            for fmt in dict.fromkeys(list(formats) + ["int8"] * held_int4):
-                try:
-                    per_call[fmt] = {m: self.timed_calls(shape, fmt, rows) for m, shape in shapes.items()}
-                except model.LoadError:  # int4 on sizes it cannot pack
-                    continue
-        finally:
-            torch.set_num_threads(threads_before)
-        costs = {fmt: {r: 1e3 * sum(counts[m] * t[m][r] for m in t) for r in rows} for fmt, t in per_call.items()}
-        if held and "int4" in costs:  # its held share of each matrix at int8's cost
-            for r in rows:
-                extra = sum(counts[m] * n / (1 if m == "lm_head" else c.n_layers) *
-                            (per_call["int8"][m][r] - per_call["int4"][m][r]) for m, n in held.items())
-                costs["int4"][r] += 1e3 * extra
-        return {fmt: costs[fmt] for fmt in formats if fmt in costs}
-
-    def fits(self, fmt):
-        """Whether the weights in format fmt fit the memory free (its activations' dtype for every weight: an upper
-        bound for int8 and int4)."""
-        return self.unread_bytes * FORMATS[fmt].itemsize / torch.bfloat16.itemsize <= self.free_bytes
-
-    def candidates(self):
-        """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 for a 4-bit file
-        (elsewhere int4 changes the model more: on request only, as w8a8, whose rounded activations change it as
-        much); for the draft, those and int4, since its format changes only the proposals)."""
-        tried = ("bf16", "float32", "int8")
-        if self.home == "int4":
-            tried += ("int4",)
-        fits = [f for f in tried if self.fits(f)]
-        drafts = fits + ["int4"] * ("int4" not in fits)
-        return fits, drafts
-
-    def cycle_costs(self, shapes, formats, draft_formats):
-        """-> ({format: {(N, K): ms}} of a target forward of N x (K + 1) rows (K = 0: N rows), the same of K draft
-        steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats), in
-        bf16 where none of its formats can hold them."""
-        def timed(c, rows, fmts, held=None):
-            return self.measure_formats(c, rows, tuple(fmts), held=held) or self.measure_formats(c, rows, ("bf16",))
-        target_rows = sorted({n * (k + 1) for n, k in shapes})
-        target = timed(self.config, target_rows, formats, self.held)
-        steps = {}
-        if self.draft_config and any(k for _, k in shapes):
-            steps = timed(self.draft_config, sorted({n for n, k in shapes if k}), draft_formats)
-        target_costs = {f: {(n, k): ms[n * (k + 1)] for n, k in shapes} for f, ms in target.items()}
-        step_costs = {f: {(n, k): k * ms.get(n, 0) for n, k in shapes} for f, ms in steps.items()}
-        return target_costs, step_costs
-
-    def per_token(self, method, cells, formats):
-        """-> {(N, K): ms per token of method's cycle}: the cycle's matmuls (cycle_costs), each model in its cheapest of
-        formats (a pair of lists: the target's, the draft's), over the tokens the cycle emits: smc's K + 1 always, the
-        others' (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE
-        (ar's cell (1, 0): one)."""
-        target, steps = self.cycle_costs(cells, *formats)
-        costs = {}
-        for n, k in cells:
-            emits = (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE)
-            if method == "smc":
-                emits = k + 1
-            cycle = min(ms[n, k] for ms in target.values()) + min((ms[n, k] for ms in steps.values()), default=0)
-            costs[n, k] = cycle / emits
-        return costs
-
-    def cheapest(self, method, formats):
-        """-> (smc's or sd's cell, {cell: ms per token}): of SMC_SHAPES (smc) or K = 2 .. 6 (sd), the cycle that costs
-        least per token (per_token), if clearly (clear_winner) below the CPU default's (3x2; sd 4)."""
-        if method == "smc":
-            cells = SMC_SHAPES
-            home = (3, 2)
-        else:
-            cells = [(1, k) for k in range(2, 7)]
-            home = (1, 4)
-        costs = self.per_token(method, cells, formats)
-        return clear_winner(costs, home), costs
-
-    def choose_weights(self, shape):
-        """-> ((the target's format, the draft's), the line that says so): for each model the format (FORMATS) whose
-        part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs least on this machine,
-        if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its format changes
-        only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is int4
-        throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: self.held). Kept
-        (recall), unless the formats kept no longer fit the memory free."""
-        if shape.method == "ar":
-            rows = 1
-        elif shape.tree:
-            rows = shape.tree + 1
-        else:
-            rows = shape.particles * (shape.draft_len + 1)
-        drafted = self.draft_home is not None and shape.method != "ar" and not shape.tree
-        cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
-        decision = f"weights {shape.method} {cell[0]}x{cell[1]}"
-
-        def usable(choice):
-            return all(self.fits(f) for f in choice)
-        return self.recall(decision, lambda: self.measure_weights(shape.method, rows, cell, drafted), usable)
-
-    def measure_weights(self, method, rows, cell, drafted):
-        """choose_weights, measured: the cycle of cell (N, K) (K = 0: `rows` rows, no draft)."""
-        target, steps = self.cycle_costs([cell], *self.candidates())
-        home = self.home if self.home in target else "bf16"
-        chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home)
-        draft = chosen
-        if drafted:
-            draft = clear_winner({f: ms[cell] for f, ms in steps.items()}, self.draft_home)
-
-        def listed(costs):
-            return ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())
-        draft_part = f", draft {draft}" if drafted else ""
-        steps_part = f"; its {cell[1]} draft steps at {cell[0]} rows: {listed(steps)}" if drafted else ""
-        line = (f"weights: {chosen}{draft_part} (measured ms per {method} cycle at {rows} rows: "
-                f"{listed(target)}{steps_part})")
-        return (chosen, draft), line
-
-    def formats_of(self, weights, draft_weights):
-        """The formats a cycle's cost is taken in: auto's candidates, or the loaded weights' and draft_weights'."""
-        if weights == "auto":
-            return self.candidates()
-        return [weights], [draft_weights]
-
-    def choose_shape(self, method, weights="auto", draft_weights="auto"):
-        """smc without --particles or --draft-len, sd without --draft-len -> ((N, K), the line that says so): the
-        cheapest cell per token (cheapest), each model in its cheapest format (weights "auto": of candidates; else the
-        loaded weights' and draft_weights'); kept (recall). The matmuls alone: the glue outside them grows with the
-        rows too, so a wider cycle gains less than predicted; and each forward has its own, so sd's K = 1, twice the
-        forwards a token, is left out."""
-        decision = f"shape {method} {weights} {draft_weights}"
-        return self.recall(decision, lambda: self.measure_shape(method, weights, draft_weights))
-
-    def measure_shape(self, method, weights, draft_weights):
-        """choose_shape, measured."""
-        chosen, per_token = self.cheapest(method, self.formats_of(weights, draft_weights))
-        prior = "" if method == "smc" else f", {ACCEPTANCE} of draft tokens accepted"
-        costs = ", ".join(f"{cell_name(method, c)} {ms:.0f}" for c, ms in per_token.items())
-        return chosen, (f"{method} shape: {cell_name(method, chosen)} (measured ms per token, a cycle's matmuls in its "
-                        f"cheapest formats{prior}: {costs})")
-
-    def speed_note(self, method, cell, weights="auto", draft_weights="auto"):
-        """smc's or sd's chosen cell -> (its predicted speed as a multiple of ar's, a note line where ar, or for smc sd
-        at its own K, is predicted faster on this machine, else ""): ms per token of each (per_token), ar's and sd's
-        in auto's formats; kept (recall)."""
-        decision = f"speed {method} {cell[0]}x{cell[1]} {weights} {draft_weights}"
-        return self.recall(decision, lambda: self.measure_speed(method, cell, weights, draft_weights))
-
-    def measure_speed(self, method, cell, weights, draft_weights):
-        """speed_note, measured."""
-        auto = self.candidates()
-        ar = self.per_token("ar", [(1, 0)], (auto[0], []))[1, 0]
-        ratio = ar / self.per_token(method, [cell], self.formats_of(weights, draft_weights))[cell]
-        faster = {"ar": 1.0}
-        if method == "smc":
-            sd_cell, sd_costs = self.cheapest("sd", auto)
-            faster["sd"] = ar / sd_costs[sd_cell]
-        best = max(faster, key=faster.get)
-        if faster[best] <= ratio:
-            return round(ratio, 2), ""
-        option = f"--method {best}"
-        if best != "ar":
-            option += f" ({faster[best]:.2f}x)"
-        return round(ratio, 2), (f"note: {method} {cell_name(method, cell)} is predicted to run at {ratio:.2f}x ar "
-                                 f"here (measured matmul costs); {option} is faster on this machine")
-
-
-def cell_name(method, cell):
-    """smc's (N, K) as NxK, sd's as K=K."""
-    if method == "smc":
-        return f"{cell[0]}x{cell[1]}"
-    return f"K={cell[1]}"
+            replace(m, attr, converted(w, fmt, amax.get(name), wide=name in held))

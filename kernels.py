@@ -775,19 +775,12 @@ def quantized_linear(x, q, scale):
 # quantize_int8's weights times int8 activations by FBGEMM (torch.ops.quantized), int32 sums of products.
 
 
-def _cpu_has_vnni():
-    """Whether the CPU sums 8-bit products into 32 bits (AVX512-VNNI or AVX-VNNI)."""
-    if not os.path.exists("/proc/cpuinfo"):
-        return False
-    return bool({"avx512_vnni", "avx_vnni"} & set(open("/proc/cpuinfo").read().split()))
-
-
 # The input channels whose activations calibration found largest stay in float32 (LLM.int8()'s outliers): rounded,
 # they would set every step.
 W8A8_OUTLIERS = 8
-# Each activation row is scaled to [-1, 1] and rounded in steps of 2 / W8A8_LEVELS: 8 bits with VNNI, else 7
-# (FBGEMM's reduce_range: AVX2's pairwise 16-bit sums of products would saturate).
-W8A8_LEVELS = 255 if _cpu_has_vnni() else 127
+# Each activation row is scaled to [-1, 1] and rounded in steps of 2 / W8A8_LEVELS: 8 bits with AVX512-VNNI (torch's
+# CPU probe), else 7 (FBGEMM's reduce_range: AVX2's pairwise 16-bit sums of products would saturate).
+W8A8_LEVELS = 255 if torch.cpu._is_vnni_supported() else 127
 
 
 def quantize_w8a8(w, amax):

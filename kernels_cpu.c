@@ -78,6 +78,7 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
 #define QUANTIZE_GROUP quantize_group
 #endif
 
+/* linear's first half on its own, for the tests that hold it to the reference exactly */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int threads) {
     int64_t groups = rows * (in / GROUP);
     #pragma omp parallel for num_threads(threads) schedule(static) if (groups >= 1024)
@@ -305,14 +306,15 @@ static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, in
     }
 }
 
-/* y [rows, out] float32 = x @ w.T, x given as quantize_rows' (xq, dx, xs); threads split the panels. */
-void matmul(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx, const float *xs,
-            int64_t rows, float *y, int threads) {
+/* y [rows, out] float32 = x @ w.T, x given as quantize_rows' (xq, dx, xs): the calling thread's share of the panels
+ * in a parallel region. */
+static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
+                         const float *xs, int64_t rows, float *y) {
     int64_t groups = in / GROUP;
     int64_t panel_bytes = groups * group_bytes(bits);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
     int64_t blocks = (out / PANEL + PANELS - 1) / PANELS; /* PANELS panels each, the last maybe fewer */
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t first_panel = b * PANELS;
         int panels = out / PANEL - first_panel < PANELS ? (int)(out / PANEL - first_panel) : PANELS;
@@ -327,6 +329,22 @@ void matmul(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *x
                 done += now;
             }
         }
+    }
+}
+
+/* y [rows, out] float32 = x [rows, in] float32 @ w.T: the rows quantized into scratch (rows x in bytes, then
+ * 2 x rows x in / 32 floats), then multiplied, in one parallel region (one start of the threads a call). */
+void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x, int64_t rows, float *y,
+            uint8_t *scratch, int threads) {
+    int64_t groups = rows * (in / GROUP);
+    int8_t *xq = (int8_t *)scratch;
+    float *dx = (float *)(scratch + rows * in);
+    float *xs = dx + groups;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g);
+        matmul_share(w, bits, out, in, xq, dx, xs, rows, y); /* after the loop's barrier: every row is quantized */
     }
 }
 

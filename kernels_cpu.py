@@ -9,6 +9,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 
 import torch
 
@@ -47,12 +48,17 @@ def w4a8_linear_ref(x, codes, scale, low):
 def quantize(w, bits):
     """w [out, in] -> (codes uint8 [out, in] in 0 .. 2^bits - 1, scale, low float16 [out, in / 32]): asymmetric per
     group of 32 inputs, w ~ scale x code + low, with scale and low rounded first so the codes see the stored values."""
-    wg = w.float().unflatten(1, (-1, GROUP))  # [out, in / 32, 32]
-    low = wg.amin(-1)
-    scale = ((wg.amax(-1) - low) / (2**bits - 1)).clamp(min=1e-7).half()
-    low = low.half()
-    codes = ((wg - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 2**bits - 1)
-    return codes.to(torch.uint8).flatten(1), scale, low
+    codes = torch.empty(w.shape, dtype=torch.uint8)
+    scale = torch.empty(len(w), w.shape[1] // GROUP, dtype=torch.float16)
+    low = torch.empty_like(scale)
+    n = max(1, 2**22 // w.shape[1])  # rows at a time: the float32 temporaries stay small
+    for i in range(0, len(w), n):
+        wg = w[i:i + n].float().unflatten(1, (-1, GROUP))  # [n, in / 32, 32]
+        low[i:i + n] = wg.amin(-1)
+        scale[i:i + n] = ((wg.amax(-1) - low[i:i + n].float()) / (2**bits - 1)).clamp(min=1e-7)
+        steps = (wg - low[i:i + n].float()[..., None]) / scale[i:i + n].float()[..., None]
+        codes[i:i + n] = steps.round().clamp(0, 2**bits - 1).flatten(1)
+    return codes, scale, low
 
 
 def pack(codes, scale, low, bits):
@@ -115,7 +121,7 @@ def load(path):
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    lib.matmul.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
 
@@ -149,7 +155,8 @@ def pointer(t):
 
 
 def quantize_rows(x2):
-    """x2 [rows, in] float32, contiguous -> quantize_rows_ref's (xq, dx, xs), by the compiled kernel."""
+    """x2 [rows, in] float32, contiguous -> quantize_rows_ref's (xq, dx, xs), by the compiled kernel: w4a8_linear's
+    first half alone."""
     lib, _ = library()
     rows, n = x2.shape
     xq = torch.empty(rows, n, dtype=torch.int8)
@@ -159,15 +166,24 @@ def quantize_rows(x2):
     return xq, dx, xs
 
 
+_scratch = threading.local()  # each thread's room for its quantized rows (MineDraft's two halves run at once)
+
+
+def scratch(size):
+    """uint8 [at least size] of this thread's, grown as calls need."""
+    if getattr(_scratch, "t", None) is None or len(_scratch.t) < size:
+        _scratch.t = torch.empty(size, dtype=torch.uint8)
+    return _scratch.t
+
+
 def w4a8_linear(x, packed, bits):
     """x [..., in] float32 @ w.T for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by the compiled
-    kernel (float32 sums in another order)."""
+    kernel (float32 sums in another order), x quantized and multiplied in one call."""
     lib, _ = library()
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     rows, n = x2.shape
     out = packed.shape[0] * PANEL
-    xq, dx, xs = quantize_rows(x2)
     y = torch.empty(rows, out)
-    lib.matmul(pointer(packed), bits, out, n, pointer(xq), pointer(dx), pointer(xs), rows, pointer(y),
-               torch.get_num_threads())
+    room = scratch(rows * n + 8 * rows * (n // GROUP))
+    lib.linear(pointer(packed), bits, out, n, pointer(x2), rows, pointer(y), pointer(room), torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out)

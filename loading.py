@@ -9,9 +9,9 @@ import os
 import re
 import struct
 import sys
+import typing
 from fnmatch import fnmatch
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
@@ -99,26 +99,26 @@ def checked_getter(c, tensors, where):
 def fill_weights(transformer, get, rank=0, fmt=None):
     """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
     fused q/k/v and gate/up weights: no tensor is held twice in full. A tensor-parallel rank reads only its chunks
-    (model.layout's); a terminal shows a progress bar. With fmt int4, a matmul weight in 4-bit blocks in the file (get's
-    "format") becomes int4 as it is, one in more bits int8 (formats.held_in_int8), not cut to 4: the returned
-    {name: format}, for formats.convert_weights."""
+    (model.layout's); a terminal shows a progress bar. With fmt int4 or w4a8, a matmul weight in 4-bit blocks in the
+    file (get's "format") becomes that format's as it is, one in more bits wide (formats.held_in_int8), not cut to 4:
+    the returned names, for formats.convert_weights."""
     from tqdm import tqdm
     c = transformer.config
     total = sum(p.numel() for p in transformer.parameters())  # a tied head is the embedding: counted once
-    held = {}
-    if fmt == "int4":
-        held = dict.fromkeys(formats.held_in_int8(c, get), "int8")
+    held = set()
+    if fmt in ("int4", "w4a8"):
+        held = formats.held_in_int8(c, get)
     with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
         for param, tensors, dim in model.layout(c):
             dst = transformer.get_parameter(param)
             part = (0, 0, 1) if dim is None else (dim, rank, c.tp)
             kept = set()
-            if fmt == "int4":
+            if fmt in ("int4", "w4a8"):
                 kept = {get(name, part, "format") for name, _ in tensors}
             if param.endswith(formats.MATMULS) and kept == {"int4"}:
                 q, scale_zero = zip(*(get(name, part, "int4") for name, _ in tensors))
                 owner, _, name = param.rpartition(".")
-                blocks = (torch.cat(q), torch.cat(scale_zero, 1))
+                blocks = four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_zero, 1))
                 formats.replace(transformer.get_submodule(owner), name, formats.Quantized(fmt, dst, blocks))
                 bar.update(dst.numel())
                 continue
@@ -129,6 +129,15 @@ def fill_weights(transformer, get, rank=0, fmt=None):
                 at += len(t)
                 bar.update(t.numel())
     return held
+
+
+def four_bit_blocks(fmt, q, scale_zero):
+    """A file's 4-bit blocks, get's "int4" (q [out, in], scale_zero [in / 32, out, 2]: w = (q - 8) x scale + zero), as
+    format fmt's Quantized takes them: int4's as they are, w4a8's (codes, scale, low): w = scale x code + low."""
+    if fmt == "int4":
+        return q, scale_zero
+    scale = scale_zero[..., 0].T  # [out, in / 32]
+    return q.to(torch.uint8), scale, scale_zero[..., 1].T - 8 * scale
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -547,7 +556,7 @@ PATH_FORM = "or give the path of a model directory or .gguf file"
 HUB_TIMEOUT_S = 10  # for the Hub's answer about a model: a network that drops its packets would hang without it
 
 
-class Download(NamedTuple):
+class Download(typing.NamedTuple):
     """A Hub id's files to fetch: the name as given, its repo and revision, the files and their bytes."""
     name: str
     repo: str
@@ -678,15 +687,22 @@ def download(d):
 
 
 # ---------------------------------------------------------------- opening and loading
+class Opened(typing.NamedTuple):
+    """A model file opened, its weights not yet read."""
+    config: model.Config
+    get: typing.Callable  # checked_getter's: a tensor by its Hugging Face name, read when asked
+    tokenizer: typing.Any
+
+
 def open_weights(path):
-    """-> (Config, get (checked_getter's), Tokenizer) for a Hugging Face directory or a .gguf file."""
+    """-> Opened (Config, get, Tokenizer) for a Hugging Face directory or a .gguf file."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise LoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):
-        return open_hf_dir(path)
+        return Opened(*open_hf_dir(path))
     if path.endswith(".gguf"):
-        return open_gguf(path)
+        return Opened(*open_gguf(path))
     raise LoadError(f"{path}: not a model directory or a .gguf file")
 
 
@@ -700,7 +716,7 @@ def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None, wider=True)
     rank, world = tp
     transformer = model.Transformer(model.shard_config(c, world), device, formats.weight_format(weights, device))
     held = fill_weights(transformer, get, rank, weights)
-    formats.convert_weights(transformer, weights, held if wider else None)
+    formats.convert_weights(transformer, weights, held if wider else ())
     return transformer
 
 

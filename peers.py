@@ -2,6 +2,7 @@
 draft, batched) on the same prompts and sampling, and llama.cpp itself on the models' GGUF files."""
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -116,55 +117,94 @@ def check(status):
         raise RuntimeError(f"llama_decode returned {status}")
 
 
-def llama_cpp_rate(lib, ffi, llama_model, ids, temperature, new_tokens, seed):
-    """tok/s of one llama.cpp run, from its prefill on: ids, then new_tokens sampled at temperature (EOS ignored)."""
-    params = lib.llama_context_default_params()
-    params.n_ctx = len(ids) + new_tokens + 1
-    params.n_batch = max(len(ids), 1)
-    params.n_threads = torch.get_num_threads()
-    params.n_threads_batch = torch.get_num_threads()
-    ctx = lib.llama_init_from_model(llama_model, params)
-    sampler = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-    lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_temp(temperature))
-    lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_dist(seed))
-    tokens = ffi.new("llama_token[]", ids)
-    start = time.perf_counter()
-    check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, len(ids))))
-    for _ in range(new_tokens):
-        tokens[0] = lib.llama_sampler_sample(sampler, ctx, -1)
-        check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 1)))
-    seconds = time.perf_counter() - start
-    lib.llama_sampler_free(sampler)
-    lib.llama_free(ctx)
-    return new_tokens / seconds
+def llama_cpp_bindings():
+    """-> (lib, tokens(ids) -> a llama_token array, text(char *) -> str, the package) of llama.cpp's C API: through
+    llama-cpp-python (ctypes; built for this CPU where it was installed from source) first, else llama-cpp-cffi (a
+    prebuilt library); None where neither is installed, or one that is fails to load (one line on stderr)."""
+    os.environ.setdefault("LLAMA_CPP_BACKEND", "cpu")  # not llama-cpp-cffi's CUDA build on a GPU machine
+    try:
+        import llama_cpp as lib
+        return lib, lambda ids: (lib.llama_token * len(ids))(*ids), bytes.decode, "llama-cpp-python"
+    except ModuleNotFoundError:
+        pass
+    except (ImportError, OSError) as error:  # installed, but its library does not load (a C++ runtime too old, say)
+        print(f"llama.cpp peer: llama-cpp-python's library does not load ({error})", file=sys.stderr)
+    try:
+        from llama.llama_cpp import ffi, lib
+        return lib, lambda ids: ffi.new("llama_token[]", ids), lambda p: ffi.string(p).decode(), "llama-cpp-cffi"
+    except ModuleNotFoundError:
+        return None
+    except (ImportError, OSError) as error:
+        print(f"llama.cpp peer left out: llama-cpp-cffi's library does not load ({error})", file=sys.stderr)
+        return None
+
+
+class LlamaCpp:
+    """llama.cpp itself on one GGUF file, through llama_cpp_bindings(); `build` says which library and what it was
+    built for (its system info: AVX512, AVX512_VNNI, REPACK...). load() -> None where no llama.cpp is at hand."""
+
+    @classmethod
+    def load(cls, gguf):
+        bindings = llama_cpp_bindings()
+        if bindings is None:
+            return None
+        lib = bindings[0]
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        llama_model = lib.llama_model_load_from_file(gguf.encode(), params)
+        if not llama_model:
+            print(f"llama.cpp peer left out: it cannot load {gguf}", file=sys.stderr)
+            return None
+        return cls(bindings, llama_model)
+
+    def __init__(self, bindings, llama_model):
+        self.lib, self.tokens, text, package = bindings
+        self.model = llama_model
+        self.build = f"{package}: {text(self.lib.llama_print_system_info()).strip()}"
+
+    def rate(self, ids, temperature, new_tokens, seed):
+        """tok/s of one run, from its prefill on: ids, then new_tokens sampled at temperature (EOS ignored), on the
+        engine's threads."""
+        lib = self.lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = len(ids) + new_tokens + 1
+        params.n_batch = max(len(ids), 1)
+        params.n_threads = torch.get_num_threads()
+        params.n_threads_batch = torch.get_num_threads()
+        ctx = lib.llama_init_from_model(self.model, params)
+        sampler = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_temp(temperature))
+        lib.llama_sampler_chain_add(sampler, lib.llama_sampler_init_dist(seed))
+        tokens = self.tokens(ids)
+        start = time.perf_counter()
+        check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, len(ids))))
+        for _ in range(new_tokens):
+            tokens[0] = lib.llama_sampler_sample(sampler, ctx, -1)
+            check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 1)))
+        seconds = time.perf_counter() - start
+        lib.llama_sampler_free(sampler)
+        lib.llama_free(ctx)
+        return new_tokens / seconds
+
+    def close(self):
+        self.lib.llama_model_free(self.model)
 
 
 def llama_cpp_rows(paths, ids_by_prompt, temperature, new_tokens, repeats):
     """llama.cpp itself: ar on each model's GGUF file (paths: draft, target), the same prompt ids, temperature,
-    new tokens (EOS ignored) and threads, the median of `repeats`; through llama-cpp-cffi (a prebuilt llama.cpp,
-    its bindings of llama.h), where that is installed -> rows as hf_rows', none without it (llama-cpp-python
-    compiles llama.cpp at install, so it is not used here)."""
-    os.environ.setdefault("LLAMA_CPP_BACKEND", "cpu")  # not its CUDA build on a GPU machine
-    try:
-        from llama.llama_cpp import ffi, lib
-    except ImportError:
-        return []
-    lib.llama_backend_init()
+    new tokens (EOS ignored) and threads, the median of `repeats` -> rows as hf_rows', with the build; none where
+    no llama.cpp is at hand."""
     rows = []
     for role, path in zip(("draft", "target"), paths):
         gguf = gguf_of(path)
-        if gguf is None:
-            continue
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
-        llama_model = lib.llama_model_load_from_file(gguf.encode(), params)
-        if llama_model == ffi.NULL:
+        peer = gguf and LlamaCpp.load(gguf)
+        if not peer:
             continue
         for name, ids in ids_by_prompt.items():
-            llama_cpp_rate(lib, ffi, llama_model, ids, temperature, 4, 0)  # warm-up
-            rates = [llama_cpp_rate(lib, ffi, llama_model, ids, temperature, new_tokens, seed)
-                     for seed in range(repeats)]
+            peer.rate(ids, temperature, 4, 0)  # warm-up
+            rates = [peer.rate(ids, temperature, new_tokens, seed) for seed in range(repeats)]
             rows.append({"prompt": name, "method": f"llama.cpp ar, the {role} ({os.path.basename(gguf)})",
-                         "tokens_per_s": statistics.median(rates), "runs": rates})
-        lib.llama_model_free(llama_model)
+                         "tokens_per_s": statistics.median(rates), "runs": rates, "build": peer.build})
+        peer.close()
     return rows

@@ -16,9 +16,9 @@ class Tracer:
     """One JSON line per cycle of one request, written from its on_cycle callback: the tokens each particle
     appended (before resampling; null for a particle no survivor descends from), its log weight before and after
     resampling, the ESS, whether the request resampled and each particle's ancestor, the settled and generated
-    lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how many were accepted; and, for
-    cycles run eagerly, the phase times from the engine's on_phase (draft, verify with the method's rule, cycle). A
-    first line holds the settings, a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no
+    lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how many were accepted; and the
+    phase times, `phase` being one of the engine's observers (draft, verify with the method's rule, cycle; a CUDA
+    graph's replay: the cycle alone). A first line holds the settings, a last one the result. Lines go to PATH.tmp, renamed to PATH at the end, so no
     half-written trace is left."""
 
     def __init__(self, path, engine, request):
@@ -37,8 +37,6 @@ class Tracer:
                     "ess_threshold": s.ess_threshold, "draft_temperature": s.draft_temperature,
                     "target_temperature": s.target_temperature, "seed": s.seed, "max_new_tokens": s.max_new_tokens,
                     "prompt_tokens": len(request.ids), "prompt": self.decode(request.ids)})
-        self.on_phase_before = engine.on_phase
-        engine.on_phase = self.phase
 
     def decode(self, ids):
         if ids is None or self.engine.tokenizer is None:
@@ -46,7 +44,7 @@ class Tracer:
         return self.engine.tokenizer.decode(ids)
 
     def phase(self, batch, name, seconds):
-        """Engine.on_phase: the phase times of the traced request's batch, until its next cycle line."""
+        """An engine observer: the phase times of the traced request's batch, until its next cycle line."""
         if self.request in batch.requests:
             self.ms[name] = self.ms.get(name, 0.0) + 1e3 * seconds
 
@@ -84,10 +82,12 @@ class Tracer:
             record |= {"tree": st.nodes[r, 1:].tolist(), "parents": st.parent[r, 1:].tolist(), "accepted": kept - 1}
         elif method in ("sd", "easd"):
             record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": kept - 1}
-        if "verify_cycle" in self.ms:  # an eager cycle (a replay runs no timed phase)
+        if "verify_cycle" in self.ms:  # an eager cycle, phase by phase
             draft = self.ms.get("draft_block", 0.0)
             verify = self.ms["verify_cycle"]
             record["ms"] = {"draft": draft, "verify": verify, "cycle": draft + verify}
+        elif "cycle" in self.ms:  # a CUDA graph's replay of the whole cycle
+            record["ms"] = {"cycle": self.ms["cycle"]}
         self.ms = {}
         self.write(record)
 
@@ -96,14 +96,8 @@ class Tracer:
         self.write({"kind": "end", "tokens": result.tokens, "text": result.text, "stats": result.stats})
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
-        self.restore()
-
-    def restore(self):
-        if self.engine.on_phase == self.phase:
-            self.engine.on_phase = self.on_phase_before
 
     def discard(self):
-        self.restore()
         if not self.file.closed:
             self.file.close()
             os.remove(self.path + ".tmp")

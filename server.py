@@ -24,6 +24,7 @@ from starlette.routing import Route
 import engine
 import metrics
 import model
+import scheduler
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
 # Fields that change what a client gets back, with the values that change nothing; any other value is a 400.
@@ -213,11 +214,14 @@ class Clock:
 
 
 def error_of(result):
-    """(status, message) of a request that ended without an answer, else None."""
+    """(status, message, kind) of a request that ended without an answer, else None: a request the scheduler refused
+    (too large for a slot, or for the memory free) is the client's error."""
+    if result.stats["stop"] == "refused":
+        return 400, result.stats["error"], "invalid_request_error"
     if result.stats["stop"] == "error":
-        return 500, result.stats["error"]
+        return 500, result.stats["error"], "server_error"
     if result.stats["stop"] == "cancelled":  # with its client still there: only at shutdown
-        return 503, "the server is shutting down"
+        return 503, "the server is shutting down", "server_error"
     return None
 
 
@@ -246,8 +250,10 @@ async def completions(request):
     result = await until_done(request, req, events)
     if result is None:
         return Response(status_code=499)  # the client has gone: nobody reads this
-    if error_of(result):
-        raise ApiError(*error_of(result), kind="server_error")
+    failure = error_of(result)
+    if failure:
+        status, message, kind = failure
+        raise ApiError(status, message, kind=kind)
     if chat:
         part = {"message": {"role": "assistant", "content": result.text}}
     else:
@@ -288,8 +294,9 @@ async def sse(req, events, head, chat, include_usage):
             yield chunk({"role": "assistant", "content": ""})
         while isinstance(result := await events.get(), str):
             yield chunk({"content": result} if chat else result)
-        if error_of(result):
-            yield data(error_body(error_of(result)[1], kind="server_error"))
+        failure = error_of(result)
+        if failure:
+            yield data(error_body(failure[1], kind=failure[2]))
         else:
             yield chunk({} if chat else "", finish_reason(result), stats=result.stats)
             if include_usage:
@@ -394,7 +401,7 @@ def parser():
 def main(argv=None):
     args = parser().parse_args(argv)
     try:
-        engine.check_slots(args.slots, args.overlap)
+        scheduler.check_slots(args.slots, args.overlap)
         engine.require(args.max_waiting >= 0, f"--max-waiting must be at least 0, got {args.max_waiting}")
         engine.require(args.context is None or args.context >= 1, f"--context must be at least 1, got {args.context}")
         engine.require(int(os.environ.get("WORLD_SIZE", 1)) == 1, "server.py serves from one process: tensor "

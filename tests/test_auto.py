@@ -1,4 +1,4 @@
-"""--weights auto's choices kept once per machine (formats.Measurement.recall): read back by the next process, measured
+"""--weights auto's choices kept once per machine (auto.Measurement.recall): read back by the next process, measured
 again on request, never inside a request's timed span; the note on a method predicted slower than ar or sd; the
 lines that say what loading and measuring do."""
 import json
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+import auto
 import engine
-import formats
 import kernels
 import model
 from test_engine import save
@@ -53,16 +53,16 @@ def timings(fastest):
 def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monkeypatch, capsys):
     """Two engines on the same files ("processes"), the second measuring float32 slow: it reads back the first's
     float32 and decodes the same tokens; remeasure measures again and chooses int8."""
-    monkeypatch.setattr(formats.Measurement, "timed_calls", timings("float32"))
+    monkeypatch.setattr(auto.Measurement, "timed_calls", timings("float32"))
     first = engine.Engine(path, path, weights="auto")
     tokens = first.generate("w1 w2 w3", max_new_tokens=8, seed=3).tokens
     kept = first.measurement.path
     err = capsys.readouterr().err
     assert (first.weights, first.draft_weights) == ("float32", "float32")
     assert f"weights auto: measuring the weight formats on this CPU (once; kept in {kept}) ..." in err.splitlines()
-    assert os.path.dirname(kept) == os.environ[formats.CACHE_ENV] and os.listdir(os.path.dirname(kept)) == [
+    assert os.path.dirname(kept) == os.environ[auto.CACHE_ENV] and os.listdir(os.path.dirname(kept)) == [
         os.path.basename(kept)]  # written whole, no temporary file left
-    monkeypatch.setattr(formats.Measurement, "timed_calls", timings("int8"))
+    monkeypatch.setattr(auto.Measurement, "timed_calls", timings("int8"))
     second = engine.Engine(path, path, weights="auto")
     assert second.generate("w1 w2 w3", max_new_tokens=8, seed=3).tokens == tokens
     assert second.weights == "float32" and second.measurement.path == kept
@@ -76,7 +76,7 @@ def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monk
 
 def test_the_key_is_the_machine_and_the_files(path, monkeypatch, tmp_path):
     """Another thread count, or a model file changed, is another file of choices; XDG_CACHE_HOME is honoured."""
-    monkeypatch.setattr(formats.Measurement, "timed_calls", timings("float32"))
+    monkeypatch.setattr(auto.Measurement, "timed_calls", timings("float32"))
     kept = engine.Engine(path, path, weights="auto").measurement.path
     torch.set_num_threads(2)
     assert engine.Engine(path, path, weights="auto").measurement.path != kept
@@ -84,15 +84,15 @@ def test_the_key_is_the_machine_and_the_files(path, monkeypatch, tmp_path):
     config = os.path.join(path, "config.json")
     os.utime(config, ns=(0, os.stat(config).st_mtime_ns + 1))
     assert engine.Engine(path, path, weights="auto").measurement.path != kept
-    monkeypatch.delenv(formats.CACHE_ENV)
+    monkeypatch.delenv(auto.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert formats.cache_folder() == str(tmp_path / "smcsd-mini")
+    assert auto.cache_folder() == str(tmp_path / "smcsd-mini")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert formats.cache_folder() == os.path.join(os.path.expanduser("~"), ".cache", "smcsd-mini")
+    assert auto.cache_folder() == os.path.join(os.path.expanduser("~"), ".cache", "smcsd-mini")
 
 
 def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(formats.Measurement, "timed_calls", timings("float32"))
+    monkeypatch.setattr(auto.Measurement, "timed_calls", timings("float32"))
     e = engine.Engine(path, path, weights="auto").load()
     with open(e.measurement.path, "w") as f:
         f.write('{"key": ')  # half a file
@@ -104,7 +104,7 @@ def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monke
     assert lines[1].startswith("weights auto: measuring") and again.weights == "float32"
     assert json.load(open(e.measurement.path))["choices"]  # replaced, whole
     (tmp_path / "file").write_text("")
-    monkeypatch.setenv(formats.CACHE_ENV, str(tmp_path / "file" / "cache"))  # a folder that cannot be made
+    monkeypatch.setenv(auto.CACHE_ENV, str(tmp_path / "file" / "cache"))  # a folder that cannot be made
     assert engine.Engine(path, path, weights="auto").load().weights == "float32"
     assert "weights auto: cannot keep the choices in " in capsys.readouterr().err
 
@@ -112,7 +112,7 @@ def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monke
 @pytest.mark.slow
 def test_the_cli_measures_once_then_reads_back(path, tmp_path):
     """engine.py twice with one seed: the first run measures and keeps, the second reads back; the same tokens."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", formats.CACHE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", auto.CACHE_ENV)}
     env["XDG_CACHE_HOME"] = str(tmp_path)
     command = [sys.executable, os.path.join(ROOT, "engine.py"), "--target", path, "--draft", path, "--prompt",
                "w1 w2 w3", "--max-new-tokens", "8", "--seed", "3", "--json"]

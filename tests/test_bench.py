@@ -228,19 +228,36 @@ def test_batch_peer_pads_on_the_left_and_counts_tokens_before_eos():
 
 def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     """The llama.cpp peer runs a model's GGUF file: the path itself, or the file a weights/ directory came from,
-    beside it; a model without one has no row. Its runs need llama-cpp-cffi, which is not a test requirement."""
+    beside it; a model without one has no row. Its runs need llama-cpp-python or llama-cpp-cffi, not test
+    requirements."""
     (tmp_path / "converted").mkdir()
     (tmp_path / "converted.gguf").write_bytes(b"")
     (tmp_path / "alone").mkdir()
     assert peers.gguf_of(str(tmp_path / "converted") + "/") == str(tmp_path / "converted.gguf")
     assert peers.gguf_of(str(tmp_path / "alone")) is None and peers.gguf_of(str(tmp_path / "x.gguf")) is None
-    pytest.importorskip("llama.llama_cpp")
+    if peers.llama_cpp_bindings() is None:
+        pytest.skip("no llama.cpp bindings installed")
     gguf = fetch.fetch_gguf("smollm2-135m-instruct")
     rows = peers.llama_cpp_rows((str(tmp_path / "alone"), gguf), {"code": [1, 2, 3], "prose": [4]},
                                 bench.TEMPERATURE, 5, 2)
     assert [(r["prompt"], r["method"]) for r in rows] == \
         [(p, "llama.cpp ar, the target (smollm2-135m-instruct.gguf)") for p in ("code", "prose")]
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_a_llama_cpp_library_that_does_not_load_is_left_out_in_one_line(tmp_path, monkeypatch, capsys):
+    """An installed binding whose library cannot load (a C++ runtime older than its build's) is no peer: one line
+    says so, and the benchmark goes on without it."""
+    (tmp_path / "llama_cpp.py").write_text("raise ImportError('undefined symbol: __cxa_call_terminate')\n")
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "__init__.py").write_text("")
+    (tmp_path / "llama" / "llama_cpp.py").write_text("raise OSError('libstdc++.so.6: version not found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("llama_cpp", "llama", "llama.llama_cpp"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert peers.llama_cpp_bindings() is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "__cxa_call_terminate" in lines[0] and "left out" in lines[1]
 
 
 @pytest.mark.slow
@@ -263,7 +280,7 @@ def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, mo
     save_tiny("qwen2", path := str(tmp_path))
     pair = bench.engine.Engine(path, path, "cpu", "auto").load()
     other = "float32" if pair.weights != "float32" else "bf16"
-    monkeypatch.setattr(bench.formats.Measurement, "choose_weights",
+    monkeypatch.setattr(bench.auto.Measurement, "choose_weights",
                         lambda self, shape: ((other, other), "weights: " + other))
     args = bench.parse(["speed", "--weights", "auto", "--methods", "ar,sd", "--new-tokens", "4", "--repeats", "1"])
     ar = bench.ar_engine(pair, (path, path), args)

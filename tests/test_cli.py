@@ -11,8 +11,8 @@ import zipfile
 import pytest
 import torch
 
+import auto
 import engine
-import formats
 import loading
 import model
 import server
@@ -36,7 +36,7 @@ def never(what):
 def test_context_and_memory_are_checked_before_auto_measures(pair, monkeypatch, capsys, args, message):
     """weights auto measures formats and shapes; what the models' configs decide is refused before that, in one
     line, whatever shape auto would have chosen."""
-    monkeypatch.setattr(formats.Measurement, "timed_calls", never("a format was timed"))
+    monkeypatch.setattr(auto.Measurement, "timed_calls", never("a format was timed"))
     monkeypatch.setattr(loading, "build", never("the weights were read"))
     with pytest.raises(SystemExit) as exit:
         engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", "--weights", "auto", *args])

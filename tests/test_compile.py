@@ -299,25 +299,42 @@ def test_the_default_path_spills_nothing(compiled):
 
 
 def test_spills_elsewhere_are_reported(compiled):
-    """Spills off the default path (float32, gfx942's scratch) are reported by name, not failed."""
+    """Spills off the default path are where they are expected (float32 activations, gfx942's scratch), and are
+    reported by name."""
+    spilled = [(job, workloads) for job, result, workloads in compiled.values() if result["spill"]]
     spills = report(compiled, lambda job, result, workloads: result["spill"])
     print(f"\n{len(compiled)} specialisations compiled; spills off the default path:", *spills, sep="\n")
+    assert all(job["target"] == "gfx942" or not default_path(workloads) for job, workloads in spilled)
+    assert sorted(line.split()[0] for line in spills) == sorted(job["kernel"] for job, _ in spilled)
 
 
-def test_resources_table(compiled):
-    """Prints each kernel configuration's registers, shared memory (bytes a program) and spills (bytes a thread;
-    gfx942: scratch) on sm_90, sm_80 and gfx942, compiled, not run, as a markdown table: `python -m pytest -q -s
-    tests/test_compile.py -k table`."""
+def resources_table(compiled):
+    """-> the lines of a markdown table: each kernel configuration's registers, shared memory (bytes a program) and
+    spills (bytes a thread; gfx942: scratch) on sm_90, sm_80 and gfx942, compiled, not run."""
     rows = {}
     for job, result, workloads in compiled.values():
         dtypes = "/".join(sorted({v[1:] for v in job["signature"].values() if v.startswith("*")}))
         rows.setdefault((job["kernel"], describe(job), dtypes), {})[job["target"]] = (result, workloads)
-    print("\n| kernel | launch | pointers | sm_90 | sm_80 | gfx942 | e.g. |", "|---|---|---|---|---|---|---|", sep="\n")
+    lines = ["| kernel | launch | pointers | sm_90 | sm_80 | gfx942 | e.g. |", "|---|---|---|---|---|---|---|"]
     for (kernel, launch, dtypes), by_target in sorted(rows.items()):
         cells = [f"{r['regs']} / {r['shared']} / {r['spill']}" if (r := by_target.get(t, (None,))[0]) else "-"
                  for t in TARGETS]
         example = sorted(next(iter(by_target.values()))[1])[0]
-        print(f"| {kernel} | {launch} | {dtypes} | {' | '.join(cells[1:2] + cells[:1] + cells[2:])} | {example} |")
+        lines.append(f"| {kernel} | {launch} | {dtypes} | {' | '.join(cells[1:2] + cells[:1] + cells[2:])} | "
+                     f"{example} |")
+    return lines
+
+
+def test_resources_table(compiled):
+    """The resources table (`python -m pytest -q -s tests/test_compile.py -k table` prints it): a row per kernel
+    configuration, every kernel in it, each target's cell registers / shared / spills of a compiled program."""
+    lines = resources_table(compiled)
+    print("", *lines, sep="\n")
+    rows = [line.split(" | ") for line in lines[2:]]
+    assert {row[0].removeprefix("| ") for row in rows} == set(KERNELS)
+    assert all(len(row) == 7 for row in rows)
+    cells = [cell for row in rows for cell in row[3:6] if cell != "-"]
+    assert cells and all(int(cell.split(" / ")[0]) > 0 for cell in cells)
 
 
 # ---------------------------------------------------------------- the compiling process

@@ -1,6 +1,7 @@
 """engine.py on tiny random models: exact output distributions of ar, sd and smc against the target's, computed
 by enumerating every continuation; the SMC-SD pitfalls (docs/design.md); bad input; the command line."""
 import copy
+import functools
 import json
 import math
 import multiprocessing
@@ -13,13 +14,16 @@ import threading
 import pytest
 import torch
 
+import auto
 import decode
 import engine
 import formats
 import kernels
+import kernels_cpu
 import loading
 import model
 import racer
+import scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PROMPT = 8, [1, 2, 3]
@@ -161,7 +165,8 @@ WIDE = tiny(2, 0.8, vocab=16, head_dim=16)  # int4 packs 16 output rows (the hea
 @pytest.mark.parametrize("fmt, draft_fmt, method", [("bf16", "bf16", "sd"), ("int8", "int8", "mdsd"),
                                                     ("int4", "int4", "sd"), ("int4", "int4", "mdsd"),
                                                     ("w8a8", "w8a8", "sd"), ("float32", "int4", "sd"),
-                                                    ("float32", "int4", "mdsd")])
+                                                    ("float32", "int4", "mdsd"), ("w4a8", "w4a8", "sd"),
+                                                    ("w4a8", "w4a8", "mdsd")])
 @pytest.mark.slow
 def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, method):
     """sd and mdsd sample the target's distribution in the weights it has (3 tokens: x0 and one cycle at K = 1):
@@ -182,7 +187,7 @@ def test_memory_check_counts_each_cache_in_its_models_dtype():
         _, st, s = started(e, method="sd", draft_len=2, max_new_tokens=8)
     made = sum(t.nbytes for c in (st.tcache, st.dcache) for t in (c.prefix_k, c.prefix_v, c.suffix_k, c.suffix_v))
     logits = 4 * s.particles * (s.draft_len + 1) * WIDE.config.vocab_size * 4
-    assert decode.batch_bytes(e, s, 1, (len(PROMPT), st.hist.shape[2] - 1)) == made + logits
+    assert scheduler.batch_bytes(e, s, 1, (len(PROMPT), st.hist.shape[2] - 1)) == made + logits
 
 
 def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
@@ -295,7 +300,7 @@ def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     e = engine.Engine(TARGET, "racer")
     with torch.inference_mode():
         req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
-        b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
+        b = scheduler.Batch(e.load().models, req.shape, 1, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(4):
             b.cycle()
@@ -418,9 +423,9 @@ def test_smc_with_a_power_target_approaches_p_to_the_alpha():
 def started(e, **options):
     """A one-slot batch with PROMPT admitted -> its Models, State and Shape (call inside torch.inference_mode)."""
     req = e.request(PROMPT, **options)
-    b = engine.Batch(e.load(), req.shape, 1, len(PROMPT), req.capacity)
+    b = scheduler.Batch(e.load().models, req.shape, 1, len(PROMPT), req.capacity)
     b.admit(req)
-    return b.e, b.st, b.shape
+    return b.models, b.st, b.shape
 
 
 def test_draft_and_target_caches_hold_every_particle_context():
@@ -622,8 +627,8 @@ def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, bud
     eager = e.generate(PROMPT, **options)
     monkeypatch.setattr(decode, "record", record)
     monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
-    admit = engine.Batch.admit
-    monkeypatch.setattr(engine.Batch, "admit", lambda b, req: recorded.append("admit") or admit(b, req))
+    admit = scheduler.Batch.admit
+    monkeypatch.setattr(scheduler.Batch, "admit", lambda b, req: recorded.append("admit") or admit(b, req))
     graph = e.generate(PROMPT, **options)
     assert graph.tokens == eager.tokens and len(graph.tokens) == budget and graph.stats["cycles"] == budget - 1
     assert recorded == ["cycle", "admit"]
@@ -757,6 +762,18 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
         assert [r.stats["stop"] for r in together] == [r.stats["stop"] for r in alone]
 
 
+@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
+@pytest.mark.parametrize("method", engine.METHODS)
+def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
+    """w4a8 rounds each activation row on its own (per group of 32), so its batches keep every request's tokens."""
+    e = engine.Engine(in_format(WIDE, "w4a8"), in_format(perturbed(WIDE, 3, 0.3), "w4a8"))
+    options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
+    requests = mixed_requests(method)
+    alone = [e.generate(**(options | r)).tokens for r in requests]
+    for slots in (4, 2):
+        assert [r.tokens for r in e.generate(requests, slots=slots, **options)] == alone
+
+
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, method):
     """On a CUDA graph the cycle runs over all slots, empty ones included (recording swapped for the warm-up
@@ -780,13 +797,13 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = [r | {"top_p": 1.0} for r in mixed_requests(method)] + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
     alone = [e.generate(**(options | r)) for r in requests]  # one shape: top-p would make a batch of its own
-    rounds, run = [], engine.Batch.run_phase
+    rounds, run = [], scheduler.Batch.run_phase
     phases = {"draft_block": "draft", "verify_cycle": "verify"}
 
     def traced(batch, fn):
-        rounds.append((threading.get_ident(), id(batch), phases[fn]))
+        rounds.append((threading.get_ident(), id(batch), phases[fn.__name__]))
         return run(batch, fn)
-    monkeypatch.setattr(engine.Batch, "run_phase", traced)
+    monkeypatch.setattr(scheduler.Batch, "run_phase", traced)
     together = e.generate(requests, slots=4, overlap=True, **options)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     halves = sorted({b for _, b, _ in rounds})
@@ -901,7 +918,7 @@ def test_a_failing_admit_leaves_its_slot_empty(monkeypatch):
         raise RuntimeError("no memory")
     with torch.inference_mode():
         req = e.request(PROMPT, method="smc", max_new_tokens=10)
-        b = engine.Batch(e, req.shape, 2, 8, req.capacity)
+        b = scheduler.Batch(e.models, req.shape, 2, 8, req.capacity)
         monkeypatch.setattr(TARGET, "prefill", half_done)
         with pytest.raises(RuntimeError, match="no memory"):
             b.admit(req)
@@ -934,21 +951,21 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
         m.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 30, 80 << 30))
         m.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
         m.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
-        assert decode.free_bytes(torch.device("cuda")) == 4 << 30
+        assert scheduler.free_bytes(torch.device("cuda")) == 4 << 30
     e = engine.Engine(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
     loop = e.serving(inbox, 2, (8, 16))
     while not done:
         next(loop)
-    monkeypatch.setattr(decode, "free_bytes", lambda device: 0)
+    monkeypatch.setattr(scheduler, "free_bytes", lambda device: 0)
     late, other = (e.request(PROMPT, method=m, max_new_tokens=6, seed=1, on_done=done.append) for m in ("sd", "smc"))
     inbox.put(late)
     inbox.put(other)
     while len(done) < 3:
         next(loop)
     assert late.result.stats["stop"] == "length"  # its batch exists
-    assert other.result.stats["stop"] == "error" and "GiB" in other.result.stats["error"]  # a new batch: refused
+    assert other.result.stats["stop"] == "refused" and "GiB" in other.result.stats["error"]  # a new batch: refused
 
 
 def test_idle_batches_are_dropped():
@@ -956,7 +973,7 @@ def test_idle_batches_are_dropped():
     import queue
     e = engine.Engine(TARGET, DRAFT)
     inbox, done, batches = queue.Queue(), [], []
-    sched = engine.Scheduler(e.load(), 2, (8, 32), False, idle_s=0.0)
+    sched = scheduler.Scheduler(e.load(), 2, (8, 32), False, idle_s=0.0)
     for method in ("sd", "smc", "ar"):
         inbox.put(e.request(PROMPT, method=method, max_new_tokens=6, on_done=done.append))
         with torch.inference_mode():
@@ -986,7 +1003,7 @@ def test_smc_particles_end_at_a_stop_string(tmp_path):
         assert r.stats["stop"] == "stop" and r.stats["cycles"] == first < 15 and "w6" not in r.text
 
 
-def test_a_request_larger_than_a_slot_ends_with_an_error():
+def test_a_request_larger_than_a_slot_is_refused():
     import queue
     e = engine.Engine(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
@@ -996,7 +1013,7 @@ def test_a_request_larger_than_a_slot_ends_with_an_error():
     for _ in e.serving(inbox, 1, (16, 16), False):
         if len(done) == 2:
             break
-    assert big.result.stats["stop"] == "error" and "a slot holds 16 + 16" in big.result.stats["error"]
+    assert big.result.stats["stop"] == "refused" and "a slot holds 16 + 16" in big.result.stats["error"]
     assert small.result.stats["stop"] == "length"
 
 
@@ -1045,7 +1062,58 @@ def traced(e, tmp_path, **options):
     req = e.request(PROMPT, **options)
     tracer = plot.Tracer(str(tmp_path / "trace.jsonl"), e, req)
     req.on_cycle, req.on_done = tracer.cycle, tracer.done
-    return (e.run([req])[0], *plot.read_trace(str(tmp_path / "trace.jsonl")))
+    with e.watching(tracer.phase):
+        result = e.run([req])[0]
+    return (result, *plot.read_trace(str(tmp_path / "trace.jsonl")))
+
+
+def calls_of(monkeypatch, names):
+    """-> the list each call of decode's functions `names` appends its name to, as it runs them."""
+    calls = []
+
+    def logged(name, fn):
+        @functools.wraps(fn)  # its name, which observers hear
+        def call(*args, **keywords):
+            calls.append(name)
+            return fn(*args, **keywords)
+        return call
+    for name in names:
+        monkeypatch.setattr(decode, name, logged(name, getattr(decode, name)))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_observer_runs_the_same_cycle_functions(monkeypatch, tmp_path, method, graphs):
+    """One path: a traced run and one timed by bench.py's observer call decode's functions, in the same order, as
+    a plain run, eagerly and on the CUDA-graph path (its recording swapped for its warm-up, as a CPU can run it),
+    and give its tokens; the observers hear every phase."""
+    import bench
+    if graphs:
+        monkeypatch.setattr(decode, "record", lambda fn: fn() or fn)
+        monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
+    names = ["cycle", "draft_block", "verify_cycle", "ar_cycle", "sd_cycle", "smc_cycle", "prefill_slot", "publish"]
+    calls = calls_of(monkeypatch, names)
+    options = dict(method=method, particles=3, draft_len=2, max_new_tokens=12, temperature=1.0, seed=3)
+    e = engine.Engine(TARGET, DRAFT)
+    plain = e.generate(PROMPT, **options)
+    plain_calls = list(calls)
+    calls.clear()
+    result, _, cycles, _ = traced(e, tmp_path, **options)
+    assert result.tokens == plain.tokens and calls == plain_calls
+    calls.clear()
+    with bench.phase_times(e) as spent:
+        timed = e.generate(PROMPT, **options)
+    assert timed.tokens == plain.tokens and calls == plain_calls
+    cycle_phases = {"draft_block", "verify_cycle"}
+    if method == "ar":
+        cycle_phases = {"verify_cycle"}
+    heard = set(cycle_phases)
+    if graphs:
+        cycle_phases = {"cycle"}
+        heard = {"cycle", "record"}
+    assert set(spent) == heard
+    assert all(len(spent[p]) == result.stats["cycles"] for p in cycle_phases) and all("ms" in c for c in cycles)
 
 
 def test_a_trace_changes_nothing_and_agrees_with_the_statistics(tmp_path):
@@ -1278,7 +1346,7 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
     assert "(measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
     fixed = engine.Engine(*pair, weights="bf16").request("w1", max_new_tokens=8)  # a format given: no measuring
     assert (fixed.shape.particles, fixed.shape.draft_len) == (3, 2) and "smc shape" not in capsys.readouterr().err
-    assert formats.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
+    assert auto.clear_winner({(3, 2): 100, (3, 4): 79}, (3, 2)) == (3, 4)
 
 
 def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeypatch, capsys):
@@ -1396,10 +1464,10 @@ def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
             raised.append(finished.count("draft"))  # the drafts done when the error left the pair
             raise
     requests = [dict(prompt=PROMPT, seed=s, max_new_tokens=12) for s in range(4)]
-    pair_cycle, raised = engine.Pair.cycle, []
+    pair_cycle, raised = scheduler.Pair.cycle, []
     monkeypatch.setattr(decode, "verify_cycle", failing_verify)
     monkeypatch.setattr(decode, "draft_block", slow_draft)
-    monkeypatch.setattr(engine.Pair, "cycle", cycle)
+    monkeypatch.setattr(scheduler.Pair, "cycle", cycle)
     with pytest.raises(RuntimeError, match="verify failed"):
         e.generate(requests, method="sd", slots=4, overlap=True)
     assert raised == [2]  # the first half drafted alone, then beside the failing verify, and that draft had ended

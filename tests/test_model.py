@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import auto
 import formats
 import kernels
 import loading
@@ -415,7 +416,8 @@ def test_weight_bytes_follow_the_format(tiny):
     rows, rest = sum(s[0] for s in shapes.values() if len(s) == 2), sum(s[0] for s in shapes.values() if len(s) == 1)
     expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
                 "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest,
-                "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest}
+                "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest,
+                "w4a8": matmul // 2 + 2 * 2 * matmul // 32 + 4 * rest}
     assert {fmt: loading.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
 
 
@@ -445,7 +447,7 @@ def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
     """One forward's matmuls, from each of a layer's matrices and the head's timed, in the formats auto compares at
     every row count (how long they take is a benchmark's figure); an int4 model whose every matrix
     a file holds in int8 costs int8's (a Measurement times each once, so the sums are of the same timings)."""
-    measurement = formats.Measurement()
+    measurement = auto.Measurement()
     costs = measurement.measure_formats(QWEN_1_5B, [1, 9])
     assert list(costs) == ["bf16", "float32", "int8", "int4"] and all(list(c) == [1, 9] for c in costs.values())
     assert all(math.isfinite(ms) and ms > 0 for c in costs.values() for ms in c.values())
@@ -457,7 +459,7 @@ def test_measured_costs_are_positive_and_price_held_matrices_in_int8():
 def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
-    measured = formats.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
+    measured = auto.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
     assert list(measured) == ["bf16", "float32", "int8", "w8a8"]
 
 
@@ -467,17 +469,17 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
     chosen only if it is faster by a fifth and 5 ms, so that noise does not change the tokens."""
     import engine
     gguf_path = write_mixed_gguf(tmp_path / "m.gguf", "qwen2")
-    assert formats.file_format(loading.open_weights(gguf_path)) == "int4"
-    assert formats.file_format(loading.open_weights(tiny[1])) == "bf16"
-    assert formats.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
-    assert formats.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
-    assert formats.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
-    assert formats.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
+    assert auto.file_format(loading.open_weights(gguf_path)) == "int4"
+    assert auto.file_format(loading.open_weights(tiny[1])) == "bf16"
+    assert auto.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise
+    assert auto.clear_winner({"bf16": 100, "float32": 79, "int8": 90}, "bf16") == "float32"
+    assert auto.clear_winner({"bf16": 10, "int8": 6}, "bf16") == "bf16"  # 40%, but 4 ms
+    assert auto.clear_winner({"bf16": 100, "int8": 85, "int4": 100}, "int4") == "int4"
     e = engine.Engine(str(gguf_path), str(gguf_path), weights="auto").load()  # smc 3x2 by default
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("weights: "))
-    assert re.fullmatch(r"weights: (bf16|float32|int8|int4), draft (bf16|float32|int8|int4) \(measured ms per smc "
-                        r"cycle at 9 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+; its 2 draft steps at 3 rows: "
-                        r"bf16 \d+, float32 \d+, int8 \d+, int4 \d+\)", line)
+    assert re.fullmatch(r"weights: (bf16|float32|int8|int4|w4a8), draft (bf16|float32|int8|int4|w4a8) \(measured ms "
+                        r"per smc cycle at 9 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+(, w4a8 \d+)?; its 2 draft "
+                        r"steps at 3 rows: bf16 \d+, float32 \d+, int8 \d+, int4 \d+(, w4a8 \d+)?\)", line)
     assert line.split()[1:4:2] == [e.weights + ",", e.draft_weights]
 
 
@@ -486,7 +488,7 @@ def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     for call in (lambda: loading.load(os.path.join(path, "nope"), weights="int5"),
                  lambda: loading.build(loading.open_weights(path)[0], None, weights="fp8")):
         with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
-                                                   r"float32, int8, int4, w8a8$"):
+                                                   r"float32, int8, int4, w8a8, w4a8$"):
             call()
     with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
         loading.load(path, device="meta", weights="int4")
@@ -754,11 +756,12 @@ def test_gguf_zero_heads(tmp_path):
     (lambda w, gguf, np: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(0.5)),
      "rope scaling factor is 0.5, expected at least 1"),
     (lambda w, gguf, np: w.add_rope_dimension_count(2), "llama.rope.dimension_count is 2, not the head size 4"),
+    (lambda w, gguf, np: w.add_rope_freq_base(-1.0), "llama.rope.freq_base is -1.0, expected a positive number"),
     (lambda w, gguf, np: w.add_bos_token_id(4), "bos token id 4 lies outside the vocabulary of 4"),
     (lambda w, gguf, np: w.add_uint32("general.alignment", 24), "general.alignment is 24, not a power of two"),
     (lambda w, gguf, np: w.add_tensor("output_norm.weight", np.zeros(8, np.int8)),
      "the gguf package cannot dequantize I8 tensors"),
-], ids=["yarn", "linear factor", "partial rotary", "bos id", "alignment", "type"])
+], ids=["yarn", "linear factor", "partial rotary", "rope theta", "bos id", "alignment", "type"])
 def test_gguf_bad_config(tmp_path, edit, problem):
     assert problem in load_error(write_gguf(tmp_path / "m.gguf", "llama", True, edit=edit))
 

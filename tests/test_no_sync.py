@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import decode
 import engine
 import kernels
+import scheduler
 from test_engine import DRAFT, PROMPT, TARGET
 
 # .item() (as inference mode dispatches it, and below it), bool(), masks to indices, torch.equal
@@ -64,7 +65,7 @@ def test_a_recorded_phase_syncs_nothing_with_the_host(monkeypatch, method, draft
     e = engine.Engine(TARGET, draft).load()
     with torch.no_grad():  # the recorded phases run as the engine runs them (a pair's halves: inference mode)
         req = e.request(PROMPT, method=method, max_new_tokens=12, temperature=1.0, draft_len=2, particles=3, **options)
-        b = (engine.Pair if req.shape.overlap else engine.Batch)(e, req.shape, 2, len(PROMPT), req.capacity)
+        b = (scheduler.Pair if req.shape.overlap else scheduler.Batch)(e, req.shape, 2, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(3):
             b.cycle()
@@ -103,8 +104,8 @@ def test_each_graph_is_captured_on_a_stream_of_its_own(monkeypatch):
     e = engine.Engine(TARGET, DRAFT).load()
     req = e.request(PROMPT, method="smc", max_new_tokens=8, draft_len=2, particles=3, overlap=True)
     with torch.no_grad():
-        engine.Pair(e, req.shape, 2, len(PROMPT), req.capacity).close()
-        engine.Batch(e, replace(req.shape, overlap=False), 2, len(PROMPT), req.capacity)
+        scheduler.Pair(e.models, req.shape, 2, len(PROMPT), req.capacity).close()
+        scheduler.Batch(e.models, replace(req.shape, overlap=False), 2, len(PROMPT), req.capacity)
     streams = [c.get("stream") for c in captures]
     assert len(streams) == 5 and None not in streams and len({id(s) for s in streams}) == 5
 
@@ -117,11 +118,11 @@ def test_the_memory_check_counts_every_graphs_pool_and_the_sort(monkeypatch):
     R = 4
     caps = (len(PROMPT), 16)
     V = e.config.vocab_size
-    need = lambda shape: decode.batch_bytes(e, shape, R, caps)  # noqa: E731
+    need = lambda shape: scheduler.batch_bytes(e, shape, R, caps)  # noqa: E731
     eager, eager_pair = need(s), need(replace(s, overlap=True))
     monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
     assert need(s) == eager  # one graph's pool: what an eager cycle allocates
-    assert need(replace(s, overlap=True)) - eager_pair == decode.cycle_bytes(e, s, R)  # four halves' pools: two
+    assert need(replace(s, overlap=True)) - eager_pair == scheduler.cycle_bytes(e, s, R)  # four halves' pools: two
     sort = (4 + 8) * R * s.particles * (s.draft_len + 1) * V
     assert need(replace(s, restrict=True)) - need(s) >= sort
     assert need(replace(s, restrict=True, overlap=True)) - need(replace(s, overlap=True)) >= 2 * sort

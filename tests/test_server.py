@@ -290,6 +290,7 @@ BAD = [  # (body, param or None, words of the message)
     ({"max_tokens": "x"}, "max_tokens", "max_tokens must be an integer, got 'x'"),  # Settings' check, the API's name
     ({"temperature": "hot"}, "temperature", "temperature must be a finite number, got 'hot'"),
     ({"stream": 1}, "stream", "stream must be true or false"),
+    ({"method": "smc", "particles": 1000000}, None, "GiB"),  # its batch cannot fit the memory: refused, not a 500
 ]
 
 
