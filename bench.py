@@ -150,7 +150,7 @@ def open_pair(args, device, world=1):
         return engine.Engine(target, draft, device, args.weights), None
     paths = engine.default_pair()
     if args.target:
-        paths = (args.draft, args.target)
+        paths = tuple(loading.local_paths([args.draft, args.target]))  # Hub ids as files: the peers read them too
     weights = args.weights or DTYPE_FORMATS[args.dtype]
     return engine.Engine(paths[1], paths[0], device, weights, on_line=engine.say), paths  # auto's lines on stderr
 
@@ -1279,7 +1279,7 @@ def common_options():
     """The options every subcommand but report shares: the models, the device and the report."""
     common = argparse.ArgumentParser(add_help=False)
     add = common.add_argument
-    add("--target", help="target model directory or .gguf (default: the weights/ pair)")
+    add("--target", help="target model directory, .gguf or Hub id (default: the weights/ pair)")
     add("--draft", help="draft model, same vocabulary")
     add("--random", metavar="DRAFT:TARGET",
         help=f"random-weight models of named shapes ({', '.join(SHAPES)}), no files needed")

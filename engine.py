@@ -420,10 +420,10 @@ class Engine:
             draft = None
         self.target = target if isinstance(target, model.Transformer) else None
         self.draft = draft if isinstance(draft, model.Transformer) else None
-        # [target, draft]: a path's loading.Opened until load() reads its weights; None for a model or none
-        self.opened = [None if m is None or isinstance(m, model.Transformer) else loading.open_weights(m)
-                       for m in (target, draft)]
-        self.paths = [m if opened else None for m, opened in zip((target, draft), self.opened)]  # the files
+        # [target, draft]: the files (a Hub id's in the Hugging Face cache), None for a model or none
+        self.paths = loading.local_paths([None if isinstance(m, model.Transformer) else m for m in (target, draft)])
+        # a path's loading.Opened until load() reads its weights
+        self.opened = [loading.open_weights(path) if path else None for path in self.paths]
         target_file = self.opened[0]
         draft_file = self.opened[1]
         self.rank = 0
@@ -797,10 +797,11 @@ def read_jsonl(path):
 
 def add_models(parser):
     """The options engine.py and server.py share: the models, their device and their weights' format."""
-    parser.add_argument("--target", help="target model: Hugging Face directory or .gguf file (default: the weights/ "
-                        "pair's)")
-    parser.add_argument("--draft", help="draft model, same vocabulary as the target (default: the weights/ pair's); "
-                        "racer: drafts from retrieval and the target's own logits, no draft model (sd)")
+    parser.add_argument("--target", help="target model: Hugging Face directory, .gguf file or Hub id (org/name, "
+                        "@revision, :FILE.gguf or :QUANT; from the Hugging Face cache, else downloaded) (default: the "
+                        "weights/ pair's)")
+    parser.add_argument("--draft", help="draft model, as --target, of the target's vocabulary (default: the weights/ "
+                        "pair's); racer: drafts from retrieval and the target's own logits, no draft model (sd)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default %(default)s)")
     parser.add_argument("--weights", choices=WEIGHTS, default=WEIGHTS[0], help="matmul weights' format (activations "

