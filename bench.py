@@ -1074,6 +1074,7 @@ def format_table(rows):
 
 
 def weight_cost_table(costs):
+    costs = {name: {int(r): ps for r, ps in by_rows.items()} for name, by_rows in costs.items()}  # JSON's keys: text
     rows = list(next(iter(costs.values())))
     ratios = [r for r in rows if r in (9, 16)] or rows[-1:]  # smc 3x2's verify and 16 rows, against one row
     lines = ["| weights | " + " | ".join(f"{r} row{'s' * (r > 1)}" for r in rows) + " | " +

@@ -245,6 +245,14 @@ def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_the_weight_cost_table_reads_the_same_from_a_report():
+    """formats' table of ps a weight by rows, as printed and as `report` prints it again from the JSON."""
+    costs = {"int4": {1: 30.0, 9: 150.0, 16: 210.0}, "w4a8": {1: 25.0, 9: 30.0, 16: 50.0}}
+    table = bench.weight_cost_table(costs)
+    assert "| w4a8 | 25.0 | 30.0 | 50.0 | 1.20x | 2.00x |" in table
+    assert bench.weight_cost_table(json.loads(json.dumps(costs))) == table
+
+
 def test_a_llama_cpp_library_that_does_not_load_is_left_out_in_one_line(tmp_path, monkeypatch, capsys):
     """An installed binding whose library cannot load (a C++ runtime older than its build's) is no peer: one line
     says so, and the benchmark goes on without it."""
