@@ -125,8 +125,9 @@ def llama_cpp_bindings():
     try:
         import llama_cpp as lib
         return lib, lambda ids: (lib.llama_token * len(ids))(*ids), bytes.decode, "llama-cpp-python"
-    except ModuleNotFoundError:
-        pass
+    except ModuleNotFoundError as error:
+        if error.name != "llama_cpp":  # installed, but without a package it imports
+            print(f"llama.cpp peer: llama-cpp-python does not import ({error})", file=sys.stderr)
     except (ImportError, OSError) as error:  # installed, but its library does not load (a C++ runtime too old, say)
         print(f"llama.cpp peer: llama-cpp-python's library does not load ({error})", file=sys.stderr)
     try:
