@@ -938,6 +938,8 @@ def cells_nk(row):
     method = row["method"].removesuffix("+overlap")
     n = ""
     k = ""
+    if method == LLAMA_CPP_AR:
+        return n, k
     if method in ("smc", "mdsd"):
         n = row["N"]
     if method != "ar":
