@@ -36,9 +36,10 @@ def weight_format(fmt, device="cpu"):
 
 def usable(fmt):
     """fmt, or int4 where it is w4a8 and its kernel cannot be built here (a line on the "smcsd" log says why)."""
-    if fmt != "w4a8" or kernels_cpu.library()[0] is not None:
+    lib, why = kernels_cpu.library()
+    if fmt != "w4a8" or lib is not None:
         return fmt
-    log.warning("%s; using int4 (torch's kernel) instead of w4a8", kernels_cpu.library()[1])
+    log.warning("%s; using int4 (torch's kernel) instead of w4a8", why)
     return "int4"
 
 

@@ -106,7 +106,8 @@ def build(cc, flags=FLAGS):
     try:
         run = subprocess.run([cc, *flags, "-o", tmp, SOURCE], capture_output=True, text=True)
         if run.returncode != 0:
-            raise OSError(f"{cc} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
+            said = run.stderr.strip().splitlines() or [f"exit status {run.returncode}"]
+            raise OSError(f"{cc} failed: {said[-1]}")
         os.replace(tmp, path)  # whole or not at all: another process may load it at once
     finally:
         if os.path.exists(tmp):

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import formats
 import kernels_cpu
 
 needs_kernel = pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
@@ -123,3 +124,12 @@ def test_no_compiler_is_one_line_and_no_library(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("None ")
     assert len(run.stdout.strip().splitlines()) == 1
+
+
+def test_without_the_kernel_w4a8_is_int4_with_one_line(monkeypatch, caplog):
+    monkeypatch.setitem(kernels_cpu._library, "lib", None)
+    monkeypatch.setitem(kernels_cpu._library, "why", "the w4a8 kernel cannot be built here (no C compiler found)")
+    assert formats.usable("w4a8") == "int4"
+    assert formats.usable("int8") == "int8"
+    assert [r.getMessage() for r in caplog.records] == [
+        "the w4a8 kernel cannot be built here (no C compiler found); using int4 (torch's kernel) instead of w4a8"]
