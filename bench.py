@@ -1,6 +1,6 @@
-"""The engine's benchmarks, one subcommand each (speed, lengths, requests, racer, batch, peers, quality, formats):
-each prints markdown tables and writes them with the settings and the machine to --out (JSON); `report` prints a
-report's tables again. Methods run interleaved in one process: ratios within a run are what count."""
+"""The engine's benchmarks, one subcommand each (speed, parts, lengths, requests, racer, batch, peers, quality,
+formats): each prints markdown tables and writes them with the settings and the machine to --out (JSON); `report`
+prints a report's tables again. Methods run interleaved in one process: ratios within a run are what count."""
 import argparse
 import collections
 import contextlib
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import string
 import sys
@@ -358,6 +359,77 @@ def profile_phases(e, ids, N, K, new_tokens):
     forward_ms = verify_forward_ms(e.target, ids, N, K, new_tokens)
     return {"N": N, "K": K, "draft_ms": draft_ms, "verify_ms": forward_ms,
             "weights_resample_ms": verify_phase_ms - forward_ms, "cycle_ms": draft_ms + verify_phase_ms}
+
+
+# ---------------------------------------------------------------- parts: where a cycle's time goes
+
+
+# A function's time, less that of the functions inside it with a part of their own, counts in its part; time in no
+# listed function inherits its caller's part; decode.py's own work is the rule's, the scheduler's the host's.
+PARTS = {("model", "linear"): "matmuls", ("kernels", "particle_attention"): "attention",
+         ("model", "attend_step"): "KV writes", ("model", "rms_norm"): "norms and RoPE",
+         ("model", "apply_rope"): "norms and RoPE", ("model", "step"): "other model ops",
+         ("kernels", "sample"): "sampling", ("kernels", "token_logprobs"): "sampling"}
+PART_NAMES = ("matmuls", "attention", "KV writes", "norms and RoPE", "other model ops", "sampling", "the rule", "host")
+PYTHON_FRAME = re.compile(r"(\w+)\.py\(\d+\): (\w+)$")  # how the profiler names a Python function's event
+
+
+def part_of(event, inherited):
+    """The part an event's own time counts in: its function's (PARTS; decode.py's: the rule), else inherited."""
+    frame = PYTHON_FRAME.search(event.name)
+    if frame is None:
+        return inherited
+    key = (frame[1], frame[2])
+    if key in PARTS:
+        return PARTS[key]
+    if frame[1] == "decode":
+        return "the rule"
+    return inherited
+
+
+def split_by_part(event, inherited, spent):
+    """Adds the event's own time (less its children's) to its part in spent, then its children's, recursively."""
+    part = part_of(event, inherited)
+    own = event.time_range.elapsed_us() - sum(c.time_range.elapsed_us() for c in event.cpu_children)
+    spent[part] += own / 1e3
+    for child in event.cpu_children:
+        split_by_part(child, part, spent)
+
+
+def cycle_parts(e, ids, method, N, K, new_tokens):
+    """One request of method, eager, under torch's profiler with Python frames -> {part: ms per cycle}: the
+    time inside scheduler's Batch.cycle split by PARTS, and "host": the rest from the first cycle's start to the
+    last's end (reading flags, streaming, the scheduler). The profiler slows Python most, so host and the small
+    parts read high: the matmuls' share is a lower bound."""
+    options = dict(method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N, draft_len=K,
+                   cuda_graphs=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        stats = e.generate(ids, **options).stats
+    cycles = [ev for ev in prof.events() if PYTHON_FRAME.search(ev.name) and
+              PYTHON_FRAME.search(ev.name).groups() == ("scheduler", "cycle")]
+    spent = dict.fromkeys(PART_NAMES, 0.0)
+    for ev in cycles:
+        split_by_part(ev, "host", spent)
+    window = (cycles[-1].time_range.end - cycles[0].time_range.start) / 1e3
+    spent["host"] += window - sum(spent.values())
+    return {part: ms / len(cycles) for part, ms in spent.items()}, stats
+
+
+def parts(e, ids, args):
+    """For each method: its cycle's ms unprofiled (the median of `repeats` runs), and split by part (cycle_parts)."""
+    rows = []
+    for method, N, K in configs(args, args.grid):
+        run_engine(e, ids, method, N, K, 4 * K, 0)  # warm-up
+        unprofiled = []
+        for repeat in range(args.repeats):
+            stats = run_engine(e, ids, method, N, K, args.new_tokens, repeat)
+            unprofiled.append(1e3 * (stats["seconds"] - stats["prefill_seconds"]) / max(stats["cycles"], 1))
+        split, stats = cycle_parts(e, ids, method, N, K, args.new_tokens)
+        rows.append({"method": method, "N": N, "K": K, "weights": weights_of(e),
+                     "tokens_per_cycle": stats["new_tokens"] / max(stats["cycles"], 1),
+                     "cycle_ms": statistics.median(unprofiled), "profiled_ms": sum(split.values()), "parts_ms": split})
+    return rows
+
 
 
 # ---------------------------------------------------------------- lengths: decode and prefill against prompt length
@@ -974,6 +1046,19 @@ def phase_table(phases):
     return "\n".join(lines)
 
 
+def parts_table(rows):
+    header = " | ".join(PART_NAMES)
+    lines = [f"| method | N | K | tokens/cycle | cycle ms | profiled ms | {header} | matmuls' share |",
+             "|---" * (7 + len(PART_NAMES)) + "|"]
+    for r in rows:
+        cells = [f"{r['parts_ms'][p]:.1f}" for p in PART_NAMES]
+        share = r["parts_ms"]["matmuls"] / r["profiled_ms"]
+        lines.append(f"| {r['method']} ({r['weights']}) | {' | '.join(map(str, cells_nk(r)))} | "
+                     f"{r['tokens_per_cycle']:.2f} | {r['cycle_ms']:.1f} | {r['profiled_ms']:.1f} | "
+                     f"{' | '.join(cells)} | {share:.0%} |")
+    return "\n".join(lines)
+
+
 def length_table(rows):
     lines = ["| prompt tokens | method | N | K | decode tok/s | x ar | prefill s | prefill x ar |",
              "|---|---|---|---|---|---|---|---|"]
@@ -1092,7 +1177,8 @@ def report_tables(report):
     subcommands print them; several reports bundled under a note ({"note", "runs"}) one after the other."""
     if "runs" in report:
         return "\n\n".join([report.get("note", "")] + [report_tables(run) for run in report["runs"]])
-    sections = [("weight_costs", weight_cost_table), ("formats", format_table), ("speed", None), ("phases", phase_table), ("lengths", length_table),
+    sections = [("weight_costs", weight_cost_table), ("formats", format_table), ("speed", None),
+                ("phases", phase_table), ("parts", parts_table), ("lengths", length_table),
                 ("short_requests", short_table), ("racer", racer_table), ("peer", peer_table), ("batch", batch_table),
                 ("overlap_phases", overlap_table), ("quality", quality_table)]
     tables = []
@@ -1139,6 +1225,15 @@ def command_speed(args, device, rank, world, report):
         tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
         report["phases"] = [profile_phases(e, first, N, K, tokens) for N, K in args.grid]
         show(phase_table(report["phases"]))
+
+
+def command_parts(args, device, rank, world, report):
+    """Each method's cycle split by part, on the code prompt."""
+    e, _ = load_pair(args, device, world)
+    report["models"] = models_section(e)
+    ids = next(iter(prompts(args, e).values()))
+    report["parts"] = parts(e, ids, args)
+    show(parts_table(report["parts"]))
 
 
 def command_lengths(args, device, rank, world, report):
@@ -1233,8 +1328,9 @@ def command_formats(args, device, rank, world, report):
     show(format_table(report["formats"]))
 
 
-COMMANDS = {"speed": command_speed, "lengths": command_lengths, "requests": command_requests, "racer": command_racer,
-            "batch": command_batch, "peers": command_peers, "quality": command_quality, "formats": command_formats}
+COMMANDS = {"speed": command_speed, "parts": command_parts, "lengths": command_lengths, "requests": command_requests,
+            "racer": command_racer, "batch": command_batch, "peers": command_peers, "quality": command_quality,
+            "formats": command_formats}
 
 
 # ---------------------------------------------------------------- command line
@@ -1324,6 +1420,7 @@ def add_problem_set(p, problems):
 
 QUICK = {  # --quick: each subcommand's smoke settings
     "speed": dict(grid=[(4, 4)], new_tokens=32, repeats=1),
+    "parts": dict(new_tokens=16, repeats=1),
     "lengths": dict(prompt_lengths=[100, 1000], new_tokens=32, repeats=1),
     "requests": dict(problems=2, new_tokens=32),
     "racer": dict(trees=[0], new_tokens=32, repeats=1),
@@ -1357,6 +1454,13 @@ def parser(argv):
     add_sd_draft_len(speed_p)
     add_runs(speed_p)
     speed_p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    parts_p = command("parts", "where each method's cycle spends its time: matmuls, attention, KV writes, norms "
+                      "and RoPE, other model ops, sampling, the rule, the host (torch's profiler)")
+    add_methods(parts_p, "ar,sd,smc", SINGLE)
+    parts_p.add_argument("--grid", type=grid, default=grid("3x2"), help="smc's (and mdsd's) N x K cells")
+    add_sd_draft_len(parts_p)
+    add_runs(parts_p, new_tokens=48)
+    parts_p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
     lengths_p = command("lengths", "decode and prefill speed at each prompt length, prompts cut from real code")
     add_methods(lengths_p, "ar,sd,smc", SINGLE)
     add_cells(lengths_p, "smc's (and mdsd's) N x K cells")
