@@ -349,11 +349,12 @@ def sample_ref(logits, temperature, rng):
     R = rng.shape[0]
     t = _per_row(_temperatures(temperature, logits.device, R), B)[:, None]  # [B, 1]
     x = logits.float() / t.where(t > 0, 1.0)  # [B, V]
-    top = x.amax(-1, keepdim=True)  # [B, 1]
+    top, greedy = x.max(-1, keepdim=True)  # [B, 1] each: the largest tempered logit, its first token
     cdf = (x - top).exp_().cumsum_(-1)  # [B, V] nondecreasing, so tokens of probability 0 are never hit
     u = _uniforms(rng, B // R) * cdf[:, -1:]  # greedy rows draw too: alone == batched
-    last = cdf.argmax(-1, keepdim=True)  # the last token of nonzero probability: u * total may round up
-    tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, x.argmax(-1, keepdim=True))
+    # the last token of nonzero probability, as u * total may round up (a row of no probability: NaN, the last token)
+    last = torch.searchsorted(cdf, cdf[:, -1:]).clamp(max=logits.shape[-1] - 1)
+    tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, greedy)
     logprobs = (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)
     return tokens[:, 0], logprobs[:, 0]
 

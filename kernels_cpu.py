@@ -186,5 +186,6 @@ def w4a8_linear(x, packed, bits):
     out = packed.shape[0] * PANEL
     y = torch.empty(rows, out)
     room = scratch(rows * n + 8 * rows * (n // GROUP))
-    lib.linear(pointer(packed), bits, out, n, pointer(x2), rows, pointer(y), pointer(room), torch.get_num_threads())
+    lib.linear(packed.data_ptr(), bits, out, n, x2.data_ptr(), rows, y.data_ptr(), room.data_ptr(),
+               torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out)

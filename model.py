@@ -132,7 +132,8 @@ def shard_config(c, world):
 
 # ---------------------------------------------------------------- rotary embeddings
 def rope_tables(c, device):
-    """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout."""
+    """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout, sin's first half negated: the
+    sign of rotate_half(x) = cat(-x2, x1) folded in, so that apply_rope rotates with a roll."""
     inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
     scaling = c.rope_scaling or {}
     if scaling.get("rope_type") == "linear":
@@ -144,15 +145,15 @@ def rope_tables(c, device):
         wavelength = 2 * math.pi / inv
         ramp = ((old_context / wavelength - low) / (high - low)).clamp(0, 1)
         inv = (1 - ramp) * inv / scaling["factor"] + ramp * inv
-    angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)  # [T, D]: both halves
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), inv)  # [T, D / 2]
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)  # [T, D]
+    return angles.repeat(1, 2).cos().float().to(device), sin.float().to(device)
 
 
 def apply_rope(x, cos, sin):
-    """x [..., T, H, D]; cos/sin [..., T, 1, D]."""
+    """x [..., T, H, D]; cos/sin [..., T, 1, D] (rope_tables'): x cos + rotate_half(x) sin, in three operators."""
     xf = x.float()
-    x1, x2 = xf.chunk(2, -1)
-    return (xf * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    return torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -182,13 +183,18 @@ class KVCache:
         self.prefix_v[layer, r, :, :len(q)] = v.transpose(0, 1)
         return kernels.prefill_attention(q, k, v, scale)
 
-    def attend_step(self, layer, q, k, v, scale, tree=None):
-        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1; tree bool
-        [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]."""
-        R, N, T, H, D = k.shape
-        idx = (self.suffix_len.long()[:, None] + torch.arange(T, device=k.device))[:, None, None, :, None]
-        self.suffix_k[layer].scatter_(3, idx.expand(R, N, H, T, D), k.transpose(2, 3))
-        self.suffix_v[layer].scatter_(3, idx.expand(R, N, H, T, D), v.transpose(2, 3))
+    def write_index(self, T):
+        """-> int64 [R, N, Hkv, T, D]: where a step's T new keys and values go in a layer's suffix, read by
+        attend_step in every layer (the lengths do not move within a step)."""
+        _, R, N, H, _, D = self.suffix_k.shape
+        at = self.suffix_len.long()[:, None] + torch.arange(T, device=self.suffix_len.device)  # [R, T]
+        return at[:, None, None, :, None].expand(R, N, H, T, D)
+
+    def attend_step(self, layer, q, k, v, scale, at, tree=None):
+        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1 (at: their
+        write_index); tree bool [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]."""
+        self.suffix_k[layer].scatter_(3, at, k.transpose(2, 3))
+        self.suffix_v[layer].scatter_(3, at, v.transpose(2, 3))
         return kernels.particle_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
                                           self.suffix_v[layer], self.prefix_len, self.suffix_len, scale, tree)
 
@@ -199,7 +205,7 @@ def linear(x, w, bias=None):
     (Quantized, Probe) that multiplies itself. bf16 that oneDNN cannot pack costs F.linear as much a row at any row
     count (no bf16 arithmetic): at 64 rows or more, float32 is faster."""
     if isinstance(w, torch.nn.Module):
-        return w(x, bias)
+        return w.forward(x, bias)  # a module without hooks: its call's machinery is overhead
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     if w.is_cpu and w.dtype == torch.bfloat16 and x.numel() >= 64 * x.shape[-1]:
@@ -209,8 +215,10 @@ def linear(x, w, bias=None):
 
 
 def rms_norm(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    """x normalised in float32, then times w in x's dtype, as Hugging Face's Llama computes it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], w, eps)  # the same, in one operator
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * w
 
 
 class Block(torch.nn.Module):
@@ -314,7 +322,8 @@ class Transformer(torch.nn.Module):
         pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + offset  # [R, T]
         cos = self.cos[pos][:, None, :, None]  # [R, 1, T, 1, D]
         sin = self.sin[pos][:, None, :, None]
-        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_step, tree=tree))  # [R, N, T, dim]
+        at = cache.write_index(tokens.shape[-1])
+        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_step, at=at, tree=tree))  # [R, N, T, dim]
         return self._logits(h[:, :, -1] if last_only else h)
 
 
