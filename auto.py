@@ -56,14 +56,18 @@ ACCEPTANCE = 0.7  # a prior for sd: the chance that the target accepts a draft t
 
 
 def file_format(opened):
-    """int4 when most of a model file's matmul values are 4-bit blocks (a Q4_K_M GGUF file, which int4 holds as they
-    are: nearer the file than int8), else bf16: the format auto keeps unless another is clearly faster. opened: the
-    file's loading.Opened."""
+    """The format auto keeps unless another is clearly faster. Where most of a model file's matmul values are 4-bit
+    blocks (a Q4_K_M GGUF file), w4a8, which holds them as they are and multiplies them as llama.cpp does (int8
+    activations), or int4 where w4a8's kernel cannot be built; else bf16. opened: the file's loading.Opened."""
     c = opened.config
     get = opened.get
     sizes = {name: math.prod(s) for name, s in model.expected_shapes(c).items() if len(s) == 2}
     four = sum(n for name, n in sizes.items() if get(name, (0, 0, 1), "format") == "int4")
-    return "int4" if 2 * four > sum(sizes.values()) else "bf16"
+    if 2 * four <= sum(sizes.values()):
+        return "bf16"
+    if kernels_cpu.library()[0] is None:
+        return "int4"
+    return "w4a8"
 
 
 def clear_winner(costs, home):
@@ -306,7 +310,7 @@ class Measurement:
         changes only the proposals). w4a8 where its kernel builds here."""
         four = tuple(f for f in FOUR_BITS if f != "w4a8" or kernels_cpu.library()[0] is not None)
         tried = ("bf16", "float32", "int8")
-        if self.home == "int4":
+        if self.home in FOUR_BITS:
             tried += four
         fits = [f for f in tried if self.fits(f)]
         drafts = fits + [f for f in four if f not in fits]
