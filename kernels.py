@@ -129,6 +129,15 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def causal_mask(T, G, S, dtype, device):
+    """The suffix pass's additive mask [T * G, S], rows ordered (token, head): new token t sees the keys up to its
+    own, S - T + t. Made once for every layer and step of a shape (read only)."""
+    token = torch.arange(T * G, device=device) // G
+    future = torch.arange(S, device=device) > S - T + token[:, None]
+    return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
+
+
 def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
     """`particle_attention_ref`'s contract, fast on CPU: two calls of torch's fused CPU attention (with each row's
     log-sum-exp). Prefix pass: a KV group's rows of all particles as one matrix, the prompt read once. Suffix pass: each
@@ -141,13 +150,11 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
         S += T
         qr = q[r].view(N, T, Hkv, G, D)
         mask = None  # one new token a particle (a step) sees every key
-        if T > 1 or tree is not None:
-            token = torch.arange(T * G, device=q.device) // G  # of each suffix-pass row, rows ordered (token, head)
-            if tree is None:
-                future = torch.arange(S, device=q.device) > S - T + token[:, None]
-            else:  # the committed keys seen by all, the new ones where the tree says
-                future = F.pad(~tree[r, token], (S - T, 0))
+        if tree is not None:  # the committed keys seen by all, the new ones where the tree says
+            future = F.pad(~tree[r, torch.arange(T * G, device=q.device) // G], (S - T, 0))
             mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+        elif T > 1:
+            mask = causal_mask(T, G, S, q.dtype, q.device)
         o, lse = _cpu_attention(qr.transpose(1, 2).reshape(N, Hkv, T * G, D), suffix_k[r, :, :, :S],
                                 suffix_v[r, :, :, :S], attn_mask=mask, scale=scale)  # [N, Hkv, T * G, D], [.., T * G]
         if P:  # the fused op crashes on no keys: a one-token prompt leaves the draft's prefix empty
@@ -353,7 +360,7 @@ def sample_ref(logits, temperature, rng):
     cdf = (x - top).exp_().cumsum_(-1)  # [B, V] nondecreasing, so tokens of probability 0 are never hit
     u = _uniforms(rng, B // R) * cdf[:, -1:]  # greedy rows draw too: alone == batched
     # the last token of nonzero probability, as u * total may round up (a row of no probability: NaN, the last token)
-    last = torch.searchsorted(cdf, cdf[:, -1:]).clamp(max=logits.shape[-1] - 1)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous()).clamp(max=logits.shape[-1] - 1)
     tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, greedy)
     logprobs = (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)
     return tokens[:, 0], logprobs[:, 0]
