@@ -174,14 +174,16 @@ def no_temporaries():
 
 
 def test_a_read_only_cache_folder_gives_one_line_and_a_normal_load(tmp_path, monkeypatch):
-    """As root a folder's mode does not stop a write: the refusal is the one the OS gives a user."""
     path = str(write_mixed_gguf(tmp_path / "m.gguf", "qwen2"))
-    os.makedirs(os.path.join(kernels_cpu.cache_folder(), "weights"))
-
-    def refused(**kw):
-        raise PermissionError(errno.EACCES, "Permission denied", kw["dir"])
-    monkeypatch.setattr(weight_cache.tempfile, "mkstemp", refused)
+    folder = os.path.join(kernels_cpu.cache_folder(), "weights")
+    os.makedirs(folder)
+    os.chmod(folder, 0o555)
+    if os.geteuid() == 0:  # root writes anyway: the refusal a read-only folder gives anyone else
+        def refused(*args, dir=None, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", dir)
+        monkeypatch.setattr(weight_cache.tempfile, "mkstemp", refused)
     m, lines = built(path)
+    os.chmod(folder, 0o755)
     where = weight_cache.cache_path(path, "int4", "target")
     assert lines == [f"weights not kept: cannot write {where} (Permission denied); the next start converts again"]
     assert kept_files() == []
