@@ -200,7 +200,7 @@ def changes(kept, key):
     if kept.get("model") != key["model"]:
         return "the model file changed"
     others = [field for field in key if kept.get(field) != key[field]]
-    return f"another {', '.join(others)}"
+    return f"other {', '.join(others)}"
 
 
 def restored(recipe, name, tensors, transformer):
@@ -267,7 +267,7 @@ def build(path, opened, role, fmt, wider, say):
             say(f"weights read back from {where}")
             return transformer
         except Stale as e:
-            say(f"{where} was kept for {e}: converting again, replacing it")
+            say(f"{where} is stale ({e}): converting again, replacing it")
         except UNREADABLE as e:
             say(f"{where} is unreadable or truncated ({first_line(e)}): loading {path} as usual, replacing it")
     transformer = loading.build(opened.config, opened.get, "cpu", weights=fmt, wider=wider)

@@ -122,7 +122,7 @@ def test_a_changed_model_file_is_converted_again_and_replaces_its_entry(tmp_path
             f.write(b"\x01\x02\x03\x04")
     second, lines = built(path)
     where = weight_cache.cache_path(path, "int4", "target")
-    assert lines[0] == f"{where} was kept for the model file changed: converting again, replacing it"
+    assert lines[0] == f"{where} is stale (the model file changed): converting again, replacing it"
     assert len(lines) == 2 and lines[1].startswith("weights kept in ")
     assert kept_files() == [os.path.basename(where)]
     assert_same_model(second, loading.load(path, weights="int4")[0])
@@ -134,7 +134,7 @@ def test_a_cache_of_another_code_version_is_converted_again(tmp_path, monkeypatc
     built(path)
     monkeypatch.setattr(weight_cache, "code_digest", lambda: "another version")
     _, lines = built(path)
-    assert lines[0].endswith("was kept for another code: converting again, replacing it")
+    assert lines[0].endswith(" is stale (other code): converting again, replacing it")
     assert built(path)[1][0].startswith("weights read back")
 
 
