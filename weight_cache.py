@@ -1,14 +1,8 @@
-"""The weight cache: what loading.build makes of a model file on the CPU (its weights converted and packed in a weight
-format) kept in the user's cache folder, so that the next start maps it back instead of converting the file again.
-
-One safetensors file per (model file, weight format, role), in the cache folder's weights/ (`rm -r` it to clear): the
-tensors each matmul weight is rebuilt from (plain, oneDNN's packed ones as plain, formats.Quantized's), the other
-parameters, and in its metadata the key (the model file, the format, torch, this CPU, the code that made the tensors)
-and each matmul weight's recipe. A file read back is memory-mapped, each tensor a view into the mapping: the weights
-are ready as soon as the file is opened, paged in by the first forward from the page cache the write filled; oneDNN's
-and FBGEMM's packed weights are packed again from their plain tensors. Any doubt (another key, a short or damaged
-file) gives a line and a normal load, never a wrong weight. The CPU only, one process: CUDA and tensor-parallel ranks
-(which would share one folder) load as before."""
+"""The weight cache: what loading.build makes of a model file on the CPU, kept in the cache folder's weights/ as one
+safetensors file per (model file, weight format, role) with its key and recipes, and mapped back at the next start.
+Mapped, not copied into RAM: measured end to end, it starts sooner and decodes as fast (unread embedding rows stay on
+disk). Any doubt gives a line and a normal load, never a wrong weight. CPU only, one process: CUDA and tensor-parallel
+ranks (which would share a folder) convert at every start."""
 import dataclasses
 import hashlib
 import json
@@ -25,7 +19,8 @@ import loading
 import model
 from kernels_cpu import cache_folder
 
-CODE = ("model.py", "formats.py", "loading.py", "kernels.py", "kernels_cpu.py", "kernels_cpu.c")  # make the tensors
+# the code that makes the tensors, and this file, which keeps them and builds the model from them
+CODE = ("model.py", "formats.py", "loading.py", "kernels.py", "kernels_cpu.py", "kernels_cpu.c", "weight_cache.py")
 HEAD_BYTES = 2**20  # of each model file hashed: a file rewritten in place with its old size and time is still caught
 ALIGN = 64  # bytes: every tensor starts on a cache line, as torch's own allocations do
 SPARE_BYTES = 2**28  # left free on the disk beyond a file written
