@@ -23,6 +23,7 @@ import loading
 import model
 import racer
 import scheduler
+import weight_cache
 from scheduler import DeviceFailed, UsageError, require
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -486,13 +487,20 @@ class Engine:
         if any(files) and self.rank == 0:
             self.say(f"loading {reading(files)} ...")
         if self.target is None and target_file:
-            self.target = loading.build(target_file.config, target_file.get, self.device, self.dtype,
-                                        tp=(self.rank, self.world), weights=self.weights)
+            self.target = self.built(0, self.weights, wider=True)
         if self.draft is None and draft_file:
-            self.draft = loading.build(draft_file.config, draft_file.get, self.device, self.dtype,
-                                       weights=self.draft_weights, wider=False)
+            self.draft = self.built(1, self.draft_weights, wider=False)
         self.opened = [None, None]
         return self
+
+    def built(self, i, fmt, wider):
+        """-> the Transformer of self.paths[i] (0 the target, its rank's shard; 1 the draft) in weight format fmt; on
+        the CPU in one process through weight_cache (read back where kept, else built and kept)."""
+        opened = self.opened[i]
+        if self.device.type == "cpu" and self.world == 1:
+            return weight_cache.build(self.paths[i], opened, ("target", "draft")[i], fmt, wider, self.say)
+        tp = (self.rank, self.world) if i == 0 else (0, 1)
+        return loading.build(opened.config, opened.get, self.device, self.dtype, tp, fmt, wider)
 
     def drafts(self):
         """What drafts for this engine: "model", "racer", or None (no draft: ar only)."""

@@ -44,38 +44,34 @@ def usable(fmt):
 
 
 class Quantized(torch.nn.Module):
-    """A matmul weight [out, in] in int8 or int4 for kernels.quantized_linear; parameters, so weight_bytes counts it.
-    blocks: int4's (q, scale_zero) as read from a file (then w gives only the shape, device and dtype). w8a8: FBGEMM's
-    packed int8 (`packed_bytes` of it) and float32 outlier columns (kernels.w8a8_linear), amax [in] calibration's.
-    w4a8: kernels_cpu's packed codes of `bits` bits; blocks its (codes, scale, low) as read from a file."""
+    """A matmul weight [out, in] in int8, int4, w4a8 or w8a8, built from the tensors it keeps (`quantized` makes them
+    from a plain weight; `tensors()` gives them back, as weight_cache.py keeps them): int8 and int4 q and scale for
+    kernels.quantized_linear; w4a8 kernels_cpu's packed codes of `bits` bits; w8a8 q and scale, packed by FBGEMM at
+    construction (`packed_bytes` of it), and float32 outlier columns (kernels.w8a8_linear). Parameters where it can,
+    so weight_bytes counts them."""
 
-    def __init__(self, fmt, w, blocks=None, amax=None, bits=4):
+    def __init__(self, fmt, tensors, bits=4):
         super().__init__()
         self.fmt = fmt
+        self.bits = bits
         self.packed_bytes = 0
-        if fmt in ("int4", "w4a8") and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernels' tiles
-            raise model.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
-        if fmt == "w4a8":
-            self.bits = bits
-            codes, scale, low = blocks or kernels_cpu.quantize(w, bits)
-            self.packed = torch.nn.Parameter(kernels_cpu.pack(codes, scale, low, bits), requires_grad=False)
-            return
         if fmt == "w8a8":
-            if amax is None:
-                amax = w.new_ones(w.shape[1])
-            self.packed, self.outliers, w_outliers = kernels.quantize_w8a8(w, amax)
-            self.w_outliers = torch.nn.Parameter(w_outliers, requires_grad=False)
-            self.packed_bytes = w.numel() + 4 * len(w)  # int8 values, a float32 scale a row
+            q = tensors["q"]
+            self.packed = kernels.pack_w8a8(q, tensors["scale"])
+            self.outliers = tensors["outliers"]
+            self.w_outliers = torch.nn.Parameter(tensors["w_outliers"], requires_grad=False)
+            self.packed_bytes = q.numel() + 4 * len(q)  # int8 values, a float32 scale a row
             return
-        if blocks is None:
-            blocks = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
-        q, scale = blocks
-        q = q.to(w.device)
-        scale = scale.to(w.device, w.dtype)
-        if fmt == "int4":  # uint8 [out, in / 2], packed for the device's kernel
-            q = torch._convert_weight_to_int4pack_for_cpu(q, 1) if w.is_cpu else kernels.pack_int4(q)
-        self.q = torch.nn.Parameter(q, requires_grad=False)
-        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        for name, t in tensors.items():
+            setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
+
+    def tensors(self):
+        """-> {name: tensor}: what this weight is built from again (Quantized(fmt, tensors, bits))."""
+        if self.fmt != "w8a8":
+            return dict(self.named_parameters())
+        qw = torch.ops.quantized.linear_unpack(self.packed)[0]
+        return {"q": qw.int_repr(), "scale": qw.q_per_channel_scales(), "outliers": self.outliers,
+                "w_outliers": self.w_outliers.data}
 
     def forward(self, x, bias=None):
         """x [..., in] @ the weight.T + bias [out] (model.linear's for this weight)."""
@@ -88,21 +84,50 @@ class Quantized(torch.nn.Module):
         return y if bias is None else y + bias
 
 
+def quantized(fmt, w, blocks=None, amax=None, bits=4):
+    """-> Quantized: w [out, in] in format fmt, quantized and packed for its kernel. blocks: int4's (q, scale_zero) or
+    w4a8's (codes, scale, low) as read from a file (then w gives only the shape, device and dtype); amax [in]: w8a8's
+    calibration (None: no outliers known)."""
+    if fmt in ("int4", "w4a8") and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernels' tiles
+        raise model.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+    if fmt == "w4a8":
+        codes, scale, low = blocks or kernels_cpu.quantize(w, bits)
+        return Quantized(fmt, {"packed": kernels_cpu.pack(codes, scale, low, bits)}, bits)
+    if fmt == "w8a8":
+        if amax is None:
+            amax = w.new_ones(w.shape[1])
+        q, scale, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
+        return Quantized(fmt, {"q": q, "scale": scale, "outliers": outliers, "w_outliers": w_outliers})
+    if blocks is None:
+        blocks = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
+    q, scale = blocks
+    q = q.to(w.device)
+    scale = scale.to(w.device, w.dtype)
+    if fmt == "int4":  # uint8 [out, in / 2], packed for the device's kernel
+        q = torch._convert_weight_to_int4pack_for_cpu(q, 1) if w.is_cpu else kernels.pack_int4(q)
+    return Quantized(fmt, {"q": q, "scale": scale})
+
+
 def converted(w, fmt, amax=None, wide=False):
     """w [out, in] (plain, activations' dtype) in weight format fmt for model.linear: int8, int4, w4a8, w8a8 quantized
     (amax: w8a8's calibration; None: no outliers known, as for timing; wide: a file's wider blocks, which int4 holds
     in int8 and w4a8 in 8-bit codes); on the CPU, bf16 and float32 in oneDNN's blocked layout if it packs the dtype
     (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
     if fmt == "w4a8":
-        return Quantized(fmt, w, bits=8 if wide else 4)
+        return quantized(fmt, w, bits=8 if wide else 4)
     if fmt == "int4" and wide:
         fmt = "int8"
     if fmt in ("int8", "int4", "w8a8"):
-        return Quantized(fmt, w, amax=amax)
+        return quantized(fmt, w, amax=amax)
     packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if w.device.type == "cpu" and torch.backends.mkldnn.is_available() and packs:
-        return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
+        return packed(w)
     return w
+
+
+def packed(w):
+    """w [out, in] bf16 or float32 on the CPU as a parameter in oneDNN's blocked layout (`.to_dense()` gives w back)."""
+    return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
 
 
 def replace(m, name, w):

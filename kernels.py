@@ -792,14 +792,20 @@ W8A8_LEVELS = 255 if torch.cpu._is_vnni_supported() else 127
 
 
 def quantize_w8a8(w, amax):
-    """w [out, in], amax [in] (each input channel's largest |activation| in calibration) -> (FBGEMM's packed int8
-    weight, the outlier channels int64 [8], their float32 weight columns [out, 8])."""
+    """w [out, in], amax [in] (each input channel's largest |activation| in calibration) -> (q int8 [out, in] and scale
+    float64 [out] of the weight with the outlier channels zeroed, for pack_w8a8; the outlier channels int64 [8]; their
+    float32 weight columns [out, 8])."""
     outliers = amax.float().topk(min(W8A8_OUTLIERS, len(amax))).indices.sort().values
     q, scale = quantize_int8(w.float().index_fill(1, outliers, 0))
+    return q, scale.double(), outliers, w.float()[:, outliers].contiguous()
+
+
+def pack_w8a8(q, scale):
+    """q int8 [out, in], scale [out] (quantize_w8a8's) -> FBGEMM's packed int8 weight for w8a8_linear."""
     with warnings.catch_warnings():  # torch deprecates quantized tensors, which FBGEMM's packing takes
         warnings.simplefilter("ignore")
-        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(w), dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None), outliers, w.float()[:, outliers].contiguous()
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(q), dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None)
 
 
 def w8a8_linear_ref(x, q, scale, outliers, w_outliers):

@@ -119,7 +119,7 @@ def fill_weights(transformer, get, rank=0, fmt=None):
                 q, scale_zero = zip(*(get(name, part, "int4") for name, _ in tensors))
                 owner, _, name = param.rpartition(".")
                 blocks = four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_zero, 1))
-                formats.replace(transformer.get_submodule(owner), name, formats.Quantized(fmt, dst, blocks))
+                formats.replace(transformer.get_submodule(owner), name, formats.quantized(fmt, dst, blocks))
                 bar.update(dst.numel())
                 continue
             at = 0

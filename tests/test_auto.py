@@ -60,8 +60,8 @@ def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monk
     err = capsys.readouterr().err
     assert (first.weights, first.draft_weights) == ("float32", "float32")
     assert f"weights auto: measuring the weight formats on this CPU (once; kept in {kept}) ..." in err.splitlines()
-    assert os.path.dirname(kept) == os.environ[auto.CACHE_ENV] and os.listdir(os.path.dirname(kept)) == [
-        os.path.basename(kept)]  # written whole, no temporary file left
+    assert os.path.dirname(kept) == os.environ[auto.CACHE_ENV] and sorted(os.listdir(os.path.dirname(kept))) == [
+        os.path.basename(kept), "weights"]  # written whole, no temporary file left; weight_cache's folder beside it
     monkeypatch.setattr(auto.Measurement, "timed_calls", timings("int8"))
     second = engine.Engine(path, path, weights="auto", on_line=engine.say)
     assert second.generate("w1 w2 w3", max_new_tokens=8, seed=3).tokens == tokens

@@ -1315,7 +1315,8 @@ def test_cli_streams_text_then_a_summary(pair):
                 "9", "--weights", "auto"])
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stderr.splitlines() if not line.startswith("note: ")]  # a note may say ar is faster
-    measuring, length, chose, loading, summary = lines  # auto says what it measured and chose, a line each
+    measuring, length, chose, loading, kept, draft_kept, summary = lines  # auto's measuring and choices, a line each
+    assert kept.startswith("weights kept in ") and draft_kept.endswith("the next start reads it back")
     assert measuring.startswith("weights auto: measuring the weight formats on this CPU (once; kept in ")
     assert re.fullmatch(rf"loading {target} \([\d.]+ MB\) and the draft {draft} \([\d.]+ MB\) \.\.\.", loading)
     assert re.fullmatch(r"sd shape: K=4 \(measured ms per token, a cycle's matmuls in its cheapest formats, 0.7 of "

@@ -615,9 +615,9 @@ def test_w8a8_matmul_equals_its_reference(rows, levels, monkeypatch):
     to float32 summation order; the outlier channels (the calibration's largest, channel 7 first) stay in floats."""
     monkeypatch.setattr(kernels, "W8A8_LEVELS", levels)
     w, amax, x = w8a8_case(rows)
-    packed, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
+    q, scale, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
     assert 7 in outliers and len(outliers) == kernels.W8A8_OUTLIERS and torch.equal(w_outliers, w[:, outliers])
-    q, scale = kernels.quantize_int8(w.index_fill(1, outliers, 0))
+    packed = kernels.pack_w8a8(q, scale)
     out = kernels.w8a8_linear(x, packed, outliers, w_outliers)
     assert out.shape == (2, rows, 48) and out.dtype == torch.float32
     torch.testing.assert_close(out, kernels.w8a8_linear_ref(x, q, scale, outliers, w_outliers), atol=1e-4, rtol=1e-5)
@@ -629,7 +629,8 @@ def test_w8a8_rows_do_not_depend_on_the_rows_beside_them():
     """FBGEMM rounds a tensor's activations on one grid; the fixed last row pins it, so a row's result alone is its
     result beside a row 1000x larger (and the float32 outlier term's summation order is all that can differ)."""
     w, amax, x = w8a8_case(4, seed=1)
-    packed, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
+    q, scale, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
+    packed = kernels.pack_w8a8(q, scale)
     x = x[0]
     x[3] *= 1000
     together = kernels.w8a8_linear(x, packed, outliers, w_outliers)
