@@ -472,6 +472,7 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
         bench.parse(["formats", "--formats", "int8", "--random", "tiny:tiny"])
 
 
+@pytest.mark.slow
 def test_parts_split_each_cycle_by_part(tmp_path, capsys):
     """bench.py parts: every method's cycle split into the named parts, which add up to the profiled cycle, the
     matmuls and the attention among them."""
