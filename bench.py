@@ -374,15 +374,18 @@ PART_NAMES = ("matmuls", "attention", "KV writes", "norms and RoPE", "other mode
 PYTHON_FRAME = re.compile(r"(\w+)\.py\(\d+\): (\w+)$")  # how the profiler names a Python function's event
 
 
+def frame_of(event):
+    """-> (file, function) of a profiler event that is a Python function's call ("model", "linear"), else None."""
+    frame = PYTHON_FRAME.search(event.name)
+    return frame and frame.groups()
+
+
 def part_of(event, inherited):
     """The part an event's own time counts in: its function's (PARTS; decode.py's: the rule), else inherited."""
-    frame = PYTHON_FRAME.search(event.name)
-    if frame is None:
-        return inherited
-    key = (frame[1], frame[2])
-    if key in PARTS:
-        return PARTS[key]
-    if frame[1] == "decode":
+    frame = frame_of(event)
+    if frame in PARTS:
+        return PARTS[frame]
+    if frame and frame[0] == "decode":
         return "the rule"
     return inherited
 
@@ -405,8 +408,7 @@ def cycle_parts(e, ids, method, N, K, new_tokens):
                    cuda_graphs=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
         stats = e.generate(ids, **options).stats
-    cycles = [ev for ev in prof.events() if PYTHON_FRAME.search(ev.name) and
-              PYTHON_FRAME.search(ev.name).groups() == ("scheduler", "cycle")]
+    cycles = [ev for ev in prof.events() if frame_of(ev) == ("scheduler", "cycle")]
     spent = dict.fromkeys(PART_NAMES, 0.0)
     for ev in cycles:
         split_by_part(ev, "host", spent)

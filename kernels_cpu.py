@@ -151,10 +151,6 @@ def isa():
     return lib.isa().decode() if lib else None
 
 
-def pointer(t):
-    return ctypes.c_void_p(t.data_ptr())
-
-
 def quantize_rows(x2):
     """x2 [rows, in] float32, contiguous -> quantize_rows_ref's (xq, dx, xs), by the compiled kernel: w4a8_linear's
     first half alone."""
@@ -163,7 +159,7 @@ def quantize_rows(x2):
     xq = torch.empty(rows, n, dtype=torch.int8)
     dx = torch.empty(rows, n // GROUP)
     xs = torch.empty(rows, n // GROUP)
-    lib.quantize_rows(pointer(x2), rows, n, pointer(xq), pointer(dx), pointer(xs), torch.get_num_threads())
+    lib.quantize_rows(x2.data_ptr(), rows, n, xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), torch.get_num_threads())
     return xq, dx, xs
 
 
