@@ -174,11 +174,13 @@ class Measurement:
         self.config = None
         self.home = "bf16"  # the target file's own format (file_format)
         self.held = collections.Counter()  # {matrix: how many} of the target's that int4 holds in int8
+        self.wide = 8  # the bits w4a8 holds them in: 6 where the file's are 5 or 6 bits (formats.held_wide)
         if target_file:
             self.config = target_file.config
             self.home = file_format(target_file)
-            names = formats.held_in_int8(target_file.config, target_file.get)
-            self.held = collections.Counter(name.rpartition(".")[2] for name in names)
+            held = formats.held_wide(target_file.config, target_file.get)
+            self.held = collections.Counter(name.rpartition(".")[2] for name in held)
+            self.wide = max(held.values(), default=8)
         self.draft_home = file_format(draft_file) if draft_file else None  # None: no draft file to choose a format of
         self.draft_config = draft_config
         self.unread_bytes = unread_bytes
@@ -240,9 +242,10 @@ class Measurement:
             self.say_once("not kept", f"weights auto: cannot keep the choices in {self.path} ({error}); the next run "
                           "measures again")
 
-    def timed_calls(self, shape, fmt, rows, wide=False):
+    def timed_calls(self, shape, fmt, rows, wide=0):
         """-> {rows: seconds of one call of model.linear on a weight of shape [out, in] in format fmt (wide: as it holds
-        a file's wider blocks)}: the best of two passes over copies of it, back to back, that fill 1.5 times the CPU's
+        a file's wider blocks of that many bits)}: the best of two passes over copies of it, back to back, that fill 1.5
+        times the CPU's
         last-level cache, so that each pass reads every copy from memory (at most 256 copies: matrices that small are
         a tiny model's, whose forward hits the cache too)."""
         if fmt == "int4" and wide:  # int4 holds them in int8: its timings
@@ -253,7 +256,10 @@ class Measurement:
             values = torch.linspace(-0.05, 0.05, shape[1], dtype=formats.FORMATS[fmt])  # they alter no timing
             w = values.repeat(shape[0], 1)
             first = formats.converted(w, fmt, wide=wide)
-            copies = min(255, int(1.5 * cache_bytes() // (w.numel() * BYTES[fmt] * (1 + wide))))
+            per_weight = BYTES[fmt]
+            if wide:  # w4a8's codes of `wide` bits and its f16 scale and low
+                per_weight = (wide + 1) / 8
+            copies = min(255, int(1.5 * cache_bytes() // (w.numel() * per_weight)))
             ws = [first]
             for _ in range(copies):  # oneDNN's packed tensors cannot be copied: packed again
                 ws.append(copy.deepcopy(first) if isinstance(first, formats.Quantized) else formats.converted(w, fmt))
@@ -263,13 +269,13 @@ class Measurement:
                 self.timings[key + (r,)] = min(passes) / len(ws)
         return {r: self.timings[key + (r,)] for r in rows}
 
-    def measure_formats(self, c, rows, fmts=("bf16", "float32", "int8", "int4"), threads=None, held=None):
+    def measure_formats(self, c, rows, fmts=("bf16", "float32", "int8", "int4"), threads=None, held=None, wide=8):
         """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
         R x N x (K + 1) for a verify), in each of fmts that can hold c's shapes (w8a8, slow to pack, only if asked).
         Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
         and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
-        sample read alone costs more a weight). held {matrix: how many}: those int4 holds in int8 and w4a8 in 8-bit
-        codes (a GGUF file's wider blocks: held_in_int8), priced so."""
+        sample read alone costs more a weight). held {matrix: how many}: those int4 holds in int8 and w4a8 in codes of
+        `wide` bits (a GGUF file's wider blocks: held_wide), priced so."""
         q = c.n_heads * c.head_dim
         kv = c.n_kv_heads * c.head_dim
         head = -(-c.vocab_size // 128) * 16
@@ -285,7 +291,7 @@ class Measurement:
                 try:
                     per_call[fmt] = {m: self.timed_calls(shape, fmt, rows) for m, shape in shapes.items()}
                     if held and fmt in FOUR_BITS:
-                        wide_call[fmt] = {m: self.timed_calls(shapes[m], fmt, rows, wide=True) for m in held}
+                        wide_call[fmt] = {m: self.timed_calls(shapes[m], fmt, rows, wide=wide) for m in held}
                 except model.LoadError:  # int4 on sizes it cannot pack
                     continue
         finally:
@@ -321,7 +327,8 @@ class Measurement:
         steps of N rows): the matmuls of an (N, K) cycle, each model's timed on its own shapes (measure_formats), in
         bf16 where none of its formats can hold them."""
         def timed(c, rows, fmts, held=None):
-            return self.measure_formats(c, rows, tuple(fmts), held=held) or self.measure_formats(c, rows, ("bf16",))
+            costs = self.measure_formats(c, rows, tuple(fmts), held=held, wide=self.wide)
+            return costs or self.measure_formats(c, rows, ("bf16",))
         target_rows = sorted({n * (k + 1) for n, k in shapes})
         target = timed(self.config, target_rows, formats, self.held)
         steps = {}
@@ -363,7 +370,7 @@ class Measurement:
         part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs least on this machine,
         if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its format changes
         only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is int4
-        throughout, where the target keeps a Q4_K_M file's wider blocks in int8, priced so: self.held). Kept
+        throughout, where the target keeps a Q4_K_M file's wider blocks wide, priced so: self.held). Kept
         (recall), unless the formats kept no longer fit the memory free."""
         if shape.method == "ar":
             rows = 1

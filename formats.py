@@ -108,13 +108,13 @@ def quantized(fmt, w, blocks=None, amax=None, bits=4):
     return Quantized(fmt, {"q": q, "scale": scale})
 
 
-def converted(w, fmt, amax=None, wide=False):
+def converted(w, fmt, amax=None, wide=0):
     """w [out, in] (plain, activations' dtype) in weight format fmt for model.linear: int8, int4, w4a8, w8a8 quantized
-    (amax: w8a8's calibration; None: no outliers known, as for timing; wide: a file's wider blocks, which int4 holds
-    in int8 and w4a8 in 8-bit codes); on the CPU, bf16 and float32 in oneDNN's blocked layout if it packs the dtype
-    (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
+    (amax: w8a8's calibration; None: no outliers known, as for timing; wide: the bits of a file's wider blocks, 6 or 8,
+    which int4 holds in int8 and w4a8 in codes of as many bits); on the CPU, bf16 and float32 in oneDNN's blocked
+    layout if it packs the dtype (bf16: AVX-512, AVX-NE-CONVERT), faster than F.linear at decoding's few rows."""
     if fmt == "w4a8":
-        return quantized(fmt, w, bits=8 if wide else 4)
+        return quantized(fmt, w, bits=wide or 4)
     if fmt == "int4" and wide:
         fmt = "int8"
     if fmt in ("int8", "int4", "w8a8"):
@@ -141,15 +141,20 @@ def matmuls(transformer):
     return blocks + [("lm_head", transformer, "lm_head")]
 
 
-def held_in_int8(c, get):
-    """The matmul weights ('layers.3.w2', 'lm_head') int4 holds in int8 and w4a8 in 8-bit codes: a file's wider
-    blocks (get's "format")."""
-    held = set()
+def held_wide(c, get):
+    """{matmul weight ('layers.3.w2', 'lm_head'): bits} of those in a file's wider blocks (get's "format"): 6 where
+    all of it is in 6-bit blocks (Q6_K, which w4a8 holds as they are), else 8. int4 holds them in int8, w4a8 in codes
+    of as many bits."""
+    held = {}
     for param, tensors, _ in model.layout(c):
         if not (param.endswith(MATMULS) or param == "embed" and c.tie_embeddings):
             continue
-        if "int8" in {get(name, (0, 0, 1), "format") for name, _ in tensors}:
-            held.add("lm_head" if param == "embed" else param)
+        kinds = {get(name, (0, 0, 1), "format") for name, _ in tensors}
+        name = "lm_head" if param == "embed" else param
+        if kinds == {"int6"}:
+            held[name] = 6
+        elif kinds & {"int6", "int8"}:
+            held[name] = 8
     return held
 
 
@@ -185,13 +190,14 @@ def calibrated(transformer, length=64):
 
 
 @torch.no_grad()
-def convert_weights(transformer, fmt=None, held=()):
+def convert_weights(transformer, fmt=None, held=None):
     """Every matmul weight not yet Quantized into format fmt (None: its dtype's), the wider ones of held (a file's:
-    held_in_int8's names) wide, in place; w8a8 calibrated first, a tied head copied (lookups need plain rows)."""
+    held_wide's {name: bits}) wide, in place; w8a8 calibrated first, a tied head copied (lookups need plain rows)."""
+    held = held or {}
     if fmt is None:
         fmt = "float32" if transformer.embed.dtype == torch.float32 else "bf16"
     amax = calibrated(transformer) if fmt == "w8a8" else {}
     for name, m, attr in matmuls(transformer):
         w = getattr(m, attr)
         if not isinstance(w, Quantized):
-            replace(m, attr, converted(w, fmt, amax.get(name), wide=name in held))
+            replace(m, attr, converted(w, fmt, amax.get(name), wide=held.get(name, 0)))

@@ -5,9 +5,13 @@
  * is its codes (16 columns x 32 inputs), then 16 f16 scales, then 16 f16 lows: w[c, k] = scale[c] * code + low[c].
  * The codes form 8 vectors of 64 bytes, vector t holding inputs 4t .. 4t + 3 of each column (byte 4c + i), so one
  * vpdpbusd adds four products per column. 8-bit codes are those 8 vectors as they are (512 bytes); 4-bit ones pack
- * vector t in the low nibbles and vector t + 4 in the high nibbles of 4 vectors (256 bytes).
+ * vector t in the low nibbles and vector t + 4 in the high nibbles of 4 vectors (256 bytes); 6-bit ones are those 4
+ * vectors of low nibbles, then 2 of high bits, vector t's at bits 2 (t / 2) of vector t % 2 (384 bytes).
+ * 6-bit codes are a GGUF Q6_K block's own: w[c, k] = scale[c, half] x (code - 32), a scale per 16 inputs, so their
+ * group's floats are the 16 f16 scales of its first half, then those of its second (the lows are implied).
  * Activations: xq int8 [rows, in], and per row and group dx (its step) and xs (dx x the sum of its codes), so a
- * group adds scale x dx x sum(code x xq) + low x xs to each column.
+ * group adds scale x dx x sum(code x xq) + low x xs to each column; per half group xo (32 x the sum of its codes),
+ * so a 6-bit half adds scale x dx x (sum(code x xq) - xo).
  * Speed: a tile of rows x panels keeps its int32 sums and float accumulators in registers; each group's codes are
  * read and unpacked once for the tile's rows, each row's activations broadcast once for its panels; the rows' sums
  * are independent chains, interleaved; software prefetch runs ahead of the weight stream.
@@ -39,22 +43,24 @@ static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> float, subno
 }
 
 /* ------------------------------------------------------------ activations: int8 per row and group of 32 */
-static inline void quantize_group(const float *v, int8_t *q, float *dx, float *xs) {
+static inline void quantize_group(const float *v, int8_t *q, float *dx, float *xs, int32_t *xo) {
     float amax = 0;
     for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
     float step = amax / 127;
-    int sum = 0;
+    int sum[2] = {0, 0};
     for (int i = 0; i < GROUP; i++) {
         int code = step > 0 ? (int)nearbyintf(v[i] / step) : 0; /* round half to even, as torch.round */
         q[i] = (int8_t)code;
-        sum += code;
+        sum[i / 16] += code;
     }
     *dx = step;
-    *xs = step * (float)sum;
+    *xs = step * (float)(sum[0] + sum[1]);
+    xo[0] = 32 * sum[0];
+    xo[1] = 32 * sum[1];
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *xs) {
+static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *xs, int32_t *xo) {
     __m512 a = _mm512_loadu_ps(v);
     __m512 b = _mm512_loadu_ps(v + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -63,6 +69,8 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
         memset(q, 0, GROUP);
         *dx = 0;
         *xs = 0;
+        xo[0] = 0;
+        xo[1] = 0;
         return;
     }
     __m512 divisor = _mm512_set1_ps(step);
@@ -70,8 +78,12 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
     __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, divisor));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
+    int sum_a = _mm512_reduce_add_epi32(qa);
+    int sum_b = _mm512_reduce_add_epi32(qb);
     *dx = step;
-    *xs = step * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *xs = step * (float)(sum_a + sum_b);
+    xo[0] = 32 * sum_a;
+    xo[1] = 32 * sum_b;
 }
 #define QUANTIZE_GROUP quantize_group_avx512
 #else
@@ -79,10 +91,11 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
 #endif
 
 /* linear's first half on its own, for the tests that hold it to the reference exactly */
-void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int threads) {
+void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int32_t *xo,
+                   int threads) {
     int64_t groups = rows * (in / GROUP);
     #pragma omp parallel for num_threads(threads) schedule(static) if (groups >= 1024)
-    for (int64_t g = 0; g < groups; g++) QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g);
+    for (int64_t g = 0; g < groups; g++) QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
 }
 
 /* ------------------------------------------------------------ one panel x a tile of rows */
@@ -92,9 +105,18 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *
 #define PANELS 2 /* panels of a tile of at most PAIR_ROWS rows: each broadcast activation feeds two dot products */
 #define PAIR_ROWS 6
 
+/* 6-bit codes' high two bits, at bits 2j of each byte of v, moved to bits 4 and 5 (16-bit shifts: the bits that
+ * cross into a neighbouring byte are masked off) */
+static inline __attribute__((always_inline)) __m512i high_bits_avx512(const uint8_t *v, int j) {
+    __m512i h = _mm512_loadu_si512(v);
+    if (j < 2) h = _mm512_slli_epi16(h, 4 - 2 * j);
+    if (j == 3) h = _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(h, _mm512_set1_epi8(0x30));
+}
+
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
-        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
-        int64_t out) {
+        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in,
+        int rows, float *y, int64_t out) {
     __m512 acc[MAX_TILE][PANELS];
     #pragma GCC unroll 16
     for (int r = 0; r < rows; r++)
@@ -115,7 +137,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         /* inputs 4t .. 4t + 3 of every row in turn: the rows' sums are independent chains, interleaved here */
         #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
-            int t = bits == 4 ? i / 2 + 4 * (i % 2) : i; /* 4-bit: t and t + 4 come from one vector */
+            int t = i;
+            if (bits == 4) t = i / 2 + 4 * (i % 2); /* t and t + 4 come from one vector */
             __m512i codes[PANELS];
             #pragma GCC unroll 4
             for (int c = 0; c < panels; c++) {
@@ -123,6 +146,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                 if (bits == 8) codes[c] = _mm512_loadu_si512(p + 64 * t);
                 else if (t < 4) codes[c] = _mm512_and_si512(_mm512_loadu_si512(p + 64 * t), nibble);
                 else codes[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * (t - 4)), 4), nibble);
+                if (bits == 6) codes[c] = _mm512_or_si512(codes[c], high_bits_avx512(p + 256 + 64 * (t % 2), t / 2));
             }
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
@@ -131,9 +155,24 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                 #pragma GCC unroll 4
                 for (int c = 0; c < panels; c++) s[r][c] = _mm512_dpbusd_epi32(s[r][c], codes[c], x);
             }
+            if (bits == 6 && i % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then summed anew */
+                #pragma GCC unroll 4
+                for (int c = 0; c < panels; c++) {
+                    const uint8_t *f = panel + c * panel_bytes + g * gb + 384 + 32 * (i / 4);
+                    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
+                    #pragma GCC unroll 16
+                    for (int r = 0; r < rows; r++) {
+                        __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
+                        __m512i offset = _mm512_set1_epi32(xo[r * (in / 16) + 2 * g + i / 4]);
+                        __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][c], offset));
+                        acc[r][c] = _mm512_fmadd_ps(sum, step, acc[r][c]);
+                        s[r][c] = _mm512_setzero_si512();
+                    }
+                }
+            }
         }
         #pragma GCC unroll 4
-        for (int c = 0; c < panels; c++) {
+        for (int c = 0; c < panels && bits != 6; c++) {
             const uint8_t *f = panel + c * panel_bytes + g * gb + bits * PANEL * GROUP / 8;
             __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
             __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + 32)));
@@ -167,7 +206,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 #endif
 
 static inline __attribute__((always_inline)) __m256i dot_codes(__m256i sum, __m256i codes, __m256i x, int bits) {
-    if (bits == 4) return DOT(sum, codes, x);
+    if (bits < 8) return DOT(sum, codes, x); /* 6-bit codes times int8 cannot saturate maddubs' int16 pairs either */
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
     return DOT(sum, codes, x);
 #else
@@ -178,9 +217,17 @@ static inline __attribute__((always_inline)) __m256i dot_codes(__m256i sum, __m2
 #endif
 }
 
+/* high_bits_avx512's, in 256 bits */
+static inline __attribute__((always_inline)) __m256i high_bits_avx2(const uint8_t *v, int j) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)v);
+    if (j < 2) h = _mm256_slli_epi16(h, 4 - 2 * j);
+    if (j == 3) h = _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
+}
+
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
-        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y,
-        int64_t out) {
+        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in,
+        int rows, float *y, int64_t out) {
     (void)panel_bytes; /* one panel a tile */
     (void)panels;
     __m256 acc[MAX_TILE][2];
@@ -207,17 +254,29 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                 __m256i codes;
                 if (bits == 8) codes = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * h));
                 else codes = _mm256_loadu_si256((const __m256i *)(p + 64 * (t % 4) + 32 * h));
-                if (bits == 4) codes = _mm256_and_si256(t < 4 ? codes : _mm256_srli_epi16(codes, 4), nibble);
+                if (bits < 8) codes = _mm256_and_si256(t < 4 ? codes : _mm256_srli_epi16(codes, 4), nibble);
+                if (bits == 6) codes = _mm256_or_si256(codes, high_bits_avx2(p + 256 + 64 * (t % 2) + 32 * h, t / 2));
                 #pragma GCC unroll 3
                 for (int r = 0; r < rows; r++) {
                     const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
                     s[r][h] = dot_codes(s[r][h], codes, _mm256_set1_epi32(a[t]), bits);
                 }
+                if (bits == 6 && t % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then anew */
+                    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 384 + 32 * (t / 4) + 16 * h)));
+                    #pragma GCC unroll 3
+                    for (int r = 0; r < rows; r++) {
+                        __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * (in / GROUP) + g]));
+                        __m256i offset = _mm256_set1_epi32(xo[r * (in / 16) + 2 * g + t / 4]);
+                        __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][h], offset));
+                        acc[r][h] = _mm256_fmadd_ps(sum, step, acc[r][h]);
+                        s[r][h] = _mm256_setzero_si256();
+                    }
+                }
             }
         }
         const uint8_t *f = p + bits * PANEL * GROUP / 8;
         #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < 2 && bits != 6; h++) {
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 16 * h)));
             __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 32 + 16 * h)));
             #pragma GCC unroll 3
@@ -242,7 +301,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 #define PAIR_ROWS 1
 
 static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
+        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
+        int64_t out) {
     int gb = group_bytes(bits);
     (void)panel_bytes; /* one panel and one row a tile */
     (void)panels;
@@ -253,19 +313,27 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *p = panel + g * gb;
             const uint8_t *f = p + bits * PANEL * GROUP / 8;
-            int32_t s = 0;
+            int32_t s[2] = {0, 0}; /* the group's halves: 6-bit codes have a scale each */
             for (int k = 0; k < GROUP; k++) {
                 int t = k / 4;
                 int at = 4 * c + k % 4;
-                int code = bits == 8 ? p[64 * t + at] : (p[64 * (t % 4) + at] >> (4 * (t / 4))) & 15;
-                s += code * xq[g * GROUP + k];
+                int code;
+                if (bits == 8) code = p[64 * t + at];
+                else code = (p[64 * (t % 4) + at] >> (4 * (t / 4))) & 15;
+                if (bits == 6) code |= (p[256 + 64 * (t % 2) + at] >> (2 * (t / 2)) & 3) << 4;
+                s[k / 16] += code * xq[g * GROUP + k];
             }
             uint16_t scale;
             uint16_t low;
             memcpy(&scale, f + 2 * c, 2);
             memcpy(&low, f + 32 + 2 * c, 2);
-            acc = fmaf((float)s, half_to_float(scale) * dx[g], acc);
-            acc = fmaf(half_to_float(low), xs[g], acc);
+            if (bits == 6) {
+                acc = fmaf((float)(s[0] - xo[2 * g]), half_to_float(scale) * dx[g], acc);
+                acc = fmaf((float)(s[1] - xo[2 * g + 1]), half_to_float(low) * dx[g], acc);
+            } else {
+                acc = fmaf((float)(s[0] + s[1]), half_to_float(scale) * dx[g], acc);
+                acc = fmaf(half_to_float(low), xs[g], acc);
+            }
         }
         y[c] = acc;
     }
@@ -274,19 +342,16 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
 #endif
 
 /* A tile of each row count, panel count and code width, so that every loop over them unrolls into registers. */
-#define ONE_PANEL(n) case n: \
-    if (bits == 4) panel_tile(panel, panel_bytes, 1, 4, groups, xq, dx, xs, in, n, y, out); \
-    else panel_tile(panel, panel_bytes, 1, 8, groups, xq, dx, xs, in, n, y, out); \
-    break;
-#define PANELS_OR_ONE(n) case n: \
-    if (bits == 4 && panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 4, groups, xq, dx, xs, in, n, y, out); \
-    else if (bits == 4) panel_tile(panel, panel_bytes, 1, 4, groups, xq, dx, xs, in, n, y, out); \
-    else if (panels == PANELS) panel_tile(panel, panel_bytes, PANELS, 8, groups, xq, dx, xs, in, n, y, out); \
-    else panel_tile(panel, panel_bytes, 1, 8, groups, xq, dx, xs, in, n, y, out); \
-    break;
+#define TILE(p, n) \
+    if (bits == 4) panel_tile(panel, panel_bytes, p, 4, groups, xq, dx, xs, xo, in, n, y, out); \
+    else if (bits == 6) panel_tile(panel, panel_bytes, p, 6, groups, xq, dx, xs, xo, in, n, y, out); \
+    else panel_tile(panel, panel_bytes, p, 8, groups, xq, dx, xs, xo, in, n, y, out);
+#define ONE_PANEL(n) case n: TILE(1, n) break;
+#define PANELS_OR_ONE(n) case n: if (panels == PANELS) { TILE(PANELS, n) } else { TILE(1, n) } break;
 
 static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, int64_t in, int rows, float *y, int64_t out) {
+        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
+        int64_t out) {
     switch (rows) {
         PANELS_OR_ONE(1)
 #if MAX_TILE >= 3
@@ -299,10 +364,10 @@ static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, in
     }
 }
 
-/* y [rows, out] float32 = x @ w.T, x given as quantize_rows' (xq, dx, xs): the calling thread's share of the panels
- * in a parallel region. */
+/* y [rows, out] float32 = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo): the calling thread's share of the
+ * panels in a parallel region. */
 static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
-                         const float *xs, int64_t rows, float *y) {
+                         const float *xs, const int32_t *xo, int64_t rows, float *y) {
     int64_t groups = in / GROUP;
     int64_t panel_bytes = groups * group_bytes(bits);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
@@ -317,7 +382,7 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
             for (int done = 0; done < panels;) { /* a tall tile, or a last block of fewer panels: one at a time */
                 int now = panels - done == PANELS && n <= PAIR_ROWS ? PANELS : 1;
                 panel_rows(w + (first_panel + done) * panel_bytes, panel_bytes, now, bits, groups, xq + first * in,
-                           dx + first * groups, xs + first * groups, in, (int)n,
+                           dx + first * groups, xs + first * groups, xo + 2 * first * groups, in, (int)n,
                            y + first * out + (first_panel + done) * PANEL, out);
                 done += now;
             }
@@ -326,18 +391,21 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
 }
 
 /* y [rows, out] float32 = x [rows, in] float32 @ w.T: the rows quantized into scratch (rows x in bytes, then
- * 2 x rows x in / 32 floats), then multiplied, in one parallel region (one start of the threads a call). */
+ * 2 x rows x in / 32 floats and as many int32), then multiplied, in one parallel region (one start of the threads a
+ * call). */
 void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x, int64_t rows, float *y,
             uint8_t *scratch, int threads) {
     int64_t groups = rows * (in / GROUP);
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * in);
     float *xs = dx + groups;
+    int32_t *xo = (int32_t *)(xs + groups);
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g);
-        matmul_share(w, bits, out, in, xq, dx, xs, rows, y); /* after the loop's barrier: every row is quantized */
+        for (int64_t g = 0; g < groups; g++)
+            QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+        matmul_share(w, bits, out, in, xq, dx, xs, xo, rows, y); /* after the loop's barrier: every row quantized */
     }
 }
 

@@ -1,6 +1,6 @@
-"""The CPU kernel torch lacks: w4a8, a matmul of 4-bit (or 8-bit) weight codes times activations quantized to int8 per
-row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it. Its C source,
-kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles nothing);
+"""The CPU kernel torch lacks: w4a8, a matmul of 4-bit (or 6- or 8-bit) weight codes times activations quantized to
+int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it. Its C
+source, kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles nothing);
 where no compiler works, `library()` says why and the engine falls back to int4. Imports no project file."""
 import ctypes
 import hashlib
@@ -31,9 +31,10 @@ def quantize_rows_ref(x):
 
 
 def dequantize(codes, scale, low):
-    """codes [out, in] (0..15 or 0..255), scale and low [out, in / 32] -> float32 w [out, in] as the kernel sees it
-    (scale and low rounded to float16, as packed)."""
-    w = codes.float().unflatten(1, (-1, GROUP)) * scale.half().float()[..., None] + low.half().float()[..., None]
+    """codes [out, in] (0..15, 0..63 or 0..255), scale and low [out, in / 32] (6-bit: [out, in / 16], low = -32 x
+    scale) -> float32 w [out, in] as the kernel sees it (scale and low rounded to float16, as packed)."""
+    size = codes.shape[1] // scale.shape[1]  # inputs a scale
+    w = codes.float().unflatten(1, (-1, size)) * scale.half().float()[..., None] + low.half().float()[..., None]
     return w.flatten(1)
 
 
@@ -47,7 +48,10 @@ def w4a8_linear_ref(x, codes, scale, low):
 # ---------------------------------------------------------------- weights: quantized, packed
 def quantize(w, bits):
     """w [out, in] -> (codes uint8 [out, in] in 0 .. 2^bits - 1, scale, low float16 [out, in / 32]): asymmetric per
-    group of 32 inputs, w ~ scale x code + low, with scale and low rounded first so the codes see the stored values."""
+    group of 32 inputs, w ~ scale x code + low, with scale and low rounded first so the codes see the stored values.
+    6 bits: as a GGUF file's Q6_K, symmetric per 16 (quantize_6)."""
+    if bits == 6:
+        return quantize_6(w)
     codes = torch.empty(w.shape, dtype=torch.uint8)
     scale = torch.empty(len(w), w.shape[1] // GROUP, dtype=torch.float16)
     low = torch.empty_like(scale)
@@ -61,17 +65,36 @@ def quantize(w, bits):
     return codes, scale, low
 
 
+def quantize_6(w):
+    """w [out, in] -> (codes in 0 .. 63, scale [out, in / 16] float16, low = -32 x scale): w ~ scale x (code - 32),
+    the largest |w| of each 16 inputs at 31 steps."""
+    wg = w.float().unflatten(1, (-1, 16))  # [out, in / 16, 16]
+    scale = (wg.abs().amax(-1) / 31).clamp(min=1e-7).half()
+    codes = (wg / scale.float()[..., None]).round().clamp(-32, 31) + 32
+    return codes.to(torch.uint8).flatten(1), scale, -32 * scale
+
+
 def pack(codes, scale, low, bits):
-    """codes [out, in], scale and low [out, in / 32] -> uint8 [out / 16, in / 32, bytes a group]: kernels_cpu.c's
-    layout (panels of 16 columns; per group the codes as 8 vectors of 4 inputs x 16 columns, then f16 scales, lows)."""
+    """codes [out, in] of 4, 6 or 8 bits, scale and low [out, in / 32] (6-bit: quantize_6's) -> uint8 [out / 16,
+    in / 32, bytes a group]: kernels_cpu.c's layout (panels of 16 columns; per group the codes as 8 vectors of 4 inputs
+    x 16 columns, then f16 scales, lows; 6-bit: the scales of the group's first 16 inputs, then of its last 16)."""
     out, n = codes.shape
     if out % PANEL or n % GROUP:
         raise ValueError(f"w4a8 needs matmul weights of 16k x 32k, not {tuple(codes.shape)}")
     v = codes.to(torch.uint8).reshape(out // PANEL, PANEL, n // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
     v = v.reshape(out // PANEL, n // GROUP, 8, PANEL * 4)  # [panels, groups, vector t, 4 x column + input]
-    if bits == 4:
-        v = v[:, :, :4] | v[:, :, 4:] << 4  # vector t in the low nibbles, t + 4 in the high ones
+    if bits < 8:
+        low_bits = v & 15
+        high = v >> 4  # 6-bit codes' top two bits: vector t's at bits 2 (t // 2) of vector t % 2
+        v = low_bits[:, :, :4] | low_bits[:, :, 4:] << 4  # vector t in the low nibbles, t + 4 in the high ones
+    if bits == 6:
+        high = high.unflatten(2, (4, 2))  # [panels, groups, t // 2, t % 2, 64]
+        packed_high = high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6
+        v = torch.cat([v, packed_high], 2)  # [panels, groups, 6, 64]
     per_group = lambda s: s.half().reshape(out // PANEL, PANEL, n // GROUP).transpose(1, 2).contiguous()
+    if bits == 6:  # the second halves' scales where the lows go (those are -32 x the scales)
+        low = scale[:, 1::2]
+        scale = scale[:, 0::2]
     floats = torch.cat([per_group(scale), per_group(low)], -1).view(torch.uint8)  # [panels, groups, 64]
     return torch.cat([v.flatten(2), floats], -1).contiguous()
 
@@ -121,7 +144,7 @@ def load(path):
     lib = ctypes.CDLL(path)
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
-    lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
@@ -159,7 +182,9 @@ def quantize_rows(x2):
     xq = torch.empty(rows, n, dtype=torch.int8)
     dx = torch.empty(rows, n // GROUP)
     xs = torch.empty(rows, n // GROUP)
-    lib.quantize_rows(x2.data_ptr(), rows, n, xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), torch.get_num_threads())
+    xo = torch.empty(rows, 2 * n // GROUP, dtype=torch.int32)  # 32 x the sum of each 16 codes: 6-bit matmuls' own
+    lib.quantize_rows(x2.data_ptr(), rows, n, xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), xo.data_ptr(),
+                      torch.get_num_threads())
     return xq, dx, xs
 
 
@@ -181,7 +206,7 @@ def w4a8_linear(x, packed, bits):
     rows, n = x2.shape
     out = packed.shape[0] * PANEL
     y = torch.empty(rows, out)
-    room = scratch(rows * n + 8 * rows * (n // GROUP))
+    room = scratch(rows * n + 16 * rows * (n // GROUP))  # xq, then dx, xs and xo (two int32 a group)
     lib.linear(packed.data_ptr(), bits, out, n, x2.data_ptr(), rows, y.data_ptr(), room.data_ptr(),
                torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out)

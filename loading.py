@@ -79,8 +79,9 @@ def checked_getter(c, tensors, where):
     """Wrap tensors {name: (shape, fetch(index, dtype) -> tensor)} as get(name, part=(dim, k, n), dtype=None) -> the
     k-th of n equal chunks along dim of the tensor (default: all) in dtype (None: the file's), fetching only that chunk
     (a tuple of slices). dtype "format": the weight format holding the chunk as the file quantized it (int4 for 4-bit
-    blocks, int8 for more bits, None for floats); "int4": those 4-bit blocks as int4's (q, scale_zero). Each tensor's
-    presence and shape is checked first, from the headers, else a one-line LoadError before any weight is read."""
+    blocks, int6 for 5 or 6 bits, int8 for more, None for floats); "int4": those 4-bit blocks as int4's (q,
+    scale_zero). Each tensor's presence and shape is checked first, from the headers, else a one-line LoadError before
+    any weight is read."""
     shapes = model.expected_shapes(c)
     for name, shape in shapes.items():
         if name not in tensors:
@@ -96,18 +97,18 @@ def checked_getter(c, tensors, where):
 
 
 @torch.no_grad()
-def fill_weights(transformer, get, rank=0, fmt=None):
+def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
     """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
     fused q/k/v and gate/up weights: no tensor is held twice in full. A tensor-parallel rank reads only its chunks
     (model.layout's); a terminal shows a progress bar. With fmt int4 or w4a8, a matmul weight in 4-bit blocks in the
-    file (get's "format") becomes that format's as it is, one in more bits wide (formats.held_in_int8), not cut to 4:
-    the returned names, for formats.convert_weights."""
+    file (get's "format") becomes that format's as it is, one in more bits wide (formats.held_wide; wider=False: cut
+    to 4 too): the returned {name: bits}, for formats.convert_weights."""
     from tqdm import tqdm
     c = transformer.config
     total = sum(p.numel() for p in transformer.parameters())  # a tied head is the embedding: counted once
-    held = set()
-    if fmt in ("int4", "w4a8"):
-        held = formats.held_in_int8(c, get)
+    held = {}
+    if fmt in ("int4", "w4a8") and wider:
+        held = formats.held_wide(c, get)
     with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
         for param, tensors, dim in model.layout(c):
             dst = transformer.get_parameter(param)
@@ -115,11 +116,17 @@ def fill_weights(transformer, get, rank=0, fmt=None):
             kept = set()
             if fmt in ("int4", "w4a8"):
                 kept = {get(name, part, "format") for name, _ in tensors}
+            owner, _, attr = param.rpartition(".")
             if param.endswith(formats.MATMULS) and kept == {"int4"}:
                 q, scale_zero = zip(*(get(name, part, "int4") for name, _ in tensors))
-                owner, _, name = param.rpartition(".")
                 blocks = four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_zero, 1))
-                formats.replace(transformer.get_submodule(owner), name, formats.quantized(fmt, dst, blocks))
+                formats.replace(transformer.get_submodule(owner), attr, formats.quantized(fmt, dst, blocks))
+                bar.update(dst.numel())
+                continue
+            if fmt == "w4a8" and held.get(param) == 6:  # Q6_K's codes and scales as they are
+                codes, scale = zip(*(get(name, part, "int6") for name, _ in tensors))
+                blocks = (torch.cat(codes).to(torch.uint8), torch.cat(scale), -32 * torch.cat(scale))
+                formats.replace(transformer.get_submodule(owner), attr, formats.quantized(fmt, dst, blocks, bits=6))
                 bar.update(dst.numel())
                 continue
             at = 0
@@ -212,6 +219,7 @@ GGUF_STRING = 8
 GGUF_ARRAY = 9
 GGUF_BLOCK = 2**22  # values dequantized at a time, so that a big tensor's temporaries stay small
 GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # each group of 32 values a 4-bit code times a scale plus a low value: int4's
+GGUF_INT6 = ("Q6_K",)  # each 16 values a 6-bit code minus 32 times a scale: w4a8's 6-bit codes, as they are
 GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 # Config field -> its GGUF metadata key, "{}" the architecture
 GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
@@ -256,30 +264,37 @@ def q4_groups(raw, kind):
 def dequantized(raw, kind):
     """Rows of GGUF blocks, uint8 [n, bytes a row] -> float32 [n, columns]. The types of Q4_K_M and Q5_0 files (Q4_*,
     Q5_0, Q6_K, Q8_0) in torch, faster than the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low
-    bits (qs) and a high bit (qh), minus 16, times d; Q6_K: 256 of 4 (ql) and 2 (qh), minus 32, times d x each 16's
-    sc."""
+    bits (qs) and a high bit (qh), minus 16, times d; Q6_K: q6_groups'."""
     import gguf
     if kind.name not in GGUF_INT4 + ("Q5_0", "Q6_K", "Q8_0"):
         return torch.from_numpy(gguf.quants.dequantize(raw, kind))
     if kind.name in GGUF_INT4:
         codes, scale, low = q4_groups(raw, kind)
         return codes.unflatten(1, (-1, 32)).float().mul_(scale[..., None]).add_(low[..., None]).flatten(1)
+    if kind.name == "Q6_K":
+        codes, scale = q6_groups(raw)
+        return codes.unflatten(1, (-1, 16)).float().sub_(32).mul_(scale[..., None]).flatten(1)
     size = gguf.GGML_QUANT_SIZES[kind][1]
     b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
-    d_at = size - 2 if kind.name == "Q6_K" else 0  # the f16 d: last in a Q6_K block, first in the others
-    d = b[..., d_at:][..., :2].contiguous().view(torch.float16).float()
+    d = b[..., :2].contiguous().view(torch.float16).float()
     if kind.name == "Q8_0":
         return b[..., 2:].view(torch.int8).float().mul_(d).flatten(1)
     if kind.name == "Q5_0":
         high = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)  # [n, blocks, 32] (bits)
         return (torch.cat([b[..., 6:] & 15, b[..., 6:] >> 4], -1) | high << 4).float().sub_(16).mul_(d).flatten(1)
-    # Q6_K: in each half of 128, quarter j's low bits are ql[(j % 2) x 32 + l]'s nibble j // 2, its high qh >> 2j
+
+
+def q6_groups(raw):
+    """Rows of Q6_K blocks, uint8 [n, bytes a row] -> (codes [n, columns] in 0..63, scale [n, columns / 16]): each 16
+    values are (code - 32) x scale. A block of 256: in each half of 128, quarter j's low bits are ql[(j % 2) x 32 +
+    l]'s nibble j // 2, its high qh >> 2j; then 16 int8 sc and the f16 d (scale: d x sc)."""
+    b = torch.from_numpy(raw).view(len(raw), -1, 210)  # [n, blocks, bytes a block]
+    d = b[..., 208:210].contiguous().view(torch.float16).float()  # [n, blocks, 1]
     ql = b[..., :128].unflatten(-1, (2, 2, 32))
     qh = b[..., 128:192].unflatten(-1, (2, 1, 32))
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
     q = torch.stack([ql & 15, ql >> 4], -3).flatten(-3, -2) | (qh >> shifts & 3) << 4  # [n, blocks, half, j, l]
-    scale = b[..., 192:208].view(torch.int8).unflatten(-1, (2, 4, 2, 1)) * d[..., None, None, None]  # per 16 values
-    return q.unflatten(-1, (2, 16)).float().sub_(32).mul_(scale).flatten(1)
+    return q.flatten(1), (b[..., 192:208].view(torch.int8).float() * d).flatten(1)
 
 
 def read_gguf_header(path):
@@ -422,7 +437,8 @@ def open_gguf(path):
         """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
         only those rows, a chunk of columns (o, down) every row, then keeps its columns. GGUF_BLOCK values at a
         time go into the result, so a big tensor is never held whole in float32, or twice. dtype "int4" (Q4 blocks
-        only): (q [rows, columns], scale_zero [columns / 32, rows, 2]) as kernels.quantize_int4 gives them."""
+        only): (q [rows, columns], scale_zero [columns / 32, rows, 2]) as kernels.quantize_int4 gives them; "int6"
+        (Q6_K only): q6_groups' (codes, scale [rows, columns / 16])."""
         from tqdm import tqdm
         shape, kind = found[name][:2]
         if dtype == "format":
@@ -430,15 +446,20 @@ def open_gguf(path):
                 return None
             if kind.name in GGUF_INT4:
                 return "int4"
+            if kind.name in GGUF_INT6:
+                return "int6"
             return "int8"
         if len(shape) == 1:  # a norm or a bias: one short row
             return dequantized(read(name, 0, 1), kind)[0][index].to(dtype)
         four = dtype == "int4"
+        codes = dtype in ("int4", "int6")
         rows = range(shape[0])[index[0]]
-        g = kernels.INT4_GROUP
+        g = kernels.INT4_GROUP if four else 16  # values a scale
         out_shape = torch.empty(shape, device="meta")[index].shape
-        out = torch.empty(out_shape, dtype=torch.int32 if four else dtype or torch.float32)
-        groups = torch.empty(len(out), out.shape[1] // g, 2) if four else None  # [rows, columns / 32, (scale, zero)]
+        out = torch.empty(out_shape, dtype=torch.int32 if codes else dtype or torch.float32)
+        groups = None
+        if codes:  # [rows, columns / g, (scale, zero) | (scale,)]
+            groups = torch.empty(len(out), out.shape[1] // g, 2 if four else 1)
         step = c.head_dim * max(1, GGUF_BLOCK // (c.head_dim * shape[1]))  # whole heads: each block un-permutes alone
         permuted = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
         at_groups = (slice(None), *(slice(i.start // g, i.stop // g) for i in index[1:]))
@@ -450,16 +471,22 @@ def open_gguf(path):
             if four:  # the kernels' int4 value is (code - 8) x scale + zero
                 w, scale, low = q4_groups(raw, kind)
                 sz = torch.stack([scale, low + 8 * scale], -1)  # [n, columns / 32, 2]
-                if permuted:
-                    sz = unpermute_rope(sz, n // c.head_dim)
-                groups[at] = sz[at_groups]
+            elif codes:
+                w, scale = q6_groups(raw)
+                sz = scale[..., None]  # [n, columns / 16, 1]
             else:
                 w = dequantized(raw, kind)
+            if codes and permuted:
+                sz = unpermute_rope(sz, n // c.head_dim)
+            if codes:
+                groups[at] = sz[at_groups]
             if permuted:
                 w = unpermute_rope(w, n // c.head_dim)
             out[at] = w[(slice(None), *index[1:])]
         if four:
             return out, groups.transpose(0, 1)
+        if codes:
+            return out, groups[..., 0]
         return out
     tok = Tokenizer.from_gguf(meta, path)
     getters = {name: (t[0], partial(fetch, name)) for name, t in found.items()}
@@ -715,8 +742,8 @@ def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None, wider=True)
     weights = weights or ("float32" if dtype == torch.float32 else "bf16")
     rank, world = tp
     transformer = model.Transformer(model.shard_config(c, world), device, formats.weight_format(weights, device))
-    held = fill_weights(transformer, get, rank, weights)
-    formats.convert_weights(transformer, weights, held if wider else ())
+    held = fill_weights(transformer, get, rank, weights, wider)
+    formats.convert_weights(transformer, weights, held)
     return transformer
 
 

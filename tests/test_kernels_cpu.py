@@ -20,11 +20,12 @@ def weights(out, n, bits, seed=0):
     return w, codes, scale, low
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_quantize_bounds_the_error_by_half_a_step(bits):
     w, codes, scale, low = weights(32, 64, bits)
     assert codes.max() <= 2**bits - 1
-    err = (kernels_cpu.dequantize(codes, scale, low) - w).abs().unflatten(1, (-1, 32)).amax(-1)  # [out, in / 32]
+    size = w.shape[1] // scale.shape[1]  # inputs a scale: 32, or 16 for 6 bits
+    err = (kernels_cpu.dequantize(codes, scale, low) - w).abs().unflatten(1, (-1, size)).amax(-1)  # [out, in / size]
     assert (err <= scale.float() * 0.5 + 1e-3 * w.abs().max()).all()
 
 
@@ -45,7 +46,7 @@ def test_quantize_rows_matches_the_reference_exactly():
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16, 17, 35])
 def test_w4a8_linear_matches_the_reference(bits, rows):
     _, codes, scale, low = weights(48, 160, bits)
@@ -56,7 +57,7 @@ def test_w4a8_linear_matches_the_reference(bits, rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits):
     """The exact methods need it: a row alone and in a batch of any size give the same bits."""
     _, codes, scale, low = weights(32, 96, bits)
@@ -97,7 +98,7 @@ def test_every_path_of_the_source_matches_the_reference(isa, tmp_path, monkeypat
     lib = kernels_cpu.load(kernels_cpu.build(kernels_cpu.compiler(), flags))
     assert lib.isa().decode() == isa
     monkeypatch.setitem(kernels_cpu._library, "lib", lib)
-    for bits in (4, 8):
+    for bits in (4, 6, 8):
         _, codes, scale, low = weights(32, 128, bits)
         packed = kernels_cpu.pack(codes, scale, low, bits)
         for rows in (1, 3, 4, 7):

@@ -354,9 +354,18 @@ def test_dequantized_is_ggufs_dequantization(kind, halves):
     assert torch.equal(loading.dequantized(raw, kind), torch.from_numpy(gguf.quants.dequantize(raw, kind)))
 
 
-def write_mixed_gguf(path, arch):
+def q6_blocks(rows, columns, rng):
+    """Random Q6_K blocks uint8 [rows, bytes a row], each block's f16 d small and positive."""
+    import numpy as np
+    raw = rng.integers(0, 256, (rows, columns // 256, 210), dtype=np.uint8)
+    raw[..., 208:] = np.float16(rng.uniform(1e-4, 1e-3, (rows, columns // 256, 1))).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_mixed_gguf(path, arch, down="Q4_0"):
     """A one-layer GGUF model of 16 tokens and width 256 whose matmul weights are in Q4_K (q, gate, up), Q4_0 (k,
-    down), Q4_1 (o) and Q8_0 (v), its tied embedding in F32, as llama.cpp's Q4_K_M mixes 4-bit and wider blocks."""
+    down), Q4_1 (o) and Q8_0 (v), its tied embedding in F32, as llama.cpp's Q4_K_M mixes 4-bit and wider blocks;
+    down="Q6_K": the down projection in Q6_K blocks instead."""
     import gguf
     import numpy as np
     rng, w = np.random.default_rng(1), gguf.GGUFWriter(str(path), arch)
@@ -368,9 +377,10 @@ def write_mixed_gguf(path, arch):
     w.add_tensor("output_norm.weight", np.ones(256, np.float32))
     for name, kind, rows, columns in [("attn_q", "Q4_K", 256, 256), ("attn_k", "Q4_0", 128, 256),
                                       ("attn_output", "Q4_1", 256, 256), ("ffn_gate", "Q4_K", 512, 256),
-                                      ("ffn_up", "Q4_K", 512, 256), ("ffn_down", "Q4_0", 256, 512)]:
+                                      ("ffn_up", "Q4_K", 512, 256), ("ffn_down", down, 256, 512)]:
         kind = gguf.GGMLQuantizationType[kind]
-        w.add_tensor(f"blk.0.{name}.weight", q4_blocks(kind, rows, columns, rng), raw_dtype=kind)
+        blocks = q6_blocks(rows, columns, rng) if kind.name == "Q6_K" else q4_blocks(kind, rows, columns, rng)
+        w.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=kind)
     v = rng.standard_normal((128, 256), np.float32) / 16
     w.add_tensor("blk.0.attn_v.weight", gguf.quants.quantize(v, gguf.GGMLQuantizationType.Q8_0),
                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -403,6 +413,28 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
     scale, zero = scale_zero.transpose(0, 1).unbind(-1)
     values = (q.unflatten(1, (-1, 32)) - 8) * scale[..., None] + zero[..., None]
     assert torch.allclose(values.flatten(1), exact.layers[0].wqkv[:len(q)], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+def test_w4a8_takes_a_files_q6k_blocks_as_they_are(tmp_path, tp):
+    """w4a8 holds a matrix the file has in Q6_K blocks in 6-bit codes, those blocks' own codes and scales (a
+    tensor-parallel rank's columns too): each weight is the file's within f16's rounding of its scale, not a
+    requantization; int4 holds it in int8; a draft (wider=False) cuts it to 4 bits."""
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", down="Q6_K"))
+    exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
+    loading.fill_weights(exact, get, tp[0])
+    m = loading.build(c, get, tp=tp, weights="w4a8")
+    w2 = m.layers[0].w2
+    assert w2.bits == 6 and m.layers[0].w13.bits == 4 and m.layers[0].wqkv.bits == 8  # v's Q8_0: 8 bits
+    want = exact.layers[0].w2  # [256, 512 / tp]
+    eye = torch.eye(want.shape[1])
+    got = kernels_cpu.w4a8_linear(eye, w2.packed, 6).T  # rows of one 1.0: each input's step is exact
+    again = kernels_cpu.dequantize(*kernels_cpu.quantize(want, 6))
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max() < (again - want).abs().max() / 8
+    assert formats.held_wide(c, get) == {"layers.0.wqkv": 8, "layers.0.w2": 6}
+    assert loading.build(c, get, tp=tp, weights="int4").layers[0].w2.q.dtype == torch.int8
+    assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].w2.bits == 4
 
 
 def test_weight_bytes_follow_the_format(tiny):
