@@ -65,6 +65,10 @@ class Quantized(torch.nn.Module):
         for name, t in tensors.items():
             setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
 
+    def normed(self, x, norm, eps, bias=None):
+        """forward(model.rms_norm(x, norm, eps), bias), w4a8's in one call of its kernel (model.normed_linear's)."""
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps)
+
     def tensors(self):
         """-> {name: tensor}: what this weight is built from again (Quantized(fmt, tensors, bits))."""
         if self.fmt != "w8a8":
@@ -78,7 +82,7 @@ class Quantized(torch.nn.Module):
         if self.fmt == "w8a8":
             y = kernels.w8a8_linear(x, self.packed, self.outliers, self.w_outliers)
         elif self.fmt == "w4a8":
-            y = kernels_cpu.w4a8_linear(x, self.packed, self.bits)
+            return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias)
         else:
             y = kernels.quantized_linear(x, self.q, self.scale)
         return y if bias is None else y + bias

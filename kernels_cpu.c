@@ -1,5 +1,6 @@
-/* w4a8 on the CPU: y = x @ w.T with w in 4-bit (or 8-bit) codes and x quantized to int8 per row and group of 32.
- * kernels_cpu.py holds the PyTorch reference that defines it, the packing and the build; read that first.
+/* w4a8 on the CPU: y = x @ w.T with w in 4-bit (or 6- or 8-bit) codes and x quantized to int8 per row and group of
+ * 32; and, at the end, the attention of a step's few new rows. kernels_cpu.py holds the PyTorch reference that
+ * defines w4a8, the packing and the build; read that first.
  *
  * Weight layout, chosen for the dot product: panels of 16 output columns; a panel is in / 32 groups in order; a group
  * is its codes (16 columns x 32 inputs), then 16 f16 scales, then 16 f16 lows: w[c, k] = scale[c] * code + low[c].
@@ -390,23 +391,139 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
     }
 }
 
-/* y [rows, out] float32 = x [rows, in] float32 @ w.T: the rows quantized into scratch (rows x in bytes, then
- * 2 x rows x in / 32 floats and as many int32), then multiplied, in one parallel region (one start of the threads a
- * call). */
+/* y [rows, out] float32 = x [rows, in] float32 @ w.T (+ bias [out] unless NULL); with norm [in] (else NULL), x's
+ * rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. The rows are quantized into scratch (rows x
+ * in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied, in one parallel region (one
+ * start of the threads a call). */
 void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x, int64_t rows, float *y,
-            uint8_t *scratch, int threads) {
+            const float *bias, const float *norm, float eps, uint8_t *scratch, int threads) {
     int64_t groups = rows * (in / GROUP);
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * in);
     float *xs = dx + groups;
     int32_t *xo = (int32_t *)(xs + groups);
+    float *inverse_rms = (float *)(xo + 2 * groups);
     #pragma omp parallel num_threads(threads)
     {
+        if (norm) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                double squares = 0;
+                for (int64_t i = 0; i < in; i++) squares += (double)x[r * in + i] * x[r * in + i];
+                inverse_rms[r] = 1.0f / sqrtf((float)(squares / in) + eps);
+            }
+        }
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + g * GROUP;
+            float normed[GROUP];
+            if (norm) {
+                const float *n = norm + g % (in / GROUP) * GROUP;
+                for (int i = 0; i < GROUP; i++) normed[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
+                v = normed;
+            }
+            QUANTIZE_GROUP(v, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+        }
         matmul_share(w, bits, out, in, xq, dx, xs, xo, rows, y); /* after the loop's barrier: every row quantized */
+        if (bias) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t o = 0; o < out; o++) y[r * out + o] += bias[o];
+        }
     }
 }
 
 const char *isa(void) { return KERNEL_ISA; }
+
+/* ------------------------------------------------------------ attention of a few new rows against the cache */
+#define KEYS 64 /* keys scored at a time: their scores stay in L1 beside the row's output */
+
+/* exp(x) for x <= 0 to a float's precision, in plain arithmetic the compiler vectorises (libm's expf it cannot):
+ * x = k ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k */
+static inline float exp_nonpositive(float x) {
+    x = fmaxf(x, -87.0f); /* e^-87 is a float's smallest normal: below it, 0 is as good */
+    float k = floorf(x * 1.44269504f + 0.5f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
+    return p * scale.f;
+}
+
+/* One query row against keys [0, n) of k/v [n, D] (those with seen[j] == 0 skipped, where seen is not NULL), folded
+ * into its running softmax: m (the largest score so far), l (the sum of exp(score - m)), o [D] (sum of exp x v). */
+static void fold_keys(const float *qrow, const float *k, const float *v, int64_t n, const uint8_t *seen, int64_t D,
+                      float scale, float *m, float *l, float *o) {
+    float scores[KEYS];
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
+        int64_t block = n - j0 < KEYS ? n - j0 : KEYS;
+        float top = *m;
+        for (int64_t j = 0; j < block; j++) {
+            const float *key = k + (j0 + j) * D;
+            float dot = 0;
+            #pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qrow[d] * key[d];
+            scores[j] = seen && !seen[j0 + j] ? -INFINITY : dot * scale;
+            top = fmaxf(top, scores[j]);
+        }
+        if (top == -INFINITY) continue; /* nothing seen yet */
+        float rescale = exp_nonpositive(*m - top); /* the earlier sums, to the new largest score */
+        *l *= rescale;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] *= rescale;
+        #pragma omp simd
+        for (int64_t j = 0; j < block; j++) scores[j] = exp_nonpositive(scores[j] - top); /* -inf: 0 */
+        for (int64_t j = 0; j < block; j++) {
+            const float *value = v + (j0 + j) * D;
+            float p = scores[j];
+            *l += p;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += p * value[d];
+        }
+        *m = top;
+    }
+}
+
+/* out [R, N, T, Hq, D] for q [R, N, T, Hq, D], prefix_k/v [R, Hkv, P_cap, D], suffix_k/v [R, N, Hkv, S_cap, D], all
+ * float32 and contiguous; prefix_len, suffix_len int32 [R]; tree uint8 [R, T, T] or NULL (causal): kernels.py's
+ * particle_attention_ref. Each (request, particle, query row) is one task: its prefix, committed suffix and the new
+ * keys it sees, one running softmax. */
+void particle_attention(const float *q, const float *prefix_k, const float *prefix_v, const float *suffix_k,
+                        const float *suffix_v, const int32_t *prefix_len, const int32_t *suffix_len,
+                        const uint8_t *tree, float scale, int64_t R, int64_t N, int64_t T, int64_t Hq, int64_t Hkv,
+                        int64_t D, int64_t P_cap, int64_t S_cap, float *out, int threads) {
+    int64_t G = Hq / Hkv;
+    int64_t tasks = R * N * T * Hq;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (tasks * (prefix_len[0] + 1) >= 256)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t hq = task % Hq;
+        int64_t t = task / Hq % T;
+        int64_t n = task / (Hq * T) % N;
+        int64_t r = task / (Hq * T * N);
+        int64_t h = hq / G;
+        const float *qrow = q + task * D;
+        float *o = out + task * D;
+        float m = -INFINITY;
+        float l = 0;
+        for (int64_t d = 0; d < D; d++) o[d] = 0;
+        const float *pk = prefix_k + (r * Hkv + h) * P_cap * D;
+        const float *pv = prefix_v + (r * Hkv + h) * P_cap * D;
+        fold_keys(qrow, pk, pv, prefix_len[r], NULL, D, scale, &m, &l, o);
+        const float *sk = suffix_k + ((r * N + n) * Hkv + h) * S_cap * D;
+        const float *sv = suffix_v + ((r * N + n) * Hkv + h) * S_cap * D;
+        int64_t committed = suffix_len[r];
+        if (tree) { /* the committed keys, then the new ones the tree lets it see */
+            fold_keys(qrow, sk, sv, committed, NULL, D, scale, &m, &l, o);
+            fold_keys(qrow, sk + committed * D, sv + committed * D, T, tree + (r * T + t) * T, D, scale, &m, &l, o);
+        } else {
+            fold_keys(qrow, sk, sv, committed + t + 1, NULL, D, scale, &m, &l, o);
+        }
+        float inverse = 1.0f / l;
+        for (int64_t d = 0; d < D; d++) o[d] *= inverse;
+    }
+}

@@ -1,7 +1,9 @@
-"""The CPU kernel torch lacks: w4a8, a matmul of 4-bit (or 6- or 8-bit) weight codes times activations quantized to
-int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it. Its C
-source, kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles nothing);
-where no compiler works, `library()` says why and the engine falls back to int4. Imports no project file."""
+"""The CPU kernels torch lacks: w4a8, a matmul of 4-bit (or 6- or 8-bit) weight codes times activations quantized to
+int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it; and
+particle attention for a step's few rows, whose reference is kernels.particle_attention_ref. Their C source,
+kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles nothing);
+where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention. Imports no
+project file."""
 import ctypes
 import hashlib
 import os
@@ -145,7 +147,8 @@ def load(path):
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ctypes.c_int]
+    lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
 
@@ -198,15 +201,64 @@ def scratch(size):
     return _scratch.t
 
 
-def w4a8_linear(x, packed, bits):
-    """x [..., in] float32 @ w.T for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by the compiled
-    kernel (float32 sums in another order), x quantized and multiplied in one call."""
+def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0):
+    """x [..., in] float32 @ w.T + bias [out] for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by
+    the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. norm [in]: x's rows
+    RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)), in the same call."""
     lib, _ = library()
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     rows, n = x2.shape
     out = packed.shape[0] * PANEL
     y = torch.empty(rows, out)
-    room = scratch(rows * n + 16 * rows * (n // GROUP))  # xq, then dx, xs and xo (two int32 a group)
-    lib.linear(packed.data_ptr(), bits, out, n, x2.data_ptr(), rows, y.data_ptr(), room.data_ptr(),
-               torch.get_num_threads())
+    room = scratch(rows * n + 16 * rows * (n // GROUP) + 4 * rows)  # xq; dx, xs, xo (two int32 a group); 1 / rms
+    lib.linear(packed.data_ptr(), bits, out, n, x2.data_ptr(), rows, y.data_ptr(), pointer(bias), pointer(norm), eps,
+               room.data_ptr(), torch.get_num_threads())
     return y.reshape(*x.shape[:-1], out)
+
+
+def pointer(t):
+    """A contiguous float32 tensor's data (w4a8's parameters are), or NULL for None."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"w4a8's bias and norm are contiguous float32, not {t.dtype}")
+    return t.data_ptr()
+
+
+# ---------------------------------------------------------------- attention of a few new rows
+SMALL_ATTENTION = 8192  # a KV group's query rows x keys up to which the compiled attention beats torch's fused one
+
+
+def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None,
+                       large=None):
+    """kernels.particle_attention_ref's contract (its shapes; float32, the caches contiguous): each request by the
+    compiled kernel (a running softmax a query row, a call's fixed cost a few microseconds) where its KV group's rows
+    x keys are at most SMALL_ATTENTION, else by large(the same arguments, that request's): torch's fused attention,
+    whose blocked products win at long prompts. Per request, so a request's result never depends on the others'."""
+    R, N, T, Hq, D = q.shape
+    G = Hq // prefix_k.shape[1]
+    out = torch.empty_like(q)
+    for r, keys in enumerate((prefix_len + suffix_len).tolist()):
+        one = slice(r, r + 1)
+        parts = (q[one], prefix_k[one], prefix_v[one], suffix_k[one], suffix_v[one], prefix_len[one], suffix_len[one])
+        at_r = None if tree is None else tree[one]
+        if N * T * G * (keys + T) > SMALL_ATTENTION:
+            out[one] = large(*parts, scale, at_r)
+        else:
+            attention_call(*parts, scale, at_r, out[one])
+    return out
+
+
+def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree, out):
+    """out (contiguous) = the compiled kernel's particle attention of one request."""
+    lib, _ = library()
+    R, N, T, Hq, D = q.shape
+    q = q.contiguous()
+    tree_bytes = None
+    if tree is not None:
+        tree_bytes = tree.to(torch.uint8).contiguous()
+    lib.particle_attention(q.data_ptr(), prefix_k.data_ptr(), prefix_v.data_ptr(), suffix_k.data_ptr(),
+                           suffix_v.data_ptr(), prefix_len.data_ptr(), suffix_len.data_ptr(),
+                           None if tree_bytes is None else tree_bytes.data_ptr(), scale, R, N, T, Hq,
+                           prefix_k.shape[1], D, prefix_k.shape[2], suffix_k.shape[3], out.data_ptr(),
+                           torch.get_num_threads())

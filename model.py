@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import kernels_cpu
 
 
 class LoadError(Exception):
@@ -171,6 +172,8 @@ class KVCache:
         self.suffix_v = torch.zeros(shape_s, device=device, dtype=dtype)
         self.prefix_len = torch.zeros(requests, dtype=torch.int32, device=device)
         self.suffix_len = torch.zeros(requests, dtype=torch.int32, device=device)
+        on_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
+        self.compiled = on_cpu and kernels_cpu.library()[0] is not None  # kernels_cpu's attention for small steps
 
     @staticmethod
     def nbytes(c, particles, prefix_cap, suffix_cap, dtype, requests=1):
@@ -195,8 +198,11 @@ class KVCache:
         write_index); tree bool [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]."""
         self.suffix_k[layer].scatter_(3, at, k.transpose(2, 3))
         self.suffix_v[layer].scatter_(3, at, v.transpose(2, 3))
-        return kernels.particle_attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer],
-                                          self.suffix_v[layer], self.prefix_len, self.suffix_len, scale, tree)
+        args = (q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
+                self.prefix_len, self.suffix_len, scale, tree)
+        if self.compiled:
+            return kernels_cpu.particle_attention(*args, large=kernels.particle_attention_cpu)
+        return kernels.particle_attention(*args)
 
 
 # ---------------------------------------------------------------- transformer
@@ -212,6 +218,13 @@ def linear(x, w, bias=None):
         wide_bias = None if bias is None else bias.float()
         return F.linear(x.float(), w.float(), wide_bias).to(x.dtype)
     return F.linear(x, w, bias)
+
+
+def normed_linear(x, norm, eps, w, bias=None):
+    """linear(rms_norm(x, norm, eps), w, bias): w4a8 normalises the rows in its kernel's pass over them."""
+    if getattr(w, "fmt", None) == "w4a8":
+        return w.normed(x, norm, eps, bias)
+    return linear(rms_norm(x, norm, eps), w, bias)
 
 
 def rms_norm(x, w, eps):
@@ -237,7 +250,7 @@ class Block(torch.nn.Module):
     def attention(self, x, cos, sin, attend, layer):
         """x [..., T, dim] -> [..., T, dim], this rank's heads' share; attend(layer, q, k, v, scale) is the cache's."""
         c = self.c
-        qkv = linear(rms_norm(x, self.attn_norm, c.norm_eps), self.wqkv, self.bqkv).unflatten(-1, (-1, c.head_dim))
+        qkv = normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv).unflatten(-1, (-1, c.head_dim))
         qk = apply_rope(qkv[..., :-c.n_kv_heads, :], cos, sin)  # q and k rotated at once
         v = qkv[..., -c.n_kv_heads:, :]
         q, k = qk.split([c.n_heads, c.n_kv_heads], -2)  # [..., T, Hq, D], [..., T, Hkv, D]
@@ -245,7 +258,7 @@ class Block(torch.nn.Module):
 
     def ffn(self, x):
         """x [..., dim] -> [..., dim], this rank's FFN columns' share."""
-        gate, up = linear(rms_norm(x, self.ffn_norm, self.c.norm_eps), self.w13).chunk(2, -1)
+        gate, up = normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13).chunk(2, -1)
         return linear(F.silu(gate) * up, self.w2)
 
 
@@ -280,12 +293,13 @@ class Transformer(torch.nn.Module):
         return packed + sum(p.numel() * p.element_size() for p in read)
 
     def _hidden(self, x, cos, sin, attend, on_layer=None):
+        """The last layer's output, before the final norm (_logits' to apply)."""
         for i, b in enumerate(self.layers):
             x = x + self._all_reduce(b.attention(x, cos, sin, attend, i))
             x = x + self._all_reduce(b.ffn(x))
             if on_layer:
                 on_layer(i + 1, len(self.layers))
-        return rms_norm(x, self.norm, self.config.norm_eps)
+        return x
 
     def _all_reduce(self, x):
         """The sum of every rank's partial output of a row-parallel matmul (wo, w2), the same on every rank."""
@@ -294,7 +308,8 @@ class Transformer(torch.nn.Module):
         return x
 
     def _logits(self, h):
-        return linear(h, self.lm_head).float()
+        """h [..., dim], _hidden's -> float32 logits [..., V], after the final norm."""
+        return normed_linear(h, self.norm, self.config.norm_eps, self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, tokens, cache, r=0, logits="last", on_layer=None):

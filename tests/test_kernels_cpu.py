@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import formats
 import kernels_cpu
@@ -57,16 +58,38 @@ def test_w4a8_linear_matches_the_reference(bits, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 6])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_the_norm_and_bias_in_the_call_are_rms_norm_then_the_reference_plus_bias(bits, rows):
+    """model.normed_linear's one call: up to float32's rounding of the normalised rows, which can move an activation
+    code by one step (a few in a thousand outputs off by that much)."""
+    _, codes, scale, low = weights(48, 160, bits)
+    packed = kernels_cpu.pack(codes, scale, low, bits)
+    g = torch.Generator().manual_seed(rows)
+    x = 3 * torch.randn(rows, 160, generator=g)
+    norm = torch.rand(160, generator=g) + 0.5
+    bias = torch.randn(48, generator=g)
+    want = kernels_cpu.w4a8_linear_ref(F.rms_norm(x, (160,), norm, 1e-6), codes, scale, low) + bias
+    got = kernels_cpu.w4a8_linear(x, packed, bits, bias, norm, 1e-6)
+    close = torch.isclose(got, want, rtol=1e-5, atol=1e-5)
+    assert close.float().mean() > 0.99 and (got - want).abs().max() < 0.01 * want.abs().max()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels_cpu.w4a8_linear(x, packed, bits, bias.double())
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 6, 8])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits):
+@pytest.mark.parametrize("normed", [False, True])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, normed):
     """The exact methods need it: a row alone and in a batch of any size give the same bits."""
     _, codes, scale, low = weights(32, 96, bits)
     packed = kernels_cpu.pack(codes, scale, low, bits)
     x = torch.randn(20, 96)
-    together = kernels_cpu.w4a8_linear(x, packed, bits)
+    extra = (torch.randn(32), torch.rand(96) + 0.5, 1e-6) if normed else ()
+    together = kernels_cpu.w4a8_linear(x, packed, bits, *extra)
     for i in (0, 7, 19):
-        assert torch.equal(kernels_cpu.w4a8_linear(x[i:i + 1], packed, bits), together[i:i + 1])
-    assert torch.equal(kernels_cpu.w4a8_linear(x[:5], packed, bits), together[:5])
+        assert torch.equal(kernels_cpu.w4a8_linear(x[i:i + 1], packed, bits, *extra), together[i:i + 1])
+    assert torch.equal(kernels_cpu.w4a8_linear(x[:5], packed, bits, *extra), together[:5])
 
 
 def test_pack_refuses_a_shape_the_kernel_cannot_tile():
@@ -134,3 +157,32 @@ def test_without_the_kernel_w4a8_is_int4_with_one_line(monkeypatch, caplog):
     assert formats.usable("int8") == "int8"
     assert [r.getMessage() for r in caplog.records] == [
         "the w4a8 kernel cannot be built here (no C compiler found); using int4 (torch's kernel) instead of w4a8"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("N, T, tree", [(1, 1, False), (3, 3, False), (2, 4, True)])
+def test_particle_attention_matches_the_reference_per_request(N, T, tree):
+    """Request 0's step is small (the compiled kernel's), request 1's large (given to `large`, here the reference):
+    both the reference's, each request on its own; a one-token prompt (no prefix) included."""
+    import kernels
+    g = torch.Generator().manual_seed(N * 10 + T)
+    R, Hq, Hkv, D = 2, 8, 2, 32
+    q = torch.randn(R, N, T, Hq, D, generator=g)
+    prefix_k = torch.randn(R, Hkv, 4000, D, generator=g)
+    prefix_v = torch.randn(R, Hkv, 4000, D, generator=g)
+    suffix_k = torch.randn(R, N, Hkv, 16, D, generator=g)
+    suffix_v = torch.randn(R, N, Hkv, 16, D, generator=g)
+    suffix_len = torch.tensor([5, 3], dtype=torch.int32)
+    sees = None
+    if tree:
+        sees = (torch.rand(R, T, T, generator=g) > 0.5).tril() | torch.eye(T, dtype=torch.bool)
+    calls = []
+
+    def large(*args):
+        calls.append(args[0].shape)
+        return kernels.particle_attention_ref(*args)
+    for prefix_len in (torch.tensor([40, 3999], dtype=torch.int32), torch.tensor([0, 3999], dtype=torch.int32)):
+        args = (q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, D ** -0.5, sees)
+        want = kernels.particle_attention_ref(*args)
+        torch.testing.assert_close(kernels_cpu.particle_attention(*args, large=large), want, rtol=1e-5, atol=1e-5)
+    assert calls == [(1, N, T, Hq, D)] * 2  # request 1 only
