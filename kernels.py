@@ -349,20 +349,38 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
 
 
 # ---------------------------------------------------------------- sampling
+SAMPLE_CHUNK = 256  # vocabulary entries a partial sum covers: the draw finds its chunk, then its token in there
+
+
 def sample_ref(logits, temperature, rng):
     """`sample`'s contract by inverse CDF: the first token whose running sum of exp(logits / T - max) exceeds a uniform
-    times the total. On CPU much cheaper than Gumbel noise per vocabulary entry, which the kernel's one pass needs."""
-    B = logits.shape[0]
+    times the total. On CPU much cheaper than Gumbel noise per vocabulary entry, which the kernel's one pass needs;
+    the running sum in two levels (chunks' sums, then one chunk's entries), as a whole-vocabulary cumsum costs more."""
+    B, V = logits.shape
     R = rng.shape[0]
     t = _per_row(_temperatures(temperature, logits.device, R), B)[:, None]  # [B, 1]
-    x = logits.float() / t.where(t > 0, 1.0)  # [B, V]
-    top, greedy = x.max(-1, keepdim=True)  # [B, 1] each: the largest tempered logit, its first token
-    cdf = (x - top).exp_().cumsum_(-1)  # [B, V] nondecreasing, so tokens of probability 0 are never hit
-    u = _uniforms(rng, B // R) * cdf[:, -1:]  # greedy rows draw too: alone == batched
-    # the last token of nonzero probability, as u * total may round up (a row of no probability: NaN, the last token)
-    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous()).clamp(max=logits.shape[-1] - 1)
-    tokens = torch.searchsorted(cdf, u, right=True).minimum(last).where(t > 0, greedy)
-    logprobs = (x.gather(-1, tokens) - top - cdf[:, -1:].log()).where(t > 0, 0.0)
+    scale = t.where(t > 0, 1.0)
+    top = logits.float().amax(-1, keepdim=True) / scale  # [B, 1] the largest tempered logit (dividing keeps order)
+    p = (logits.float() / scale).sub_(top).exp_()  # [B, V] unnormalised probabilities, the one tensor of V a row
+    C = -(-V // SAMPLE_CHUNK)
+    whole = V // SAMPLE_CHUNK * SAMPLE_CHUNK
+    sums = p[:, :whole].view(B, -1, SAMPLE_CHUNK).sum(-1)  # [B, V // CHUNK]
+    if whole < V:  # a last, shorter chunk
+        sums = torch.cat([sums, p[:, whole:].sum(-1, keepdim=True)], 1)
+    cdf = sums.cumsum_(-1)  # [B, C] nondecreasing, so chunks of probability 0 are never hit
+    total = cdf[:, -1:]
+    u = _uniforms(rng, B // R) * total  # greedy rows draw too: alone == batched
+    # the last chunk (and in it the last token) of nonzero probability, as u * total may round up past its sums
+    last = torch.searchsorted(cdf, total.contiguous()).clamp(max=C - 1)  # [B, 1]
+    c = torch.searchsorted(cdf, u, right=True).minimum(last)  # [B, 1] the chunk of the draw
+    before = cdf.gather(1, (c - 1).clamp(min=0)).where(c > 0, 0.0)  # [B, 1] the mass of the chunks before it
+    at = c * SAMPLE_CHUNK + torch.arange(SAMPLE_CHUNK, device=logits.device)  # [B, CHUNK] its entries
+    inside = p.gather(1, at.clamp(max=V - 1)).where(at < V, 0.0).cumsum_(-1) + before  # [B, CHUNK]
+    last_inside = torch.searchsorted(inside, inside[:, -1:].contiguous()).clamp(max=SAMPLE_CHUNK - 1)
+    tokens = (c * SAMPLE_CHUNK + torch.searchsorted(inside, u, right=True).minimum(last_inside)).clamp(max=V - 1)
+    if bool((t == 0).any()):
+        tokens = tokens.where(t > 0, logits.argmax(-1, keepdim=True))  # the first largest logit
+    logprobs = (logits.gather(-1, tokens).float() / scale - top - total.log()).where(t > 0, 0.0)
     return tokens[:, 0], logprobs[:, 0]
 
 

@@ -205,15 +205,16 @@ def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0):
     """x [..., in] float32 @ w.T + bias [out] for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by
     the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. norm [in]: x's rows
     RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)), in the same call."""
-    lib, _ = library()
-    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-    rows, n = x2.shape
+    x = x.float().contiguous()
+    n = x.shape[-1]
+    rows = x.numel() // n
     out = packed.shape[0] * PANEL
-    y = torch.empty(rows, out)
+    y = x.new_empty(*x.shape[:-1], out)
     room = scratch(rows * n + 16 * rows * (n // GROUP) + 4 * rows)  # xq; dx, xs, xo (two int32 a group); 1 / rms
-    lib.linear(packed.data_ptr(), bits, out, n, x2.data_ptr(), rows, y.data_ptr(), pointer(bias), pointer(norm), eps,
+    lib = _library.get("lib") or library()[0]
+    lib.linear(packed.data_ptr(), bits, out, n, x.data_ptr(), rows, y.data_ptr(), pointer(bias), pointer(norm), eps,
                room.data_ptr(), torch.get_num_threads())
-    return y.reshape(*x.shape[:-1], out)
+    return y
 
 
 def pointer(t):
@@ -235,10 +236,14 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     compiled kernel (a running softmax a query row, a call's fixed cost a few microseconds) where its KV group's rows
     x keys are at most SMALL_ATTENTION, else by large(the same arguments, that request's): torch's fused attention,
     whose blocked products win at long prompts. Per request, so a request's result never depends on the others'."""
-    R, N, T, Hq, D = q.shape
+    _, N, T, Hq, _ = q.shape
     G = Hq // prefix_k.shape[1]
     out = torch.empty_like(q)
-    for r, keys in enumerate((prefix_len + suffix_len).tolist()):
+    lengths = (prefix_len + suffix_len).tolist()
+    if N * T * G * (max(lengths) + T) <= SMALL_ATTENTION:  # every request small: one call
+        attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree, out)
+        return out
+    for r, keys in enumerate(lengths):
         one = slice(r, r + 1)
         parts = (q[one], prefix_k[one], prefix_v[one], suffix_k[one], suffix_v[one], prefix_len[one], suffix_len[one])
         at_r = None if tree is None else tree[one]
