@@ -370,7 +370,8 @@ def sample_ref(logits, temperature, rng):
     cdf = sums.cumsum_(-1)  # [B, C] nondecreasing, so chunks of probability 0 are never hit
     total = cdf[:, -1:]
     u = _uniforms(rng, B // R) * total  # greedy rows draw too: alone == batched
-    # the last chunk (and in it the last token) of nonzero probability, as u * total may round up past its sums
+    # the last chunk (and in it the last token) of nonzero probability, as u * total may round up past its sums (a row
+    # of no probability: NaN, the last token)
     last = torch.searchsorted(cdf, total.contiguous()).clamp(max=C - 1)  # [B, 1]
     c = torch.searchsorted(cdf, u, right=True).minimum(last)  # [B, 1] the chunk of the draw
     before = cdf.gather(1, (c - 1).clamp(min=0)).where(c > 0, 0.0)  # [B, 1] the mass of the chunks before it
