@@ -280,6 +280,7 @@ def test_transformers_peers_read_a_gguf_pair_through_its_converted_directory(tmp
     assert os.path.getmtime(tmp_path / "small" / "model.safetensors") == made  # converted once
 
 
+@pytest.mark.slow
 def test_under_weights_auto_ar_runs_in_the_format_auto_picks_for_ar(tmp_path, monkeypatch):
     """--weights auto: ar runs on the target in auto's choice for one row, which may not be the verify's, so that
     its speed-ups are against the engine's best ar, as `engine.py --method ar` runs it; the table names each row's
@@ -446,6 +447,7 @@ def test_resume_goes_on_where_the_run_stopped(monkeypatch, tmp_path, capsys):
         bench.resumed(bench.parse(["quality", "--out", str(tmp_path / "missing.json"), "--resume"]))
 
 
+@pytest.mark.slow
 def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
     """Greedy texts against bf16's, and samples scored by the float32 target and by their own format: float32 is
     the unquantized target itself (no divergence), and bf16's greedy text is its own reference."""

@@ -131,6 +131,7 @@ def test_every_path_of_the_source_matches_the_reference(isa, tmp_path, monkeypat
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_the_build_is_kept_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels_cpu.CACHE_ENV, str(tmp_path))
     first = kernels_cpu.build(kernels_cpu.compiler())
