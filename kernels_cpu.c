@@ -499,7 +499,7 @@ void particle_attention(const float *q, const float *prefix_k, const float *pref
                         int64_t D, int64_t P_cap, int64_t S_cap, float *out, int threads) {
     int64_t G = Hq / Hkv;
     int64_t tasks = R * N * T * Hq;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (tasks * (prefix_len[0] + 1) >= 256)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= threads) /* a task is one row */
     for (int64_t task = 0; task < tasks; task++) {
         int64_t hq = task % Hq;
         int64_t t = task / Hq % T;

@@ -167,7 +167,10 @@ def test_particle_attention_matches_the_reference_per_request(N, T, tree):
     both the reference's, each request on its own; a one-token prompt (no prefix) included."""
     import kernels
     g = torch.Generator().manual_seed(N * 10 + T)
-    R, Hq, Hkv, D = 2, 8, 2, 32
+    R = 2  # requests
+    Hq = 8
+    Hkv = 2
+    D = 32
     q = torch.randn(R, N, T, Hq, D, generator=g)
     prefix_k = torch.randn(R, Hkv, 4000, D, generator=g)
     prefix_v = torch.randn(R, Hkv, 4000, D, generator=g)
