@@ -1,5 +1,5 @@
-# make gpu-check: on a machine with a CUDA GPU, the GPU's tests and benchmarks in one command (under 8 minutes on an
-# H200). Each step runs even if one before it failed (the "-" prefix), so one call reports everything.
+# make gpu-check: on a machine with a CUDA GPU, the GPU's tests and benchmarks in one command.
+# Each step runs even if one before it failed (the "-" prefix), so one call reports everything.
 # First the compile test (every Triton kernel compiled for sm_80, sm_90 and gfx942 at the engine's launches: shared
 # memory and spills); then kernels against their references, a model through Triton attention and CUDA-graph
 # replay, all on CUDA; the kernel micro-benchmark; then bench.py's subcommands on random-weight models shaped like
