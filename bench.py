@@ -366,12 +366,12 @@ def profile_phases(e, ids, N, K, new_tokens):
 
 # A function's time, less that of the functions inside it with a part of their own, counts in its part; time in no
 # listed function inherits its caller's part; decode.py's own work is the rule's, the scheduler's the host's.
-# w4a8's norms run inside its matmul call (model.normed_linear): counted with the matmuls
+# w4a8's norms, SwiGLU and RoPE run inside its matmul call (kernels_cpu.w4a8_linear): counted with the matmuls
 PARTS = {("model", "linear"): "matmuls", ("model", "normed_linear"): "matmuls",
-         ("kernels", "particle_attention"): "attention", ("kernels_cpu", "particle_attention"): "attention",
-         ("model", "attend_step"): "KV writes", ("model", "rms_norm"): "norms and RoPE",
-         ("model", "apply_rope"): "norms and RoPE", ("model", "step"): "other model ops",
-         ("kernels", "sample"): "sampling", ("kernels", "token_logprobs"): "sampling"}
+         ("kernels_cpu", "w4a8_linear"): "matmuls", ("kernels", "particle_attention"): "attention",
+         ("kernels_cpu", "particle_attention"): "attention", ("model", "attend_step"): "KV writes",
+         ("model", "rms_norm"): "norms and RoPE", ("model", "apply_rope"): "norms and RoPE",
+         ("model", "step"): "other model ops", ("kernels", "sample"): "sampling", ("kernels", "token_logprobs"): "sampling"}
 PART_NAMES = ("matmuls", "attention", "KV writes", "norms and RoPE", "other model ops", "sampling", "the rule", "host")
 PYTHON_FRAME = re.compile(r"(\w+)\.py\(\d+\): (\w+)$")  # how the profiler names a Python function's event
 

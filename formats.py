@@ -65,9 +65,14 @@ class Quantized(torch.nn.Module):
         for name, t in tensors.items():
             setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
 
-    def normed(self, x, norm, eps, bias=None):
-        """forward(model.rms_norm(x, norm, eps), bias), w4a8's in one call of its kernel (model.normed_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps)
+    def normed(self, x, norm, eps, bias=None, rope=None):
+        """forward(model.rms_norm(x, norm, eps), bias), its first heads rotated by rope = (cos, sin, heads), w4a8's in
+        one call of its kernel (model.normed_linear's)."""
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope)
+
+    def gated(self, x):
+        """forward(silu(gate) x up) for x = [gate | up], w4a8's in one call of its kernel (model.gated_linear's)."""
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True)
 
     def tensors(self):
         """-> {name: tensor}: what this weight is built from again (Quantized(fmt, tensors, bits))."""

@@ -43,6 +43,23 @@ static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> float, subno
     return value;
 }
 
+/* exp(x) for x <= 0 to a float's precision, in plain arithmetic the compiler vectorises (libm's expf it cannot):
+ * x = k ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k */
+static inline float exp_nonpositive(float x) {
+    x = fmaxf(x, -87.0f); /* e^-87 is a float's smallest normal: below it, 0 is as good */
+    float k = floorf(x * 1.44269504f + 0.5f);
+    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
+    return p * scale.f;
+}
+
 /* ------------------------------------------------------------ activations: int8 per row and group of 32 */
 static inline void quantize_group(const float *v, int8_t *q, float *dx, float *xs, int32_t *xo) {
     float amax = 0;
@@ -391,12 +408,45 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
     }
 }
 
-/* y [rows, out] float32 = x [rows, in] float32 @ w.T (+ bias [out] unless NULL); with norm [in] (else NULL), x's
- * rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. The rows are quantized into scratch (rows x
- * in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied, in one parallel region (one
- * start of the threads a call). */
+/* silu(gate) x up for a group of 32 of each: SwiGLU's input to the down projection. silu(v) = v / (1 + e^-v), with
+ * e = e^-|v| (at most 1, so exp_nonpositive's): 1 / (1 + e) for v >= 0, e / (1 + e) below */
+static inline void swiglu_group(const float *gate, const float *up, float *v) {
+    #pragma omp simd
+    for (int i = 0; i < GROUP; i++) {
+        float e = exp_nonpositive(-fabsf(gate[i]));
+        float sigmoid = (gate[i] >= 0 ? 1.0f : e) / (1.0f + e);
+        v[i] = gate[i] * sigmoid * up[i];
+    }
+}
+
+/* RoPE on the first `rotated` heads (head_dim wide) of each row of y, in place: y[j] cos[j] + y[(j + D / 2) % D]
+ * sin[j], with cos, sin [rows, D] in model.rope_tables' half-split layout (sin's first half negated) */
+static void rotate_heads(float *y, int64_t rows, int64_t out, const float *cos, const float *sin, int64_t rotated,
+                         int64_t D) {
+    #pragma omp for schedule(static)
+    for (int64_t task = 0; task < rows * rotated; task++) {
+        int64_t r = task / rotated;
+        float *head = y + r * out + task % rotated * D;
+        const float *c = cos + r * D;
+        const float *s = sin + r * D;
+        for (int64_t j = 0; j < D / 2; j++) {
+            float first = head[j];
+            float second = head[j + D / 2];
+            head[j] = first * c[j] + second * s[j];
+            head[j + D / 2] = second * c[j + D / 2] + first * s[j + D / 2];
+        }
+    }
+}
+
+/* y [rows, out] float32 = x [rows, in] float32 @ w.T (+ bias [out] unless NULL). With norm [in] (else NULL), x's
+ * rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is [rows, 2 in], gate then up,
+ * and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim] (else NULL), the first
+ * `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch (rows x in bytes, then
+ * 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied, in one parallel region (one start of the
+ * threads a call). */
 void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x, int64_t rows, float *y,
-            const float *bias, const float *norm, float eps, uint8_t *scratch, int threads) {
+            const float *bias, const float *norm, float eps, int gated, const float *cos, const float *sin,
+            int64_t rotated, int64_t head_dim, uint8_t *scratch, int threads) {
     int64_t groups = rows * (in / GROUP);
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * in);
@@ -416,11 +466,16 @@ void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x,
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + g * GROUP;
-            float normed[GROUP];
+            float prepared[GROUP];
+            if (gated) {
+                const float *gate = x + g / (in / GROUP) * 2 * in + g % (in / GROUP) * GROUP;
+                swiglu_group(gate, gate + in, prepared);
+                v = prepared;
+            }
             if (norm) {
                 const float *n = norm + g % (in / GROUP) * GROUP;
-                for (int i = 0; i < GROUP; i++) normed[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
-                v = normed;
+                for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
+                v = prepared;
             }
             QUANTIZE_GROUP(v, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
         }
@@ -430,6 +485,7 @@ void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x,
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t o = 0; o < out; o++) y[r * out + o] += bias[o];
         }
+        if (cos) rotate_heads(y, rows, out, cos, sin, rotated, head_dim); /* after the bias loop's barrier */
     }
 }
 
@@ -437,23 +493,6 @@ const char *isa(void) { return KERNEL_ISA; }
 
 /* ------------------------------------------------------------ attention of a few new rows against the cache */
 #define KEYS 64 /* keys scored at a time: their scores stay in L1 beside the row's output */
-
-/* exp(x) for x <= 0 to a float's precision, in plain arithmetic the compiler vectorises (libm's expf it cannot):
- * x = k ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k */
-static inline float exp_nonpositive(float x) {
-    x = fmaxf(x, -87.0f); /* e^-87 is a float's smallest normal: below it, 0 is as good */
-    float k = floorf(x * 1.44269504f + 0.5f);
-    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return p * scale.f;
-}
 
 /* One query row against keys [0, n) of k/v [n, D] (those with seen[j] == 0 skipped, where seen is not NULL), folded
  * into its running softmax: m (the largest score so far), l (the sum of exp(score - m)), o [D] (sum of exp x v). */

@@ -147,7 +147,8 @@ def load(path):
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ptr, ctypes.c_int]
+    lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int, ptr, ptr,
+                           i64, i64, ptr, ctypes.c_int]
     lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
@@ -201,19 +202,33 @@ def scratch(size):
     return _scratch.t
 
 
-def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0):
+def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rope=None):
     """x [..., in] float32 @ w.T + bias [out] for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by
     the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. norm [in]: x's rows
-    RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)), in the same call."""
+    RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)). gated: x is [..., 2 in], gate then up, and
+    the input silu(gate) x up (SwiGLU's). rope (cos, sin, heads): the output's first `heads` heads rotated after the
+    bias (model.apply_rope's), cos and sin one [D] row per row of x. All in the same call."""
+    if gated and norm is not None:
+        raise ValueError("w4a8_linear gates or normalises its input, not both")
     x = x.float().contiguous()
-    n = x.shape[-1]
-    rows = x.numel() // n
+    n = x.shape[-1] // (1 + gated)
+    rows = x.numel() // x.shape[-1]
     out = packed.shape[0] * PANEL
     y = x.new_empty(*x.shape[:-1], out)
     room = scratch(rows * n + 16 * rows * (n // GROUP) + 4 * rows)  # xq; dx, xs, xo (two int32 a group); 1 / rms
+    cos = None
+    sin = None
+    heads = 0
+    D = 0
+    if rope is not None:
+        cos, sin, heads = rope
+        D = cos.shape[-1]
+        if cos.numel() != rows * D or sin.shape != cos.shape or heads * D > out:
+            raise ValueError(f"rope's cos and sin {tuple(cos.shape)} must give each of the {rows} rows its own, "
+                             f"for {heads} heads of at most {out // max(D, 1)}")
     lib = _library.get("lib") or library()[0]
     lib.linear(packed.data_ptr(), bits, out, n, x.data_ptr(), rows, y.data_ptr(), pointer(bias), pointer(norm), eps,
-               room.data_ptr(), torch.get_num_threads())
+               gated, pointer(cos), pointer(sin), heads, D, room.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -222,7 +237,7 @@ def pointer(t):
     if t is None:
         return None
     if t.dtype != torch.float32 or not t.is_contiguous():
-        raise ValueError(f"w4a8's bias and norm are contiguous float32, not {t.dtype}")
+        raise ValueError(f"w4a8's bias, norm, cos and sin are contiguous float32, not {t.dtype}")
     return t.data_ptr()
 
 

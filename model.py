@@ -220,11 +220,27 @@ def linear(x, w, bias=None):
     return F.linear(x, w, bias)
 
 
-def normed_linear(x, norm, eps, w, bias=None):
-    """linear(rms_norm(x, norm, eps), w, bias): w4a8 normalises the rows in its kernel's pass over them."""
+def normed_linear(x, norm, eps, w, bias=None, rope=None):
+    """linear(rms_norm(x, norm, eps), w, bias), the output's first `heads` heads (of cos's width) rotated by rope =
+    (cos, sin, heads) as apply_rope rotates them: w4a8 normalises and rotates in its kernel's call."""
     if getattr(w, "fmt", None) == "w4a8":
-        return w.normed(x, norm, eps, bias)
-    return linear(rms_norm(x, norm, eps), w, bias)
+        return w.normed(x, norm, eps, bias, rope)
+    y = linear(rms_norm(x, norm, eps), w, bias)
+    if rope is None:
+        return y
+    cos, sin, heads = rope
+    y_heads = y.unflatten(-1, (-1, cos.shape[-1]))  # [..., heads, D], a view: rotated in place
+    y_heads[..., :heads, :] = apply_rope(y_heads[..., :heads, :], cos, sin)
+    return y
+
+
+def gated_linear(x, w):
+    """linear(silu(gate) x up, w) for x = [gate | up] [..., 2 ffn] (SwiGLU): w4a8 gates the rows in its kernel's
+    pass over them."""
+    if getattr(w, "fmt", None) == "w4a8":
+        return w.gated(x)
+    gate, up = x.chunk(2, -1)
+    return linear(F.silu(gate) * up, w)
 
 
 def rms_norm(x, w, eps):
@@ -250,16 +266,14 @@ class Block(torch.nn.Module):
     def attention(self, x, cos, sin, attend, layer):
         """x [..., T, dim] -> [..., T, dim], this rank's heads' share; attend(layer, q, k, v, scale) is the cache's."""
         c = self.c
-        qkv = normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv).unflatten(-1, (-1, c.head_dim))
-        qk = apply_rope(qkv[..., :-c.n_kv_heads, :], cos, sin)  # q and k rotated at once
-        v = qkv[..., -c.n_kv_heads:, :]
-        q, k = qk.split([c.n_heads, c.n_kv_heads], -2)  # [..., T, Hq, D], [..., T, Hkv, D]
+        rope = (cos, sin, c.n_heads + c.n_kv_heads)  # q and k rotated, v as it is
+        qkv = normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv, rope).unflatten(-1, (-1, c.head_dim))
+        q, k, v = qkv.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)  # [..., T, Hq | Hkv | Hkv, D]
         return linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
 
     def ffn(self, x):
         """x [..., dim] -> [..., dim], this rank's FFN columns' share."""
-        gate, up = normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13).chunk(2, -1)
-        return linear(F.silu(gate) * up, self.w2)
+        return gated_linear(normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13), self.w2)
 
 
 class Transformer(torch.nn.Module):
@@ -335,8 +349,9 @@ class Transformer(torch.nn.Module):
         prefix_len + suffix_len + depth[r, t], not + t; tree bool [R, T, T]: it sees new token j iff tree[r, t, j]."""
         offset = torch.arange(tokens.shape[-1], device=tokens.device) if depth is None else depth  # [T] | [R, T]
         pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + offset  # [R, T]
-        cos = self.cos[pos][:, None, :, None]  # [R, 1, T, 1, D]
-        sin = self.sin[pos][:, None, :, None]
+        rows = (-1, tokens.shape[1], -1, -1, -1)  # each particle's own row of them, as w4a8's call reads them
+        cos = self.cos[pos][:, None, :, None].expand(rows).contiguous()  # [R, N, T, 1, D]
+        sin = self.sin[pos][:, None, :, None].expand(rows).contiguous()
         at = cache.write_index(tokens.shape[-1])
         h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_step, at=at, tree=tree))  # [R, N, T, dim]
         return self._logits(h[:, :, -1] if last_only else h)

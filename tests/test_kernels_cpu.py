@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import formats
 import kernels_cpu
+import model
 
 needs_kernel = pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 
@@ -57,12 +58,18 @@ def test_w4a8_linear_matches_the_reference(bits, rows):
     torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
 
 
+def nearly(got, want):
+    """Equal up to float32's rounding of the prepared rows, which can move an activation code by one step (a few in a
+    thousand outputs off by that much)."""
+    close = torch.isclose(got, want, rtol=1e-5, atol=1e-5)
+    return close.float().mean() > 0.99 and (got - want).abs().max() < 0.01 * want.abs().max()
+
+
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_the_norm_and_bias_in_the_call_are_rms_norm_then_the_reference_plus_bias(bits, rows):
-    """model.normed_linear's one call: up to float32's rounding of the normalised rows, which can move an activation
-    code by one step (a few in a thousand outputs off by that much)."""
+    """model.normed_linear's one call, nearly: float32 rounds the normalised rows in another order."""
     _, codes, scale, low = weights(48, 160, bits)
     packed = kernels_cpu.pack(codes, scale, low, bits)
     g = torch.Generator().manual_seed(rows)
@@ -70,26 +77,64 @@ def test_the_norm_and_bias_in_the_call_are_rms_norm_then_the_reference_plus_bias
     norm = torch.rand(160, generator=g) + 0.5
     bias = torch.randn(48, generator=g)
     want = kernels_cpu.w4a8_linear_ref(F.rms_norm(x, (160,), norm, 1e-6), codes, scale, low) + bias
-    got = kernels_cpu.w4a8_linear(x, packed, bits, bias, norm, 1e-6)
-    close = torch.isclose(got, want, rtol=1e-5, atol=1e-5)
-    assert close.float().mean() > 0.99 and (got - want).abs().max() < 0.01 * want.abs().max()
+    assert nearly(kernels_cpu.w4a8_linear(x, packed, bits, bias, norm, 1e-6), want)
     with pytest.raises(ValueError, match="contiguous float32"):
         kernels_cpu.w4a8_linear(x, packed, bits, bias.double())
 
 
+def rope_rows(rows, D, seed):
+    """cos, sin [rows, D] of rope_tables at random positions: each row its own, as model.step passes them."""
+    c = model.Config(arch="llama", vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=D,
+                     ffn_dim=32, rope_theta=10000.0, max_seq_len=512)
+    cos, sin = model.rope_tables(c, "cpu")
+    at = torch.randint(0, 512, (rows,), generator=torch.Generator().manual_seed(seed))
+    return cos[at].contiguous(), sin[at].contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_the_gate_and_the_rotation_in_the_call_are_swiglu_and_apply_rope_around_the_reference(bits, rows):
+    """model.gated_linear's one call (silu(gate) x up into w2) and the RoPE of normed_linear's (wqkv's q and k heads,
+    after the bias), each against torch's operators around the reference."""
+    _, codes, scale, low = weights(48, 160, bits)
+    packed = kernels_cpu.pack(codes, scale, low, bits)
+    g = torch.Generator().manual_seed(rows)
+    x = 3 * torch.randn(rows, 320, generator=g)
+    gate, up = x.chunk(2, -1)
+    want = kernels_cpu.w4a8_linear_ref(F.silu(gate) * up, codes, scale, low)
+    assert nearly(kernels_cpu.w4a8_linear(x, packed, bits, gated=True), want)
+    bias = torch.randn(48, generator=g)
+    cos, sin = rope_rows(rows, 16, rows)
+    want = (kernels_cpu.w4a8_linear_ref(gate, codes, scale, low) + bias).unflatten(-1, (3, 16))
+    want[:, :2] = model.apply_rope(want[:, :2], cos[:, None], sin[:, None])  # two heads rotated, the third not
+    assert nearly(kernels_cpu.w4a8_linear(gate, packed, bits, bias, rope=(cos, sin, 2)), want.flatten(1))
+    with pytest.raises(ValueError, match="each of the"):
+        kernels_cpu.w4a8_linear(torch.cat([gate, gate]), packed, bits, rope=(cos, sin, 2))
+    with pytest.raises(ValueError, match="not both"):
+        kernels_cpu.w4a8_linear(x, packed, bits, norm=torch.ones(160), gated=True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 6, 8])
-@pytest.mark.parametrize("normed", [False, True])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, normed):
+@pytest.mark.parametrize("extra", ["plain", "normed", "gated", "rotated"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, extra):
     """The exact methods need it: a row alone and in a batch of any size give the same bits."""
     _, codes, scale, low = weights(32, 96, bits)
     packed = kernels_cpu.pack(codes, scale, low, bits)
-    x = torch.randn(20, 96)
-    extra = (torch.randn(32), torch.rand(96) + 0.5, 1e-6) if normed else ()
-    together = kernels_cpu.w4a8_linear(x, packed, bits, *extra)
+    x = torch.randn(20, 192 if extra == "gated" else 96)
+    cos, sin = rope_rows(20, 16, 0)
+    options = {"plain": {}, "normed": dict(bias=torch.randn(32), norm=torch.rand(96) + 0.5, eps=1e-6),
+               "gated": dict(gated=True)}.get(extra)
+
+    def call(at):
+        if extra == "rotated":
+            return kernels_cpu.w4a8_linear(x[at], packed, bits, rope=(cos[at], sin[at], 1))
+        return kernels_cpu.w4a8_linear(x[at], packed, bits, **options)
+    together = call(slice(0, 20))
     for i in (0, 7, 19):
-        assert torch.equal(kernels_cpu.w4a8_linear(x[i:i + 1], packed, bits, *extra), together[i:i + 1])
-    assert torch.equal(kernels_cpu.w4a8_linear(x[:5], packed, bits, *extra), together[:5])
+        assert torch.equal(call(slice(i, i + 1)), together[i:i + 1])
+    assert torch.equal(call(slice(0, 5)), together[:5])
 
 
 def test_pack_refuses_a_shape_the_kernel_cannot_tile():
