@@ -43,11 +43,12 @@ static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> float, subno
     return value;
 }
 
-/* exp(x) for x <= 0 to a float's precision, in plain arithmetic the compiler vectorises (libm's expf it cannot):
- * x = k ln 2 + r, |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k */
+/* exp(x) for x <= 0 to a float's precision, in plain arithmetic the compiler vectorises (not libm's expf, nor fmaxf
+ * or floorf, which keep gcc's loops scalar): x = k ln 2 + r, k rounded to nearest by adding and taking away 1.5 x 2^23,
+ * |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k */
 static inline float exp_nonpositive(float x) {
-    x = fmaxf(x, -87.0f); /* e^-87 is a float's smallest normal: below it, 0 is as good */
-    float k = floorf(x * 1.44269504f + 0.5f);
+    x = x < -87.0f ? -87.0f : x; /* e^-87 is a float's smallest normal: below it, 0 is as good */
+    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
     float r = x - k * 0.693359375f + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -56,8 +57,10 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return p * scale.f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
 }
 
 /* ------------------------------------------------------------ activations: int8 per row and group of 32 */
