@@ -219,7 +219,8 @@ GGUF_STRING = 8
 GGUF_ARRAY = 9
 GGUF_BLOCK = 2**22  # values dequantized at a time, so that a big tensor's temporaries stay small
 GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # each group of 32 values a 4-bit code times a scale plus a low value: int4's
-GGUF_INT6 = ("Q6_K",)  # each 16 values a 6-bit code minus 32 times a scale: w4a8's 6-bit codes, as they are
+# each 16 values a 6-bit code minus 32 times a scale: w4a8's 6-bit codes, as they are (Q5_0's 5-bit ones plus 16)
+GGUF_INT6 = ("Q6_K", "Q5_0")
 GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 # Config field -> its GGUF metadata key, "{}" the architecture
 GGUF_KEYS = {"dim": "{}.embedding_length", "n_layers": "{}.block_count", "n_heads": "{}.attention.head_count",
@@ -263,25 +264,38 @@ def q4_groups(raw, kind):
 
 def dequantized(raw, kind):
     """Rows of GGUF blocks, uint8 [n, bytes a row] -> float32 [n, columns]. The types of Q4_K_M and Q5_0 files (Q4_*,
-    Q5_0, Q6_K, Q8_0) in torch, faster than the gguf package's numpy, which does the others. Q5_0: 32 values of 4 low
-    bits (qs) and a high bit (qh), minus 16, times d; Q6_K: q6_groups'."""
+    Q5_0, Q6_K, Q8_0) in torch, faster than the gguf package's numpy, which does the others."""
     import gguf
-    if kind.name not in GGUF_INT4 + ("Q5_0", "Q6_K", "Q8_0"):
+    if kind.name not in GGUF_INT4 + GGUF_INT6 + ("Q8_0",):
         return torch.from_numpy(gguf.quants.dequantize(raw, kind))
     if kind.name in GGUF_INT4:
         codes, scale, low = q4_groups(raw, kind)
         return codes.unflatten(1, (-1, 32)).float().mul_(scale[..., None]).add_(low[..., None]).flatten(1)
-    if kind.name == "Q6_K":
-        codes, scale = q6_groups(raw)
+    if kind.name in GGUF_INT6:
+        codes, scale = int6_groups(raw, kind)
         return codes.unflatten(1, (-1, 16)).float().sub_(32).mul_(scale[..., None]).flatten(1)
-    size = gguf.GGML_QUANT_SIZES[kind][1]
-    b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
+    b = torch.from_numpy(raw).view(len(raw), -1, 34)  # Q8_0: [n, blocks, f16 d and 32 int8]
     d = b[..., :2].contiguous().view(torch.float16).float()
-    if kind.name == "Q8_0":
-        return b[..., 2:].view(torch.int8).float().mul_(d).flatten(1)
-    if kind.name == "Q5_0":
-        high = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)  # [n, blocks, 32] (bits)
-        return (torch.cat([b[..., 6:] & 15, b[..., 6:] >> 4], -1) | high << 4).float().sub_(16).mul_(d).flatten(1)
+    return b[..., 2:].view(torch.int8).float().mul_(d).flatten(1)
+
+
+def int6_groups(raw, kind):
+    """Rows of Q6_K or Q5_0 blocks -> (codes [n, columns] in 0..63, scale [n, columns / 16]): each 16 values are
+    (code - 32) x scale."""
+    if kind.name == "Q6_K":
+        return q6_groups(raw)
+    return q5_groups(raw)
+
+
+def q5_groups(raw):
+    """Rows of Q5_0 blocks, uint8 [n, bytes a row] -> int6_groups': a block of 32 is its f16 d, 32 high bits (qh),
+    then 16 bytes of low nibbles (values j and j + 16); value = (5-bit q - 16) x d, so code = q + 16 and both
+    halves' scale d."""
+    b = torch.from_numpy(raw).view(len(raw), -1, 22)  # [n, blocks, bytes a block]
+    d = b[..., :2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    high = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)  # [n, blocks, 32] (bits)
+    q = torch.cat([b[..., 6:] & 15, b[..., 6:] >> 4], -1) | high << 4  # [n, blocks, 32] in 0..31
+    return (q + 16).flatten(1), d.expand(-1, -1, 2).flatten(1)
 
 
 def q6_groups(raw):
@@ -438,7 +452,7 @@ def open_gguf(path):
         only those rows, a chunk of columns (o, down) every row, then keeps its columns. GGUF_BLOCK values at a
         time go into the result, so a big tensor is never held whole in float32, or twice. dtype "int4" (Q4 blocks
         only): (q [rows, columns], scale_zero [columns / 32, rows, 2]) as kernels.quantize_int4 gives them; "int6"
-        (Q6_K only): q6_groups' (codes, scale [rows, columns / 16])."""
+        (Q6_K or Q5_0): int6_groups' (codes, scale [rows, columns / 16])."""
         from tqdm import tqdm
         shape, kind = found[name][:2]
         if dtype == "format":
@@ -472,7 +486,7 @@ def open_gguf(path):
                 w, scale, low = q4_groups(raw, kind)
                 sz = torch.stack([scale, low + 8 * scale], -1)  # [n, columns / 32, 2]
             elif codes:
-                w, scale = q6_groups(raw)
+                w, scale = int6_groups(raw, kind)
                 sz = scale[..., None]  # [n, columns / 16, 1]
             else:
                 w = dequantized(raw, kind)

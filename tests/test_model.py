@@ -365,7 +365,7 @@ def q6_blocks(rows, columns, rng):
 def write_mixed_gguf(path, arch, down="Q4_0"):
     """A one-layer GGUF model of 16 tokens and width 256 whose matmul weights are in Q4_K (q, gate, up), Q4_0 (k,
     down), Q4_1 (o) and Q8_0 (v), its tied embedding in F32, as llama.cpp's Q4_K_M mixes 4-bit and wider blocks;
-    down="Q6_K": the down projection in Q6_K blocks instead."""
+    down="Q6_K" or "Q5_0": the down projection in those blocks instead."""
     import gguf
     import numpy as np
     rng, w = np.random.default_rng(1), gguf.GGUFWriter(str(path), arch)
@@ -379,7 +379,11 @@ def write_mixed_gguf(path, arch, down="Q4_0"):
                                       ("attn_output", "Q4_1", 256, 256), ("ffn_gate", "Q4_K", 512, 256),
                                       ("ffn_up", "Q4_K", 512, 256), ("ffn_down", down, 256, 512)]:
         kind = gguf.GGMLQuantizationType[kind]
-        blocks = q6_blocks(rows, columns, rng) if kind.name == "Q6_K" else q4_blocks(kind, rows, columns, rng)
+        blocks = q4_blocks(kind, rows, columns, rng) if kind.name.startswith("Q4") else None
+        if kind.name == "Q6_K":
+            blocks = q6_blocks(rows, columns, rng)
+        if kind.name == "Q5_0":
+            blocks = gguf.quants.quantize(rng.standard_normal((rows, columns), np.float32) / 16, kind)
         w.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=kind)
     v = rng.standard_normal((128, 256), np.float32) / 16
     w.add_tensor("blk.0.attn_v.weight", gguf.quants.quantize(v, gguf.GGMLQuantizationType.Q8_0),
@@ -417,11 +421,12 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
 
 @pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 @pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
-def test_w4a8_takes_a_files_q6k_blocks_as_they_are(tmp_path, tp):
+@pytest.mark.parametrize("down", ["Q6_K", "Q5_0"])
+def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     """w4a8 holds a matrix the file has in Q6_K blocks in 6-bit codes, those blocks' own codes and scales (a
-    tensor-parallel rank's columns too): each weight is the file's within f16's rounding of its scale, not a
-    requantization; int4 holds it in int8; a draft (wider=False) cuts it to 4 bits."""
-    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", down="Q6_K"))
+    tensor-parallel rank's columns too), and Q5_0's 5-bit codes plus 16: each weight is the file's within f16's
+    rounding of its scale, not a requantization; int4 holds it in int8; a draft (wider=False) cuts it to 4 bits."""
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", down=down))
     exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
     loading.fill_weights(exact, get, tp[0])
     m = loading.build(c, get, tp=tp, weights="w4a8")
