@@ -349,9 +349,9 @@ class Transformer(torch.nn.Module):
         prefix_len + suffix_len + depth[r, t], not + t; tree bool [R, T, T]: it sees new token j iff tree[r, t, j]."""
         offset = torch.arange(tokens.shape[-1], device=tokens.device) if depth is None else depth  # [T] | [R, T]
         pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + offset  # [R, T]
-        rows = (-1, tokens.shape[1], -1, -1, -1)  # each particle's own row of them, as w4a8's call reads them
-        cos = self.cos[pos][:, None, :, None].expand(rows).contiguous()  # [R, N, T, 1, D]
-        sin = self.sin[pos][:, None, :, None].expand(rows).contiguous()
+        per_particle = (-1, tokens.shape[1], -1, -1, -1)  # a row of them for each row of x, as w4a8's call reads them
+        cos = self.cos[pos][:, None, :, None].expand(per_particle).contiguous()  # [R, N, T, 1, D]
+        sin = self.sin[pos][:, None, :, None].expand(per_particle).contiguous()
         at = cache.write_index(tokens.shape[-1])
         h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_step, at=at, tree=tree))  # [R, N, T, dim]
         return self._logits(h[:, :, -1] if last_only else h)

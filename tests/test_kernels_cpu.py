@@ -125,12 +125,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, extra):
     x = torch.randn(20, 192 if extra == "gated" else 96)
     cos, sin = rope_rows(20, 16, 0)
     options = {"plain": {}, "normed": dict(bias=torch.randn(32), norm=torch.rand(96) + 0.5, eps=1e-6),
-               "gated": dict(gated=True)}.get(extra)
+               "gated": dict(gated=True), "rotated": {}}[extra]
 
     def call(at):
-        if extra == "rotated":
-            return kernels_cpu.w4a8_linear(x[at], packed, bits, rope=(cos[at], sin[at], 1))
-        return kernels_cpu.w4a8_linear(x[at], packed, bits, **options)
+        rope = (cos[at], sin[at], 1) if extra == "rotated" else None
+        return kernels_cpu.w4a8_linear(x[at], packed, bits, rope=rope, **options)
     together = call(slice(0, 20))
     for i in (0, 7, 19):
         assert torch.equal(call(slice(i, i + 1)), together[i:i + 1])
