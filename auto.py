@@ -49,7 +49,8 @@ def cache_bytes():
 
 
 # ---------------------------------------------------------------- the formats this machine runs fastest
-BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.625}  # a weight's (w4a8: f16 scale, low)
+# a weight's bytes (w4a8: its int8 q of scale and low a group of 32, their f16 d a superblock of 256)
+BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.58}
 FOUR_BITS = ("int4", "w4a8")  # the formats that hold a file's 4-bit blocks as they are, its wider ones wide
 SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3)
 ACCEPTANCE = 0.7  # a prior for sd: the chance that the target accepts a draft token
@@ -257,8 +258,8 @@ class Measurement:
             w = values.repeat(shape[0], 1)
             first = formats.converted(w, fmt, wide=wide)
             per_weight = BYTES[fmt]
-            if wide:  # w4a8's codes of `wide` bits and its f16 scale and low
-                per_weight = (wide + 1) / 8
+            if wide:  # w4a8's codes of `wide` bits and their scales
+                per_weight = (wide + 0.6) / 8
             copies = min(255, int(1.5 * cache_bytes() // (w.numel() * per_weight)))
             ws = [first]
             for _ in range(copies):  # oneDNN's packed tensors cannot be copied: packed again

@@ -2,20 +2,22 @@
  * 32; and, at the end, the attention of a step's few new rows. kernels_cpu.py holds the PyTorch reference that
  * defines w4a8, the packing and the build; read that first.
  *
- * Weight layout, chosen for the dot product: panels of 16 output columns; a panel is in / 32 groups in order; a group
- * is its codes (16 columns x 32 inputs), then 16 f16 scales, then 16 f16 lows: w[c, k] = scale[c] * code + low[c].
+ * Weight layout, chosen for the dot product: panels of 16 output columns; a panel is superblocks of 8 groups of 32
+ * inputs in order (the last maybe fewer); a superblock is 16 f16 d of its columns' scales and 16 of their lows, then
+ * its groups; a group is its codes (16 columns x 32 inputs), then 16 int8 q of the scales and 16 of the lows:
+ * w[c, k] = d[c] x q[c] x code + dlow[c] x qlow[c], as a GGUF K block's own d x sc and dmin x m (kernels_cpu.py).
  * The codes form 8 vectors of 64 bytes, vector t holding inputs 4t .. 4t + 3 of each column (byte 4c + i), so one
  * vpdpbusd adds four products per column. 8-bit codes are those 8 vectors as they are (512 bytes); 4-bit ones pack
  * vector t in the low nibbles and vector t + 4 in the high nibbles of 4 vectors (256 bytes); 6-bit ones are those 4
  * vectors of low nibbles, then 2 of high bits, vector t's at bits 2 (t / 2) of vector t % 2 (384 bytes).
- * 6-bit codes are a GGUF Q6_K block's own: w[c, k] = scale[c, half] x (code - 32), a scale per 16 inputs, so their
- * group's floats are the 16 f16 scales of its first half, then those of its second (the lows are implied).
+ * 6-bit codes are a GGUF Q6_K block's own: w[c, k] = d[c] x q[c, half] x (code - 32), a scale per 16 inputs, so
+ * their superblock has only the 16 d, their group the 16 q of its first half, then those of its second.
  * Activations: xq int8 [rows, in], and per row and group dx (its step) and xs (dx x the sum of its codes), so a
  * group adds scale x dx x sum(code x xq) + low x xs to each column; per half group xo (32 x the sum of its codes),
  * so a 6-bit half adds scale x dx x (sum(code x xq) - xo).
  * Speed: a tile of rows x panels keeps its int32 sums and float accumulators in registers; each group's codes are
  * read and unpacked once for the tile's rows, each row's activations broadcast once for its panels; the rows' sums
- * are independent chains, interleaved; software prefetch runs ahead of the weight stream.
+ * are independent chains, interleaved; for tiles of several rows, software prefetch runs ahead of the weight stream.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,9 +28,21 @@
 
 #define GROUP 32
 #define PANEL 16
+#define SUPER 8 /* groups a superblock */
 #define PREFETCH 4096 /* bytes ahead in a panel's stream: the hardware prefetchers stop at page ends */
 
-static int group_bytes(int bits) { return bits * PANEL * GROUP / 8 + 4 * PANEL; }
+static int group_bytes(int bits) { return bits * PANEL * GROUP / 8 + 2 * PANEL; }
+static int head_bytes(int bits) { return bits == 6 ? 2 * PANEL : 4 * PANEL; }
+static int64_t panel_bytes_of(int bits, int64_t groups) {
+    return (groups + SUPER - 1) / SUPER * head_bytes(bits) + groups * group_bytes(bits);
+}
+/* group g of a panel, and the head of its superblock */
+static inline const uint8_t *group_at(const uint8_t *panel, int64_t g, int bits) {
+    return panel + (g / SUPER + 1) * head_bytes(bits) + g * group_bytes(bits);
+}
+static inline const uint8_t *head_at(const uint8_t *panel, int64_t g, int bits) {
+    return panel + g / SUPER * (head_bytes(bits) + SUPER * group_bytes(bits));
+}
 
 static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> float, subnormals included */
     uint32_t sign = (uint32_t)(h >> 15) << 31;
@@ -135,6 +149,16 @@ static inline __attribute__((always_inline)) __m512i high_bits_avx512(const uint
     return _mm512_and_si512(h, _mm512_set1_epi8(0x30));
 }
 
+/* 16 int8 -> 16 floats */
+static inline __attribute__((always_inline)) __m512 int8_floats_avx512(const uint8_t *q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+
+/* 16 f16 -> 16 floats */
+static inline __attribute__((always_inline)) __m512 half_floats_avx512(const uint8_t *h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
         int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in,
         int rows, float *y, int64_t out) {
@@ -150,8 +174,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < panels; c++) s[r][c] = _mm512_setzero_si512();
         #pragma GCC unroll 4
-        for (int c = 0; c < panels; c++) {
-            const uint8_t *p = panel + c * panel_bytes + g * gb;
+        for (int c = 0; c < panels && rows > 1; c++) { /* one row: the hardware prefetchers keep up alone, faster */
+            const uint8_t *p = group_at(panel + c * panel_bytes, g, bits);
             #pragma GCC unroll 9
             for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
         }
@@ -163,7 +187,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             __m512i codes[PANELS];
             #pragma GCC unroll 4
             for (int c = 0; c < panels; c++) {
-                const uint8_t *p = panel + c * panel_bytes + g * gb;
+                const uint8_t *p = group_at(panel + c * panel_bytes, g, bits);
                 if (bits == 8) codes[c] = _mm512_loadu_si512(p + 64 * t);
                 else if (t < 4) codes[c] = _mm512_and_si512(_mm512_loadu_si512(p + 64 * t), nibble);
                 else codes[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * (t - 4)), 4), nibble);
@@ -179,8 +203,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             if (bits == 6 && i % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then summed anew */
                 #pragma GCC unroll 4
                 for (int c = 0; c < panels; c++) {
-                    const uint8_t *f = panel + c * panel_bytes + g * gb + 384 + 32 * (i / 4);
-                    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
+                    const uint8_t *f = group_at(panel + c * panel_bytes, g, bits) + 384 + 16 * (i / 4);
+                    const uint8_t *head = head_at(panel + c * panel_bytes, g, bits);
+                    __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(f));
                     #pragma GCC unroll 16
                     for (int r = 0; r < rows; r++) {
                         __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
@@ -194,9 +219,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         }
         #pragma GCC unroll 4
         for (int c = 0; c < panels && bits != 6; c++) {
-            const uint8_t *f = panel + c * panel_bytes + g * gb + bits * PANEL * GROUP / 8;
-            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f));
-            __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + 32)));
+            const uint8_t *f = group_at(panel + c * panel_bytes, g, bits) + bits * PANEL * GROUP / 8;
+            const uint8_t *head = head_at(panel + c * panel_bytes, g, bits);
+            __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(f));
+            __m512 low = _mm512_mul_ps(half_floats_avx512(head + 32), int8_floats_avx512(f + 16));
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
                 __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
@@ -238,6 +264,11 @@ static inline __attribute__((always_inline)) __m256i dot_codes(__m256i sum, __m2
 #endif
 }
 
+/* 8 int8 -> 8 floats */
+static inline __attribute__((always_inline)) __m256 int8_floats_avx2(const uint8_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+}
+
 /* high_bits_avx512's, in 256 bits */
 static inline __attribute__((always_inline)) __m256i high_bits_avx2(const uint8_t *v, int j) {
     __m256i h = _mm256_loadu_si256((const __m256i *)v);
@@ -260,7 +291,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
     const __m256i nibble = _mm256_set1_epi8(15);
     int gb = group_bytes(bits);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p = panel + g * gb;
+        const uint8_t *p = group_at(panel, g, bits);
+        const uint8_t *head = head_at(panel, g, bits);
         for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
         __m256i s[MAX_TILE][2];
         #pragma GCC unroll 3
@@ -283,7 +315,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                     s[r][h] = dot_codes(s[r][h], codes, _mm256_set1_epi32(a[t]), bits);
                 }
                 if (bits == 6 && t % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then anew */
-                    __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 384 + 32 * (t / 4) + 16 * h)));
+                    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * h)));
+                    __m256 scale = _mm256_mul_ps(d, int8_floats_avx2(p + 384 + 16 * (t / 4) + 8 * h));
                     #pragma GCC unroll 3
                     for (int r = 0; r < rows; r++) {
                         __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * (in / GROUP) + g]));
@@ -298,8 +331,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         const uint8_t *f = p + bits * PANEL * GROUP / 8;
         #pragma GCC unroll 2
         for (int h = 0; h < 2 && bits != 6; h++) {
-            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 16 * h)));
-            __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + 32 + 16 * h)));
+            __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * h))),
+                                         int8_floats_avx2(f + 8 * h));
+            __m256 low = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32 + 16 * h))),
+                                       int8_floats_avx2(f + 16 + 8 * h));
             #pragma GCC unroll 3
             for (int r = 0; r < rows; r++) {
                 __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * (in / GROUP) + g]));
@@ -324,7 +359,6 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
         const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
         int64_t out) {
-    int gb = group_bytes(bits);
     (void)panel_bytes; /* one panel and one row a tile */
     (void)panels;
     (void)rows;
@@ -332,8 +366,9 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
     for (int c = 0; c < PANEL; c++) {
         float acc = 0;
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *p = panel + g * gb;
+            const uint8_t *p = group_at(panel, g, bits);
             const uint8_t *f = p + bits * PANEL * GROUP / 8;
+            const uint8_t *head = head_at(panel, g, bits);
             int32_t s[2] = {0, 0}; /* the group's halves: 6-bit codes have a scale each */
             for (int k = 0; k < GROUP; k++) {
                 int t = k / 4;
@@ -344,16 +379,17 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
                 if (bits == 6) code |= (p[256 + 64 * (t % 2) + at] >> (2 * (t / 2)) & 3) << 4;
                 s[k / 16] += code * xq[g * GROUP + k];
             }
-            uint16_t scale;
-            uint16_t low;
-            memcpy(&scale, f + 2 * c, 2);
-            memcpy(&low, f + 32 + 2 * c, 2);
+            uint16_t d;
+            uint16_t dlow;
+            memcpy(&d, head + 2 * c, 2);
+            memcpy(&dlow, head + 32 + 2 * c, 2);
+            const int8_t *q = (const int8_t *)f;
             if (bits == 6) {
-                acc = fmaf((float)(s[0] - xo[2 * g]), half_to_float(scale) * dx[g], acc);
-                acc = fmaf((float)(s[1] - xo[2 * g + 1]), half_to_float(low) * dx[g], acc);
+                acc = fmaf((float)(s[0] - xo[2 * g]), half_to_float(d) * q[c] * dx[g], acc);
+                acc = fmaf((float)(s[1] - xo[2 * g + 1]), half_to_float(d) * q[16 + c] * dx[g], acc);
             } else {
-                acc = fmaf((float)(s[0] + s[1]), half_to_float(scale) * dx[g], acc);
-                acc = fmaf(half_to_float(low), xs[g], acc);
+                acc = fmaf((float)(s[0] + s[1]), half_to_float(d) * q[c] * dx[g], acc);
+                acc = fmaf(half_to_float(dlow) * q[16 + c], xs[g], acc);
             }
         }
         y[c] = acc;
@@ -390,7 +426,7 @@ static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, in
 static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
                          const float *xs, const int32_t *xo, int64_t rows, float *y) {
     int64_t groups = in / GROUP;
-    int64_t panel_bytes = groups * group_bytes(bits);
+    int64_t panel_bytes = panel_bytes_of(bits, groups);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
     int64_t blocks = (out / PANEL + PANELS - 1) / PANELS; /* PANELS panels each, the last maybe fewer */
     #pragma omp for schedule(static)

@@ -17,6 +17,7 @@ import torch
 
 GROUP = 32  # inputs sharing a weight scale and low, and an activation step
 PANEL = 16  # output columns the kernel computes side by side (one 512-bit register of int32 sums)
+SUPER = 8  # groups whose scales share one float a column: a superblock of 256 inputs, as GGUF's K blocks
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cpu.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 CACHE_ENV = "SMCSD_MINI_CACHE"  # a folder in place of the user's cache directory's (tests set it)
@@ -32,11 +33,71 @@ def quantize_rows_ref(x):
     return q.to(torch.int8).flatten(-2), dx, dx * q.sum(-1)
 
 
+def split_scales(values, per, rounding=torch.round):
+    """values [out, n] float32 (a group's scales or lows; 6-bit: a half group's scales), per of them a superblock ->
+    (d float16 [out, n / per], q int8 [out, n]): value = d x q, as packed. Exact where the values allow it (a K
+    block's d times its 6-bit sc or m, or Q6_K's int8 sc: the greatest common step of a superblock's values); else
+    d = the largest |value| / 127 and q = rounding(value / d)."""
+    n = values.shape[1]
+    padded = torch.nn.functional.pad(values.float(), (0, -n % per)).unflatten(1, (-1, per))  # [out, sb, per]
+    amax = padded.abs().amax(-1, keepdim=True)
+    # a K block's values have at most 19 significant bits and reach down to amax / 128: whole multiples of this
+    unit = torch.exp2(torch.floor(torch.log2(amax.clamp(min=2**-100))) - 26)
+    m = padded / unit
+    whole = m.round()
+    exact = (m == whole).all(-1, keepdim=True)
+    m = whole.int()
+    step = m[..., 0].abs()
+    for j in range(1, per):
+        step = torch.gcd(step, m[..., j])
+    step = step.clamp(min=1)[..., None].double() * unit.double()  # [out, sb, 1]
+    amax = amax.double()
+    d = half_up(torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
+    top = padded.amax(-1, keepdim=True).double() / step
+    bottom = padded.amin(-1, keepdim=True).double() / step
+    at = (exact & (amax > 0) & (top <= 127) & (bottom >= -128)).nonzero(as_tuple=True)
+    d[at] = exact_step(step[at], torch.maximum(top[at], -bottom[at] * 127 / 128), d[at])
+    d = d.float()
+    q = rounding(padded / d).clamp(-128, 127)  # exact quotients where d is the common step
+    return d[..., 0].half(), q.flatten(1)[:, :n].to(torch.int8)
+
+
+def half_up(x):
+    """float64 x > 0 -> the float16 at or above it nearest to it (at least float16's smallest step), as float64."""
+    h = x.clamp(min=2.0**-24).half()
+    below = h.double() < x
+    h[below] = torch.nextafter(h[below], torch.full_like(h[below], float("inf")))
+    return h.double()
+
+
+def exact_step(step, reach, fallback):
+    """A superblock's common step over the smallest t (1, 2, ...) that float16 holds and that keeps its values within
+    int8 (reach: the most steps any takes, a negative one's x 127 / 128), else fallback. All float64 [k]."""
+    d = fallback.clone()
+    todo = torch.ones_like(step, dtype=torch.bool)
+    for t in range(1, 128):
+        todo &= reach * t <= 127
+        fits = todo & ((step / t).half().double() == step / t)
+        d = torch.where(fits, step / t, d)
+        todo &= ~fits
+        if not todo.any():
+            break
+    return d
+
+
+def as_packed(values, per, rounding=torch.round):
+    """values [out, n] -> float32: as the kernel sees them, split_scales' d x q."""
+    d, q = split_scales(values, per, rounding)
+    return (d.float().repeat_interleave(per, 1)[:, :values.shape[1]] * q.float())
+
+
 def dequantize(codes, scale, low):
     """codes [out, in] (0..15, 0..63 or 0..255), scale and low [out, in / 32] (6-bit: [out, in / 16], low = -32 x
-    scale) -> float32 w [out, in] as the kernel sees it (scale and low rounded to float16, as packed)."""
+    scale) -> float32 w [out, in] as the kernel sees it (scale and low as packed: split_scales')."""
     size = codes.shape[1] // scale.shape[1]  # inputs a scale
-    w = codes.float().unflatten(1, (-1, size)) * scale.half().float()[..., None] + low.half().float()[..., None]
+    scale = as_packed(scale, 256 // size)
+    low = -32 * scale if size == 16 else as_packed(low, SUPER)
+    w = codes.float().unflatten(1, (-1, size)) * scale[..., None] + low[..., None]
     return w.flatten(1)
 
 
@@ -49,42 +110,46 @@ def w4a8_linear_ref(x, codes, scale, low):
 
 # ---------------------------------------------------------------- weights: quantized, packed
 def quantize(w, bits):
-    """w [out, in] -> (codes uint8 [out, in] in 0 .. 2^bits - 1, scale, low float16 [out, in / 32]): asymmetric per
-    group of 32 inputs, w ~ scale x code + low, with scale and low rounded first so the codes see the stored values.
-    6 bits: as a GGUF file's Q6_K, symmetric per 16 (quantize_6)."""
+    """w [out, in] -> (codes uint8 [out, in] in 0 .. 2^bits - 1, scale, low float32 [out, in / 32]): asymmetric per
+    group of 32 inputs, w ~ scale x code + low, scale and low first made what the kernel stores (scale rounded up,
+    low down: every group's range still covered) so the codes see them. 6 bits: as a GGUF file's Q6_K, symmetric per
+    16 (quantize_6)."""
     if bits == 6:
         return quantize_6(w)
-    codes = torch.empty(w.shape, dtype=torch.uint8)
-    scale = torch.empty(len(w), w.shape[1] // GROUP, dtype=torch.float16)
-    low = torch.empty_like(scale)
     n = max(1, 2**22 // w.shape[1])  # rows at a time: the float32 temporaries stay small
+    chunks = (w[i:i + n].float().unflatten(1, (-1, GROUP)) for i in range(0, len(w), n))  # [n, in / 32, 32]
+    low_high = torch.cat([torch.stack([wg.amin(-1), wg.amax(-1)]) for wg in chunks], 1)  # [2, out, in / 32]
+    low = as_packed(low_high[0], SUPER, torch.floor)
+    high = low_high[1]
+    scale = as_packed(((high - low) / (2**bits - 1)).clamp(min=1e-7), SUPER, torch.ceil)
+    codes = torch.empty(w.shape, dtype=torch.uint8)
     for i in range(0, len(w), n):
-        wg = w[i:i + n].float().unflatten(1, (-1, GROUP))  # [n, in / 32, 32]
-        low[i:i + n] = wg.amin(-1)
-        scale[i:i + n] = ((wg.amax(-1) - low[i:i + n].float()) / (2**bits - 1)).clamp(min=1e-7)
-        steps = (wg - low[i:i + n].float()[..., None]) / scale[i:i + n].float()[..., None]
+        steps = (w[i:i + n].float().unflatten(1, (-1, GROUP)) - low[i:i + n, :, None]) / scale[i:i + n, :, None]
         codes[i:i + n] = steps.round().clamp(0, 2**bits - 1).flatten(1)
     return codes, scale, low
 
 
 def quantize_6(w):
-    """w [out, in] -> (codes in 0 .. 63, scale [out, in / 16] float16, low = -32 x scale): w ~ scale x (code - 32),
-    the largest |w| of each 16 inputs at 31 steps."""
+    """w [out, in] -> (codes in 0 .. 63, scale [out, in / 16] float32, low = -32 x scale): w ~ scale x (code - 32),
+    the largest |w| of each 16 inputs at 31 steps, the scale as the kernel stores it (rounded up)."""
     wg = w.float().unflatten(1, (-1, 16))  # [out, in / 16, 16]
-    scale = (wg.abs().amax(-1) / 31).clamp(min=1e-7).half()
-    codes = (wg / scale.float()[..., None]).round().clamp(-32, 31) + 32
+    scale = as_packed((wg.abs().amax(-1) / 31).clamp(min=1e-7), 2 * SUPER, torch.ceil)
+    codes = (wg / scale[..., None]).round().clamp(-32, 31) + 32
     return codes.to(torch.uint8).flatten(1), scale, -32 * scale
 
 
 def pack(codes, scale, low, bits):
     """codes [out, in] of 4, 6 or 8 bits, scale and low [out, in / 32] (6-bit: quantize_6's) -> uint8 [out / 16,
-    in / 32, bytes a group]: kernels_cpu.c's layout (panels of 16 columns; per group the codes as 8 vectors of 4 inputs
-    x 16 columns, then f16 scales, lows; 6-bit: the scales of the group's first 16 inputs, then of its last 16)."""
+    bytes a panel]: kernels_cpu.c's layout. A panel of 16 columns is superblocks of 8 groups of 32 inputs (the last
+    maybe fewer): its 16 f16 d of the scales (and of the lows), then each group's codes as 8 vectors of 4 inputs x 16
+    columns and its int8 q of the scales and lows (6-bit: of the scales of its first 16 inputs, then its last 16)."""
     out, n = codes.shape
     if out % PANEL or n % GROUP:
         raise ValueError(f"w4a8 needs matmul weights of 16k x 32k, not {tuple(codes.shape)}")
-    v = codes.to(torch.uint8).reshape(out // PANEL, PANEL, n // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
-    v = v.reshape(out // PANEL, n // GROUP, 8, PANEL * 4)  # [panels, groups, vector t, 4 x column + input]
+    panels = out // PANEL
+    groups = n // GROUP
+    v = codes.to(torch.uint8).reshape(panels, PANEL, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    v = v.reshape(panels, groups, 8, PANEL * 4)  # [panels, groups, vector t, 4 x column + input]
     if bits < 8:
         low_bits = v & 15
         high = v >> 4  # 6-bit codes' top two bits: vector t's at bits 2 (t // 2) of vector t % 2
@@ -93,12 +158,20 @@ def pack(codes, scale, low, bits):
         high = high.unflatten(2, (4, 2))  # [panels, groups, t // 2, t % 2, 64]
         packed_high = high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6
         v = torch.cat([v, packed_high], 2)  # [panels, groups, 6, 64]
-    per_group = lambda s: s.half().reshape(out // PANEL, PANEL, n // GROUP).transpose(1, 2).contiguous()
-    if bits == 6:  # the second halves' scales where the lows go (those are -32 x the scales)
-        low = scale[:, 1::2]
-        scale = scale[:, 0::2]
-    floats = torch.cat([per_group(scale), per_group(low)], -1).view(torch.uint8)  # [panels, groups, 64]
-    return torch.cat([v.flatten(2), floats], -1).contiguous()
+    parts = [(scale, 2 * SUPER if bits == 6 else SUPER)]
+    if bits != 6:  # 6-bit lows are -32 x the scales
+        parts.append((low, SUPER))
+    heads = []
+    qs = []
+    for values, per in parts:
+        d, q = split_scales(values, per)
+        heads.append(d.reshape(panels, PANEL, -1).transpose(1, 2))  # [panels, superblocks, 16]
+        qs.append(q.reshape(panels, PANEL, groups, -1).permute(0, 2, 3, 1).flatten(2))  # [panels, groups, 16 | 32]
+    head = torch.cat(heads, -1).contiguous().view(torch.uint8)  # [panels, superblocks, 32 | 64]
+    body = torch.cat([v.flatten(2), *(q.view(torch.uint8) for q in qs)], -1)  # [panels, groups, bytes a group]
+    body = torch.nn.functional.pad(body, (0, 0, 0, -groups % SUPER)).unflatten(1, (-1, SUPER)).flatten(2)
+    whole = torch.cat([head, body], -1).flatten(1)  # [panels, superblocks x (head + 8 groups)]
+    return whole[:, :whole.shape[1] - (-groups % SUPER) * body.shape[-1] // SUPER].contiguous()
 
 
 # ---------------------------------------------------------------- the compiled kernel

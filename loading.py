@@ -79,8 +79,8 @@ def checked_getter(c, tensors, where):
     """Wrap tensors {name: (shape, fetch(index, dtype) -> tensor)} as get(name, part=(dim, k, n), dtype=None) -> the
     k-th of n equal chunks along dim of the tensor (default: all) in dtype (None: the file's), fetching only that chunk
     (a tuple of slices). dtype "format": the weight format holding the chunk as the file quantized it (int4 for 4-bit
-    blocks, int6 for 5 or 6 bits, int8 for more, None for floats); "int4": those 4-bit blocks as int4's (q,
-    scale_zero). Each tensor's presence and shape is checked first, from the headers, else a one-line LoadError before
+    blocks, int6 for 5 or 6 bits, int8 for more, None for floats); "int4": those 4-bit blocks as they are (q,
+    scale_low). Each tensor's presence and shape is checked first, from the headers, else a one-line LoadError before
     any weight is read."""
     shapes = model.expected_shapes(c)
     for name, shape in shapes.items():
@@ -118,8 +118,8 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
                 kept = {get(name, part, "format") for name, _ in tensors}
             owner, _, attr = param.rpartition(".")
             if param.endswith(formats.MATMULS) and kept == {"int4"}:
-                q, scale_zero = zip(*(get(name, part, "int4") for name, _ in tensors))
-                blocks = four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_zero, 1))
+                q, scale_low = zip(*(get(name, part, "int4") for name, _ in tensors))
+                blocks = four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_low, 1))
                 formats.replace(transformer.get_submodule(owner), attr, formats.quantized(fmt, dst, blocks))
                 bar.update(dst.numel())
                 continue
@@ -138,13 +138,14 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
     return held
 
 
-def four_bit_blocks(fmt, q, scale_zero):
-    """A file's 4-bit blocks, get's "int4" (q [out, in], scale_zero [in / 32, out, 2]: w = (q - 8) x scale + zero), as
-    format fmt's Quantized takes them: int4's as they are, w4a8's (codes, scale, low): w = scale x code + low."""
+def four_bit_blocks(fmt, q, scale_low):
+    """A file's 4-bit blocks, get's "int4" (q [out, in], scale_low [in / 32, out, 2]: w = q x scale + low), as format
+    fmt's Quantized takes them: int4's (q, scale_zero: w = (q - 8) x scale + zero); w4a8's (codes, scale, low) as
+    they are, the file's own values (a K block's d x sc and dmin x m), which its packing keeps exactly."""
+    scale, low = scale_low.unbind(-1)  # [in / 32, out]
     if fmt == "int4":
-        return q, scale_zero
-    scale = scale_zero[..., 0].T  # [out, in / 32]
-    return q.to(torch.uint8), scale, scale_zero[..., 1].T - 8 * scale
+        return q, torch.stack([scale, low + 8 * scale], -1)
+    return q.to(torch.uint8), scale.T, low.T
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -451,7 +452,7 @@ def open_gguf(path):
         """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
         only those rows, a chunk of columns (o, down) every row, then keeps its columns. GGUF_BLOCK values at a
         time go into the result, so a big tensor is never held whole in float32, or twice. dtype "int4" (Q4 blocks
-        only): (q [rows, columns], scale_zero [columns / 32, rows, 2]) as kernels.quantize_int4 gives them; "int6"
+        only): (q [rows, columns], scale_low [columns / 32, rows, 2]: value = q x scale + low); "int6"
         (Q6_K or Q5_0): int6_groups' (codes, scale [rows, columns / 16])."""
         from tqdm import tqdm
         shape, kind = found[name][:2]
@@ -482,9 +483,9 @@ def open_gguf(path):
             n = min(step, rows.stop - s)
             raw = read(name, s, n)
             at = slice(s - rows.start, s - rows.start + n)
-            if four:  # the kernels' int4 value is (code - 8) x scale + zero
+            if four:
                 w, scale, low = q4_groups(raw, kind)
-                sz = torch.stack([scale, low + 8 * scale], -1)  # [n, columns / 32, 2]
+                sz = torch.stack([scale, low], -1)  # [n, columns / 32, 2]
             elif codes:
                 w, scale = int6_groups(raw, kind)
                 sz = scale[..., None]  # [n, columns / 16, 1]
