@@ -46,14 +46,16 @@ def usable(fmt):
 class Quantized(torch.nn.Module):
     """A matmul weight [out, in] in int8, int4, w4a8 or w8a8, built from the tensors it keeps (`quantized` makes them
     from a plain weight; `tensors()` gives them back, as weight_cache.py keeps them): int8 and int4 q and scale for
-    kernels.quantized_linear; w4a8 kernels_cpu's packed codes of `bits` bits; w8a8 q and scale, packed by FBGEMM at
-    construction (`packed_bytes` of it), and float32 outlier columns (kernels.w8a8_linear). Parameters where it can,
-    so weight_bytes counts them."""
+    kernels.quantized_linear; w4a8 kernels_cpu's packed codes of `bits` bits (and, tail_bits > 0, more rows in tail,
+    of tail_bits: a fused q/k/v whose v a file holds wider); w8a8 q and scale, packed by FBGEMM at construction
+    (`packed_bytes` of it), and float32 outlier columns (kernels.w8a8_linear). Parameters where it can, so
+    weight_bytes counts them."""
 
-    def __init__(self, fmt, tensors, bits=4):
+    def __init__(self, fmt, tensors, bits=4, tail_bits=0):
         super().__init__()
         self.fmt = fmt
         self.bits = bits
+        self.tail_bits = tail_bits
         self.packed_bytes = 0
         if fmt == "w8a8":
             q = tensors["q"]
@@ -68,11 +70,17 @@ class Quantized(torch.nn.Module):
     def normed(self, x, norm, eps, bias=None, rope=None):
         """forward(model.rms_norm(x, norm, eps), bias), its first heads rotated by rope = (cos, sin, heads), w4a8's in
         one call of its kernel (model.normed_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope)
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope, tail=self.tail())
 
     def gated(self, x):
         """forward(silu(gate) x up) for x = [gate | up], w4a8's in one call of its kernel (model.gated_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True)
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail())
+
+    def tail(self):
+        """w4a8's rows in other bits, as its kernel takes them: (packed, bits), or None."""
+        if not self.tail_bits:
+            return None
+        return self.tail_packed, self.tail_bits
 
     def tensors(self):
         """-> {name: tensor}: what this weight is built from again (Quantized(fmt, tensors, bits))."""
@@ -87,7 +95,7 @@ class Quantized(torch.nn.Module):
         if self.fmt == "w8a8":
             y = kernels.w8a8_linear(x, self.packed, self.outliers, self.w_outliers)
         elif self.fmt == "w4a8":
-            return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias)
+            return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, tail=self.tail())
         else:
             y = kernels.quantized_linear(x, self.q, self.scale)
         return y if bias is None else y + bias
@@ -115,6 +123,13 @@ def quantized(fmt, w, blocks=None, amax=None, bits=4):
     if fmt == "int4":  # uint8 [out, in / 2], packed for the device's kernel
         q = torch._convert_weight_to_int4pack_for_cpu(q, 1) if w.is_cpu else kernels.pack_int4(q)
     return Quantized(fmt, {"q": q, "scale": scale})
+
+
+def w4a8_in_two(head, tail):
+    """w4a8's Quantized of a weight whose first rows are a file's 4-bit blocks and the rest its 6-bit ones, each
+    given as w4a8's (codes, scale, low) and kept as it is: the rest is its tail."""
+    tensors = {"packed": kernels_cpu.pack(*head, 4), "tail_packed": kernels_cpu.pack(*tail, 6)}
+    return Quantized("w4a8", tensors, 4, tail_bits=6)
 
 
 def converted(w, fmt, amax=None, wide=0):

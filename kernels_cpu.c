@@ -421,15 +421,15 @@ static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, in
     }
 }
 
-/* y [rows, out] float32 = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo): the calling thread's share of the
- * panels in a parallel region. */
+/* y [rows, out] float32 (rows ldy apart) = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo): the calling thread's
+ * share of the panels in a parallel region, with no barrier after it. */
 static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
-                         const float *xs, const int32_t *xo, int64_t rows, float *y) {
+                         const float *xs, const int32_t *xo, int64_t rows, float *y, int64_t ldy) {
     int64_t groups = in / GROUP;
     int64_t panel_bytes = panel_bytes_of(bits, groups);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
     int64_t blocks = (out / PANEL + PANELS - 1) / PANELS; /* PANELS panels each, the last maybe fewer */
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t b = 0; b < blocks; b++) {
         int64_t first_panel = b * PANELS;
         int panels = out / PANEL - first_panel < PANELS ? (int)(out / PANEL - first_panel) : PANELS;
@@ -440,7 +440,7 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
                 int now = panels - done == PANELS && n <= PAIR_ROWS ? PANELS : 1;
                 panel_rows(w + (first_panel + done) * panel_bytes, panel_bytes, now, bits, groups, xq + first * in,
                            dx + first * groups, xs + first * groups, xo + 2 * first * groups, in, (int)n,
-                           y + first * out + (first_panel + done) * PANEL, out);
+                           y + first * ldy + (first_panel + done) * PANEL, ldy);
                 done += now;
             }
         }
@@ -477,15 +477,16 @@ static void rotate_heads(float *y, int64_t rows, int64_t out, const float *cos, 
     }
 }
 
-/* y [rows, out] float32 = x [rows, in] float32 @ w.T (+ bias [out] unless NULL). With norm [in] (else NULL), x's
- * rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is [rows, 2 in], gate then up,
- * and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim] (else NULL), the first
- * `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch (rows x in bytes, then
- * 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied, in one parallel region (one start of the
- * threads a call). */
-void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x, int64_t rows, float *y,
-            const float *bias, const float *norm, float eps, int gated, const float *cos, const float *sin,
-            int64_t rotated, int64_t head_dim, uint8_t *scratch, int threads) {
+/* y [rows, out] float32 = x [rows, in] float32 @ W.T (+ bias [out] unless NULL), W's first `head` rows in w, of
+ * `bits` bits, the rest in tail, of tail_bits (a fused q/k/v whose v the file holds wider; tail NULL: none). With
+ * norm [in] (else NULL), x's rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is
+ * [rows, 2 in], gate then up, and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim]
+ * (else NULL), the first `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch
+ * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied, in one parallel
+ * region (one start of the threads a call). */
+void linear(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out, int64_t in,
+            const float *x, int64_t rows, float *y, const float *bias, const float *norm, float eps, int gated,
+            const float *cos, const float *sin, int64_t rotated, int64_t head_dim, uint8_t *scratch, int threads) {
     int64_t groups = rows * (in / GROUP);
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * in);
@@ -518,7 +519,9 @@ void linear(const uint8_t *w, int bits, int64_t out, int64_t in, const float *x,
             }
             QUANTIZE_GROUP(v, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
         }
-        matmul_share(w, bits, out, in, xq, dx, xs, xo, rows, y); /* after the loop's barrier: every row quantized */
+        matmul_share(w, bits, head, in, xq, dx, xs, xo, rows, y, out); /* after the loop's barrier: all quantized */
+        if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, rows, y + head, out);
+        #pragma omp barrier
         if (bias) {
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)

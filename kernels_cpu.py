@@ -55,8 +55,8 @@ def split_scales(values, per, rounding=torch.round):
     d = half_up(torch.where(amax > 0, amax / 127, torch.ones_like(amax)))
     top = padded.amax(-1, keepdim=True).double() / step
     bottom = padded.amin(-1, keepdim=True).double() / step
-    at = (exact & (amax > 0) & (top <= 127) & (bottom >= -128)).nonzero(as_tuple=True)
-    d[at] = exact_step(step[at], torch.maximum(top[at], -bottom[at] * 127 / 128), d[at])
+    at = (exact & (amax > 0) & (torch.maximum(top, -bottom) <= 128)).nonzero(as_tuple=True)
+    d[at] = exact_step(step[at], top[at], bottom[at], d[at])
     d = d.float()
     q = rounding(padded / d).clamp(-128, 127)  # exact quotients where d is the common step
     return d[..., 0].half(), q.flatten(1)[:, :n].to(torch.int8)
@@ -70,16 +70,21 @@ def half_up(x):
     return h.double()
 
 
-def exact_step(step, reach, fallback):
-    """A superblock's common step over the smallest t (1, 2, ...) that float16 holds and that keeps its values within
-    int8 (reach: the most steps any takes, a negative one's x 127 / 128), else fallback. All float64 [k]."""
+def exact_step(step, top, bottom, fallback):
+    """A superblock's common step over the smallest t (1, 2, ...) that float16 holds and that keeps its values
+    within int8 (they reach top steps up and -bottom down), negated where only that does (Q6_K's d may be negative,
+    its sc -128), else fallback. All float64 [k]."""
     d = fallback.clone()
     todo = torch.ones_like(step, dtype=torch.bool)
     for t in range(1, 128):
-        todo &= reach * t <= 127
-        fits = todo & ((step / t).half().double() == step / t)
-        d = torch.where(fits, step / t, d)
-        todo &= ~fits
+        up = top * t
+        down = -bottom * t
+        held = todo & ((step / t).half().double() == step / t)
+        positive = held & (up <= 127) & (down <= 128)
+        negative = held & ~positive & (down <= 127) & (up <= 128)
+        d = torch.where(positive, step / t, d)
+        d = torch.where(negative, -step / t, d)
+        todo &= ~(positive | negative) & (torch.maximum(up, down) <= 128)
         if not todo.any():
             break
     return d
@@ -220,8 +225,8 @@ def load(path):
     i64 = ctypes.c_int64
     ptr = ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.linear.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int, ptr, ptr,
-                           i64, i64, ptr, ctypes.c_int]
+    lib.linear.argtypes = [ptr, ctypes.c_int, i64, ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float,
+                           ctypes.c_int, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
@@ -275,18 +280,24 @@ def scratch(size):
     return _scratch.t
 
 
-def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rope=None):
+def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rope=None, tail=None):
     """x [..., in] float32 @ w.T + bias [out] for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by
-    the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. norm [in]: x's rows
-    RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)). gated: x is [..., 2 in], gate then up, and
-    the input silu(gate) x up (SwiGLU's). rope (cos, sin, heads): the output's first `heads` heads rotated after the
-    bias (model.apply_rope's), cos and sin one [D] row per row of x. All in the same call."""
+    the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. tail (packed,
+    bits): more rows of w after packed's, in other bits (a fused q/k/v whose v a file holds wider). norm [in]: x's
+    rows RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)). gated: x is [..., 2 in], gate then up,
+    and the input silu(gate) x up (SwiGLU's). rope (cos, sin, heads): the output's first `heads` heads rotated after
+    the bias (model.apply_rope's), cos and sin one [D] row per row of x. All in the same call."""
     if gated and norm is not None:
         raise ValueError("w4a8_linear gates or normalises its input, not both")
     x = x.float().contiguous()
     n = x.shape[-1] // (1 + gated)
     rows = x.numel() // x.shape[-1]
-    out = packed.shape[0] * PANEL
+    head = packed.shape[0] * PANEL
+    tail_packed = None
+    tail_bits = 0
+    if tail is not None:
+        tail_packed, tail_bits = tail
+    out = head + (0 if tail is None else tail_packed.shape[0] * PANEL)
     y = x.new_empty(*x.shape[:-1], out)
     room = scratch(rows * n + 16 * rows * (n // GROUP) + 4 * rows)  # xq; dx, xs, xo (two int32 a group); 1 / rms
     cos = None
@@ -300,17 +311,18 @@ def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rop
             raise ValueError(f"rope's cos and sin {tuple(cos.shape)} must give each of the {rows} rows its own, "
                              f"for {heads} heads of at most {out // max(D, 1)}")
     lib = _library.get("lib") or library()[0]
-    lib.linear(packed.data_ptr(), bits, out, n, x.data_ptr(), rows, y.data_ptr(), pointer(bias), pointer(norm), eps,
-               gated, pointer(cos), pointer(sin), heads, D, room.data_ptr(), torch.get_num_threads())
+    lib.linear(packed.data_ptr(), bits, head, pointer(tail_packed, torch.uint8), tail_bits, out, n, x.data_ptr(), rows,
+               y.data_ptr(), pointer(bias), pointer(norm), eps, gated, pointer(cos), pointer(sin), heads, D,
+               room.data_ptr(), torch.get_num_threads())
     return y
 
 
-def pointer(t):
-    """A contiguous float32 tensor's data (w4a8's parameters are), or NULL for None."""
+def pointer(t, dtype=torch.float32):
+    """A contiguous tensor's data (w4a8's parameters: float32, packed weights uint8), or NULL for None."""
     if t is None:
         return None
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        raise ValueError(f"w4a8's bias, norm, cos and sin are contiguous float32, not {t.dtype}")
+    if t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"w4a8's bias, norm, cos and sin are contiguous float32, its weights uint8, not {t.dtype}")
     return t.data_ptr()
 
 

@@ -129,6 +129,13 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
                 formats.replace(transformer.get_submodule(owner), attr, formats.quantized(fmt, dst, blocks, bits=6))
                 bar.update(dst.numel())
                 continue
+            split = None
+            if fmt == "w4a8" and wider and param.endswith(formats.MATMULS):
+                split = four_and_six_bits(get, [name for name, _ in tensors], part)
+            if split is not None:  # q/k/v whose v the file holds in Q6_K: both kinds of blocks as they are
+                formats.replace(transformer.get_submodule(owner), attr, split)
+                bar.update(dst.numel())
+                continue
             at = 0
             for name, _ in tensors:
                 t = get(name, part, dst.dtype)
@@ -136,6 +143,23 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
                 at += len(t)
                 bar.update(t.numel())
     return held
+
+
+def four_and_six_bits(get, names, part):
+    """w4a8's Quantized of a fused weight whose tensors (names, in order) are 4-bit blocks, then 5- or 6-bit ones
+    (q/k/v whose v a Q4_K_M file holds in Q6_K), each kind as it is, the wider rows its tail; else None (other
+    kinds, or rows the kernel's panels of 16 do not divide)."""
+    kinds = [get(name, part, "format") for name in names]
+    fours = kinds.count("int4")
+    if not 0 < fours < len(kinds) or kinds != ["int4"] * fours + ["int6"] * (len(kinds) - fours):
+        return None
+    q, scale_low = zip(*(get(name, part, "int4") for name in names[:fours]))
+    codes, scale = zip(*(get(name, part, "int6") for name in names[fours:]))
+    if sum(map(len, q)) % 16 or sum(map(len, codes)) % 16:
+        return None
+    scale = torch.cat(scale)
+    head = four_bit_blocks("w4a8", torch.cat(q), torch.cat(scale_low, 1))
+    return formats.w4a8_in_two(head, (torch.cat(codes).to(torch.uint8), scale, -32 * scale))
 
 
 def four_bit_blocks(fmt, q, scale_low):

@@ -86,7 +86,8 @@ def kept_tensors(transformer):
         w = getattr(m, attr)
         if isinstance(w, formats.Quantized):
             parts = w.tensors()
-            recipes[name] = {"kind": "quantized", "fmt": w.fmt, "bits": w.bits, "tensors": sorted(parts)}
+            recipes[name] = {"kind": "quantized", "fmt": w.fmt, "bits": w.bits, "tail_bits": w.tail_bits,
+                             "tensors": sorted(parts)}
             tensors |= {f"{name}.{part}": t for part, t in parts.items()}
         elif w is transformer.embed:
             recipes[name] = {"kind": "tied"}
@@ -205,7 +206,7 @@ def restored(recipe, name, tensors, transformer):
         return transformer.embed
     if kind == "quantized":
         parts = {part: tensors[f"{name}.{part}"] for part in recipe["tensors"]}
-        return formats.Quantized(recipe["fmt"], parts, recipe["bits"])
+        return formats.Quantized(recipe["fmt"], parts, recipe["bits"], recipe["tail_bits"])
     if kind == "onednn":
         return formats.packed(tensors[name])
     return torch.nn.Parameter(tensors[name], requires_grad=False)

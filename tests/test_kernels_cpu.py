@@ -31,6 +31,25 @@ def test_quantize_bounds_the_error_by_half_a_step(bits):
     assert (err <= scale.float() * 0.5 + 1e-3 * w.abs().max()).all()
 
 
+@pytest.mark.parametrize("per, low, high", [(8, 0, 63), (8, -63, 0), (16, -128, 127)])
+def test_split_scales_keeps_a_k_blocks_scales_exactly(per, low, high):
+    """A GGUF K block's scales (Q4_K's d x 6-bit sc and dmin x m, Q6_K's d x int8 sc; d an f16, negative in some
+    Q6_K blocks, where sc reaches -128) come back exactly; other values within half a step of 1/127 of their
+    superblock's largest, rounded as asked (up: never below)."""
+    g = torch.Generator().manual_seed(per + low)
+    sign = torch.where(torch.rand(40, 3, generator=g) < 0.5, 1, -1)
+    d = (torch.rand(40, 3, generator=g) * 2e-3).half().float() * sign  # [40, superblocks]
+    d[0] = 2**-24 * 157  # a subnormal float16
+    steps = torch.randint(low, high + 1, (40, 3 * per), generator=g).float()
+    steps[:, 0] = low
+    values = d.repeat_interleave(per, 1) * steps  # [40, 3 x per]
+    assert torch.equal(kernels_cpu.as_packed(values, per), values)
+    other = torch.rand(40, 3 * per, generator=g) * 0.01
+    largest = other.unflatten(1, (3, per)).amax(-1).repeat_interleave(per, 1)
+    assert ((kernels_cpu.as_packed(other, per) - other).abs() <= largest / 254 * 1.01).all()
+    assert (kernels_cpu.as_packed(other, per, torch.ceil) >= other).all()
+
+
 def test_quantize_rows_ref_steps_and_sums():
     x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
     xq, dx, xs = kernels_cpu.quantize_rows_ref(x)
@@ -113,6 +132,29 @@ def test_the_gate_and_the_rotation_in_the_call_are_swiglu_and_apply_rope_around_
         kernels_cpu.w4a8_linear(torch.cat([gate, gate]), packed, bits, rope=(cos, sin, 2))
     with pytest.raises(ValueError, match="not both"):
         kernels_cpu.w4a8_linear(x, packed, bits, norm=torch.ones(160), gated=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_a_tail_in_other_bits_is_the_rest_of_one_matrix(rows):
+    """A fused q/k/v whose v a file holds in 6 bits: 32 rows of 4-bit codes and 16 of 6-bit ones in one call, the
+    norm before, the bias and the rotation of the first two heads after, over all 48 outputs."""
+    _, codes, scale, low = weights(32, 160, 4)
+    _, codes6, scale6, low6 = weights(16, 160, 6, seed=1)
+    g = torch.Generator().manual_seed(rows)
+    x = 3 * torch.randn(rows, 160, generator=g)
+    norm = torch.rand(160, generator=g) + 0.5
+    bias = torch.randn(48, generator=g)
+    cos, sin = rope_rows(rows, 16, rows)
+    normed = F.rms_norm(x, (160,), norm, 1e-6)
+    want = torch.cat([kernels_cpu.w4a8_linear_ref(normed, codes, scale, low),
+                      kernels_cpu.w4a8_linear_ref(normed, codes6, scale6, low6)], -1) + bias
+    want = want.unflatten(-1, (3, 16))
+    want[:, :2] = model.apply_rope(want[:, :2], cos[:, None], sin[:, None])
+    tail = (kernels_cpu.pack(codes6, scale6, low6, 6), 6)
+    got = kernels_cpu.w4a8_linear(x, kernels_cpu.pack(codes, scale, low, 4), 4, bias, norm, 1e-6, rope=(cos, sin, 2),
+                                  tail=tail)
+    assert nearly(got, want.flatten(1))
 
 
 @needs_kernel

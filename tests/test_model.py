@@ -362,10 +362,10 @@ def q6_blocks(rows, columns, rng):
     return raw.reshape(rows, -1)
 
 
-def write_mixed_gguf(path, arch, down="Q4_0"):
+def write_mixed_gguf(path, arch, down="Q4_0", v="Q8_0"):
     """A one-layer GGUF model of 16 tokens and width 256 whose matmul weights are in Q4_K (q, gate, up), Q4_0 (k,
     down), Q4_1 (o) and Q8_0 (v), its tied embedding in F32, as llama.cpp's Q4_K_M mixes 4-bit and wider blocks;
-    down="Q6_K" or "Q5_0": the down projection in those blocks instead."""
+    down="Q6_K" or "Q5_0": the down projection in those blocks instead; v="Q6_K": v in those."""
     import gguf
     import numpy as np
     rng, w = np.random.default_rng(1), gguf.GGUFWriter(str(path), arch)
@@ -385,9 +385,9 @@ def write_mixed_gguf(path, arch, down="Q4_0"):
         if kind.name == "Q5_0":
             blocks = gguf.quants.quantize(rng.standard_normal((rows, columns), np.float32) / 16, kind)
         w.add_tensor(f"blk.0.{name}.weight", blocks, raw_dtype=kind)
-    v = rng.standard_normal((128, 256), np.float32) / 16
-    w.add_tensor("blk.0.attn_v.weight", gguf.quants.quantize(v, gguf.GGMLQuantizationType.Q8_0),
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    values = rng.standard_normal((128, 256), np.float32) / 16
+    v_blocks = q6_blocks(128, 256, rng) if v == "Q6_K" else gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_v.weight", v_blocks, raw_dtype=gguf.GGMLQuantizationType[v])
     for name in ["attn_norm", "ffn_norm"] + ["attn_q.bias", "attn_k.bias", "attn_v.bias"] * (arch == "qwen2"):
         size = 256 if "norm" in name else 128 if name[5] != "q" else 256
         w.add_tensor(f"blk.0.{name}" + ".weight" * ("." not in name), rng.standard_normal(size).astype(np.float32))
@@ -446,6 +446,24 @@ def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     assert formats.held_wide(c, get) == {"layers.0.wqkv": 8, "layers.0.w2": 6}
     assert loading.build(c, get, tp=tp, weights="int4").layers[0].w2.q.dtype == torch.int8
     assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].w2.bits == 4
+
+
+@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+def test_w4a8_takes_q_k_v_with_a_6_bit_v_as_4_bits_and_a_6_bit_tail(tmp_path, tp):
+    """A Q4_K_M file's q and k in 4-bit blocks and v in Q6_K (half the layers of the default target): w4a8 holds
+    each kind as it is, in one weight of one call (v the tail): q's (Q4_K) and v's weights the file's to float32's
+    rounding; k's Q4_0 scales, one f16 a block of 32, within 8 bits of their superblock's largest."""
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", v="Q6_K"))
+    exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
+    loading.fill_weights(exact, get, tp[0])
+    wqkv = loading.build(c, get, tp=tp, weights="w4a8").layers[0].wqkv
+    assert (wqkv.bits, wqkv.tail_bits) == (4, 6)
+    want = exact.layers[0].wqkv  # [(256 + 128 + 128) / tp, 256]
+    got = kernels_cpu.w4a8_linear(torch.eye(want.shape[1]), wqkv.packed, 4, tail=wqkv.tail()).T
+    q, k, v = (got - want).abs().split([256 // tp[1], 128 // tp[1], 128 // tp[1]])
+    assert max(q.max(), v.max()) <= 1e-6 * want.abs().max() and k.max() <= 0.01 * want.abs().max()
+    assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].wqkv.tail_bits == 0
 
 
 def test_weight_bytes_follow_the_format(tiny):

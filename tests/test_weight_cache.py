@@ -30,10 +30,10 @@ def reference_kernels(monkeypatch):
 
 @pytest.fixture(params=["gguf", "hf"])
 def model_file(request, tmp_path):
-    """A GGUF file (4-bit and 8-bit blocks, a tied F32 embedding, q/k/v biases) or a Hugging Face directory (a
-    separate head), each small enough for every format's tiles."""
+    """A GGUF file (4-bit and 6-bit blocks, v among them, a tied F32 embedding, q/k/v biases) or a Hugging Face
+    directory (a separate head), each small enough for every format's tiles."""
     if request.param == "gguf":
-        return str(write_mixed_gguf(tmp_path / "m.gguf", "qwen2"))
+        return str(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", v="Q6_K"))
     return save(tiny(0, vocab=32, head_dim=32), tmp_path / "hf")
 
 
