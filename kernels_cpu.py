@@ -75,17 +75,18 @@ def exact_step(step, top, bottom, fallback):
     within int8 (they reach top steps up and -bottom down), negated where only that does (Q6_K's d may be negative,
     its sc -128), else fallback. All float64 [k]."""
     d = fallback.clone()
-    todo = torch.ones_like(step, dtype=torch.bool)
+    todo = torch.arange(len(step))  # those still searched: fewer each round
     for t in range(1, 128):
-        up = top * t
-        down = -bottom * t
-        held = todo & ((step / t).half().double() == step / t)
+        candidate = step[todo] / t
+        up = top[todo] * t
+        down = -bottom[todo] * t
+        held = candidate.half().double() == candidate
         positive = held & (up <= 127) & (down <= 128)
         negative = held & ~positive & (down <= 127) & (up <= 128)
-        d = torch.where(positive, step / t, d)
-        d = torch.where(negative, -step / t, d)
-        todo &= ~(positive | negative) & (torch.maximum(up, down) <= 128)
-        if not todo.any():
+        d[todo[positive]] = candidate[positive]
+        d[todo[negative]] = -candidate[negative]
+        todo = todo[~(positive | negative) & (torch.maximum(up, down) <= 128)]
+        if not len(todo):
             break
     return d
 
