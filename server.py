@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import random
+import signal
 import sys
 import threading
 import time
@@ -356,8 +357,9 @@ def api_message(error):
 
 
 def serve_http(worker, model_name, defaults, host, port):
-    """uvicorn on the app. At a signal the running requests end at once (their clients get an error) rather than
-    hold the shutdown; uvicorn then waits for the connections to close."""
+    """uvicorn on the app -> the signals that stopped it. At a signal the running requests end at once (their
+    clients get an error) rather than hold the shutdown; uvicorn then waits for the connections to close."""
+    signals = []
     @contextlib.asynccontextmanager
     async def lifespan(app):
         worker.start()
@@ -367,6 +369,7 @@ def serve_http(worker, model_name, defaults, host, port):
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            signals.append(sig)
             worker.stop()
             super().handle_exit(sig, frame)
     routes = [Route("/v1/completions", completions, methods=["POST"]),
@@ -378,6 +381,7 @@ def serve_http(worker, model_name, defaults, host, port):
     app.state.model_name = model_name
     app.state.defaults = defaults
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5)).run()
+    return signals
 
 
 # ---------------------------------------------------------------- command line
@@ -425,8 +429,10 @@ def main(argv=None):
         stopped(" while loading")
     name = args.model_name or os.path.basename(os.path.normpath(target)).removesuffix(".gguf")
     try:
-        serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
+        signals = serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn shut down at the first Ctrl-C, then raised it again
+        stopped("")
+    if signal.SIGINT in signals:  # its raise again does not always come out of asyncio as KeyboardInterrupt
         stopped("")
 
 
