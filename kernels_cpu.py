@@ -94,14 +94,14 @@ def exact_step(step, top, bottom, fallback):
 def as_packed(values, per, rounding=torch.round):
     """values [out, n] -> float32: as the kernel sees them, split_scales' d x q."""
     d, q = split_scales(values, per, rounding)
-    return (d.float().repeat_interleave(per, 1)[:, :values.shape[1]] * q.float())
+    return d.float().repeat_interleave(per, 1)[:, :values.shape[1]] * q.float()
 
 
 def dequantize(codes, scale, low):
     """codes [out, in] (0..15, 0..63 or 0..255), scale and low [out, in / 32] (6-bit: [out, in / 16], low = -32 x
     scale) -> float32 w [out, in] as the kernel sees it (scale and low as packed: split_scales')."""
     size = codes.shape[1] // scale.shape[1]  # inputs a scale
-    scale = as_packed(scale, 256 // size)
+    scale = as_packed(scale, SUPER * GROUP // size)  # per superblock: 8 groups' scales, or 16 half groups'
     low = -32 * scale if size == 16 else as_packed(low, SUPER)
     w = codes.float().unflatten(1, (-1, size)) * scale[..., None] + low[..., None]
     return w.flatten(1)
