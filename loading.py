@@ -113,27 +113,13 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
         for param, tensors, dim in model.layout(c):
             dst = transformer.get_parameter(param)
             part = (0, 0, 1) if dim is None else (dim, rank, c.tp)
-            kept = set()
-            if fmt in ("int4", "w4a8"):
-                kept = {get(name, part, "format") for name, _ in tensors}
-            owner, _, attr = param.rpartition(".")
-            if param.endswith(formats.MATMULS) and kept == {"int4"}:
-                q, scale_low = zip(*(get(name, part, "int4") for name, _ in tensors))
-                blocks = four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_low, 1))
-                formats.replace(transformer.get_submodule(owner), attr, formats.quantized(fmt, dst, blocks))
-                bar.update(dst.numel())
-                continue
-            if fmt == "w4a8" and held.get(param) == 6:  # Q6_K's codes and scales as they are
-                codes, scale = zip(*(get(name, part, "int6") for name, _ in tensors))
-                blocks = (torch.cat(codes).to(torch.uint8), torch.cat(scale), -32 * torch.cat(scale))
-                formats.replace(transformer.get_submodule(owner), attr, formats.quantized(fmt, dst, blocks, bits=6))
-                bar.update(dst.numel())
-                continue
-            split = None
-            if fmt == "w4a8" and wider and param.endswith(formats.MATMULS):
-                split = four_and_six_bits(get, [name for name, _ in tensors], part)
-            if split is not None:  # q/k/v whose v the file holds in Q6_K: both kinds of blocks as they are
-                formats.replace(transformer.get_submodule(owner), attr, split)
+            as_they_are = None
+            if fmt in ("int4", "w4a8") and param.endswith(formats.MATMULS):
+                names = [name for name, _ in tensors]
+                as_they_are = file_blocks(get, fmt, names, part, held.get(param), wider, dst)
+            if as_they_are is not None:
+                owner, _, attr = param.rpartition(".")
+                formats.replace(transformer.get_submodule(owner), attr, as_they_are)
                 bar.update(dst.numel())
                 continue
             at = 0
@@ -145,21 +131,29 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
     return held
 
 
-def four_and_six_bits(get, names, part):
-    """w4a8's Quantized of a fused weight whose tensors (names, in order) are 4-bit blocks, then 5- or 6-bit ones
-    (q/k/v whose v a Q4_K_M file holds in Q6_K), each kind as it is, the wider rows its tail; else None (other
-    kinds, or rows the kernel's panels of 16 do not divide)."""
+def file_blocks(get, fmt, names, part, wide, wider, dst):
+    """Format fmt's Quantized of matmul weight dst (its shape, device and dtype) whose tensors (names, in order) the
+    file holds in blocks fmt keeps as they are, else None: 4-bit blocks (int4, w4a8); with wider, for w4a8, 6-bit
+    ones (wide: held_wide's 6 for them) and 4-bit then 6-bit ones (q/k/v whose v a Q4_K_M file holds in Q6_K: the
+    wider rows its tail, where the kernel's panels of 16 divide both)."""
     kinds = [get(name, part, "format") for name in names]
     fours = kinds.count("int4")
-    if not 0 < fours < len(kinds) or kinds != ["int4"] * fours + ["int6"] * (len(kinds) - fours):
+    if fours == len(kinds):
+        q, scale_low = zip(*(get(name, part, "int4") for name in names))
+        return formats.quantized(fmt, dst, four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_low, 1)))
+    if fmt != "w4a8" or not wider or kinds != ["int4"] * fours + ["int6"] * (len(kinds) - fours):
+        return None
+    codes, scale = zip(*(get(name, part, "int6") for name in names[fours:]))
+    codes = torch.cat(codes).to(torch.uint8)
+    scale = torch.cat(scale)
+    if fours == 0 and wide == 6:  # Q6_K's codes and scales as they are
+        return formats.quantized(fmt, dst, (codes, scale, -32 * scale), bits=6)
+    if fours == 0 or len(codes) % 16:
         return None
     q, scale_low = zip(*(get(name, part, "int4") for name in names[:fours]))
-    codes, scale = zip(*(get(name, part, "int6") for name in names[fours:]))
-    if sum(map(len, q)) % 16 or sum(map(len, codes)) % 16:
+    if sum(map(len, q)) % 16:
         return None
-    scale = torch.cat(scale)
-    head = four_bit_blocks("w4a8", torch.cat(q), torch.cat(scale_low, 1))
-    return formats.w4a8_in_two(head, (torch.cat(codes).to(torch.uint8), scale, -32 * scale))
+    return formats.w4a8_in_two(four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_low, 1)), (codes, scale, -32 * scale))
 
 
 def four_bit_blocks(fmt, q, scale_low):

@@ -431,8 +431,8 @@ def main(argv=None):
     try:
         signals = serve_http(Worker(eng, args.slots, context, args.max_waiting), name, defaults, args.host, args.port)
     except KeyboardInterrupt:  # uvicorn shut down at the first Ctrl-C, then raised it again
-        stopped("")
-    if signal.SIGINT in signals:  # its raise again does not always come out of asyncio as KeyboardInterrupt
+        signals = [signal.SIGINT]
+    if signal.SIGINT in signals:  # uvicorn's raising it again does not always come out of asyncio as an exception
         stopped("")
 
 

@@ -69,10 +69,11 @@ def test_quantize_rows_matches_the_reference_exactly():
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16, 17, 35])
-def test_w4a8_linear_matches_the_reference(bits, rows):
-    _, codes, scale, low = weights(48, 160, bits)
+@pytest.mark.parametrize("n", [160, 544])  # inputs: 5 groups, a superblock short of 8; 17, two superblocks and 1
+def test_w4a8_linear_matches_the_reference(bits, rows, n):
+    _, codes, scale, low = weights(48, n, bits)
     packed = kernels_cpu.pack(codes, scale, low, bits)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
     want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low)
     torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
 
