@@ -25,6 +25,7 @@ import decode
 import engine
 import formats
 import kernels
+import kernels_cpu
 import loading
 import model
 import peers
@@ -366,13 +367,15 @@ def profile_phases(e, ids, N, K, new_tokens):
 
 # A function's time, less that of the functions inside it with a part of their own, counts in its part; time in no
 # listed function inherits its caller's part; decode.py's own work is the rule's, the scheduler's the host's.
-# w4a8's norms, SwiGLU and RoPE run inside its matmul call (kernels_cpu.w4a8_linear): counted with the matmuls
-PARTS = {("model", "linear"): "matmuls", ("model", "normed_linear"): "matmuls",
+# w4a8's norms, SwiGLU and RoPE run inside its matmul call (kernels_cpu.w4a8_linear): counted with the matmuls. A step
+# of w4a8 layers in one call each (kernels_cpu.decoder_layers) is split by the parts its C code times (ONE_CALL).
+PARTS = {("kernels_cpu", "decoder_layers"): "layers in one call", ("model", "linear"): "matmuls", ("model", "normed_linear"): "matmuls",
          ("kernels_cpu", "w4a8_linear"): "matmuls", ("kernels", "particle_attention"): "attention",
          ("kernels_cpu", "particle_attention"): "attention", ("model", "attend_step"): "KV writes",
          ("model", "rms_norm"): "norms and RoPE", ("model", "apply_rope"): "norms and RoPE",
          ("model", "step"): "other model ops", ("kernels", "sample"): "sampling", ("kernels", "token_logprobs"): "sampling"}
 PART_NAMES = ("matmuls", "attention", "KV writes", "norms and RoPE", "other model ops", "sampling", "the rule", "host")
+ONE_CALL = {"matmuls": "matmuls", "attention and KV writes": "attention", "residual adds": "other model ops"}
 PYTHON_FRAME = re.compile(r"(\w+)\.py\(\d+\): (\w+)$")  # how the profiler names a Python function's event
 
 
@@ -408,12 +411,17 @@ def cycle_parts(e, ids, method, N, K, new_tokens):
     parts read high: the matmuls' share is a lower bound."""
     options = dict(method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N, draft_len=K,
                    cuda_graphs=False)
+    before = list(kernels_cpu.layer_seconds)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
         stats = e.generate(ids, **options).stats
+    timed = [after - start for start, after in zip(before, kernels_cpu.layer_seconds)]  # s by LAYER_PARTS
     cycles = [ev for ev in prof.events() if frame_of(ev) == ("scheduler", "cycle")]
-    spent = dict.fromkeys(PART_NAMES, 0.0)
+    spent = dict.fromkeys(PART_NAMES + ("layers in one call",), 0.0)
     for ev in cycles:
         split_by_part(ev, "host", spent)
+    for name, seconds in zip(kernels_cpu.LAYER_PARTS, timed):  # the calls' C code by part; their Python: other ops
+        spent[ONE_CALL[name]] += 1e3 * seconds
+    spent["other model ops"] += spent.pop("layers in one call") - 1e3 * sum(timed)
     window = (cycles[-1].time_range.end - cycles[0].time_range.start) / 1e3
     spent["host"] += window - sum(spent.values())
     return {part: ms / len(cycles) for part, ms in spent.items()}, stats

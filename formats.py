@@ -76,6 +76,10 @@ class Quantized(torch.nn.Module):
         """forward(silu(gate) x up) for x = [gate | up], w4a8's in one call of its kernel (model.gated_linear's)."""
         return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail())
 
+    def matmul(self, n, bias=None):
+        """w4a8's weight of n inputs (and bias [out] or None) as kernels_cpu.decoder_layers takes it (a Matmul)."""
+        return kernels_cpu.matmul(self.packed, self.bits, n, self.tail(), bias)
+
     def tail(self):
         """w4a8's rows in other bits, as its kernel takes them: (packed, bits), or None."""
         if not self.tail_bits:

@@ -20,6 +20,7 @@
  * are independent chains, interleaved; for tiles of several rows, software prefetch runs ahead of the weight stream.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__)
@@ -482,53 +483,60 @@ static void rotate_heads(float *y, int64_t rows, int64_t out, const float *cos, 
  * norm [in] (else NULL), x's rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is
  * [rows, 2 in], gate then up, and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim]
  * (else NULL), the first `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch
- * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied, in one parallel
- * region (one start of the threads a call). */
-void linear(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out, int64_t in,
-            const float *x, int64_t rows, float *y, const float *bias, const float *norm, float eps, int gated,
-            const float *cos, const float *sin, int64_t rotated, int64_t head_dim, uint8_t *scratch, int threads) {
+ * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied: the calling
+ * thread's share, in a parallel region, all of y written when it returns. */
+static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out,
+                         int64_t in, const float *x, int64_t rows, float *y, const float *bias, const float *norm,
+                         float eps, int gated, const float *cos, const float *sin, int64_t rotated, int64_t head_dim,
+                         uint8_t *scratch) {
     int64_t groups = rows * (in / GROUP);
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * in);
     float *xs = dx + groups;
     int32_t *xo = (int32_t *)(xs + groups);
     float *inverse_rms = (float *)(xo + 2 * groups);
-    #pragma omp parallel num_threads(threads)
-    {
-        if (norm) {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                double squares = 0;
-                for (int64_t i = 0; i < in; i++) squares += (double)x[r * in + i] * x[r * in + i];
-                inverse_rms[r] = 1.0f / sqrtf((float)(squares / in) + eps);
-            }
-        }
+    if (norm) {
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const float *v = x + g * GROUP;
-            float prepared[GROUP];
-            if (gated) {
-                const float *gate = x + g / (in / GROUP) * 2 * in + g % (in / GROUP) * GROUP;
-                swiglu_group(gate, gate + in, prepared);
-                v = prepared;
-            }
-            if (norm) {
-                const float *n = norm + g % (in / GROUP) * GROUP;
-                for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
-                v = prepared;
-            }
-            QUANTIZE_GROUP(v, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+        for (int64_t r = 0; r < rows; r++) {
+            double squares = 0;
+            for (int64_t i = 0; i < in; i++) squares += (double)x[r * in + i] * x[r * in + i];
+            inverse_rms[r] = 1.0f / sqrtf((float)(squares / in) + eps);
         }
-        matmul_share(w, bits, head, in, xq, dx, xs, xo, rows, y, out); /* after the loop's barrier: all quantized */
-        if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, rows, y + head, out);
-        #pragma omp barrier
-        if (bias) {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t o = 0; o < out; o++) y[r * out + o] += bias[o];
-        }
-        if (cos) rotate_heads(y, rows, out, cos, sin, rotated, head_dim); /* after the bias loop's barrier */
     }
+    #pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const float *v = x + g * GROUP;
+        float prepared[GROUP];
+        if (gated) {
+            const float *gate = x + g / (in / GROUP) * 2 * in + g % (in / GROUP) * GROUP;
+            swiglu_group(gate, gate + in, prepared);
+            v = prepared;
+        }
+        if (norm) {
+            const float *n = norm + g % (in / GROUP) * GROUP;
+            for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
+            v = prepared;
+        }
+        QUANTIZE_GROUP(v, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+    }
+    matmul_share(w, bits, head, in, xq, dx, xs, xo, rows, y, out); /* after the loop's barrier: all quantized */
+    if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, rows, y + head, out);
+    #pragma omp barrier
+    if (bias) {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t o = 0; o < out; o++) y[r * out + o] += bias[o];
+    }
+    if (cos) rotate_heads(y, rows, out, cos, sin, rotated, head_dim); /* after the bias loop's barrier */
+}
+
+/* linear_share's y, in one parallel region (one start of the threads a call) */
+void linear(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out, int64_t in,
+            const float *x, int64_t rows, float *y, const float *bias, const float *norm, float eps, int gated,
+            const float *cos, const float *sin, int64_t rotated, int64_t head_dim, uint8_t *scratch, int threads) {
+    #pragma omp parallel num_threads(threads)
+    linear_share(w, bits, head, tail, tail_bits, out, in, x, rows, y, bias, norm, eps, gated, cos, sin, rotated,
+                 head_dim, scratch);
 }
 
 const char *isa(void) { return KERNEL_ISA; }
@@ -570,24 +578,24 @@ static void fold_keys(const float *qrow, const float *k, const float *v, int64_t
     }
 }
 
-/* out [R, N, T, Hq, D] for q [R, N, T, Hq, D], prefix_k/v [R, Hkv, P_cap, D], suffix_k/v [R, N, Hkv, S_cap, D], all
- * float32 and contiguous; prefix_len, suffix_len int32 [R]; tree uint8 [R, T, T] or NULL (causal): kernels.py's
- * particle_attention_ref. Each (request, particle, query row) is one task: its prefix, committed suffix and the new
- * keys it sees, one running softmax. */
-void particle_attention(const float *q, const float *prefix_k, const float *prefix_v, const float *suffix_k,
-                        const float *suffix_v, const int32_t *prefix_len, const int32_t *suffix_len,
-                        const uint8_t *tree, float scale, int64_t R, int64_t N, int64_t T, int64_t Hq, int64_t Hkv,
-                        int64_t D, int64_t P_cap, int64_t S_cap, float *out, int threads) {
+/* out [R, N, T, Hq, D] for q [R, N, T, Hq, D] (its rows ldq floats apart), prefix_k/v [R, Hkv, P_cap, D],
+ * suffix_k/v [R, N, Hkv, S_cap, D], all float32 and contiguous; prefix_len, suffix_len int32 [R]; tree uint8 [R, T, T]
+ * or NULL (causal): kernels.py's particle_attention_ref. Each (request, particle, query row) is one task: its prefix,
+ * committed suffix and the new keys it sees, one running softmax. The calling thread's share, in a parallel region. */
+static void attention_share(const float *q, int64_t ldq, const float *prefix_k, const float *prefix_v,
+                            const float *suffix_k, const float *suffix_v, const int32_t *prefix_len,
+                            const int32_t *suffix_len, const uint8_t *tree, float scale, int64_t R, int64_t N,
+                            int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t P_cap, int64_t S_cap, float *out) {
     int64_t G = Hq / Hkv;
     int64_t tasks = R * N * T * Hq;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= threads) /* a task is one row */
+    #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t hq = task % Hq;
         int64_t t = task / Hq % T;
         int64_t n = task / (Hq * T) % N;
         int64_t r = task / (Hq * T * N);
         int64_t h = hq / G;
-        const float *qrow = q + task * D;
+        const float *qrow = q + task / Hq * ldq + hq * D;
         float *o = out + task * D;
         float m = -INFINITY;
         float l = 0;
@@ -606,5 +614,109 @@ void particle_attention(const float *q, const float *prefix_k, const float *pref
         }
         float inverse = 1.0f / l;
         for (int64_t d = 0; d < D; d++) o[d] *= inverse;
+    }
+}
+
+/* attention_share's out for contiguous q, in one parallel region where there is a task for each thread */
+void particle_attention(const float *q, const float *prefix_k, const float *prefix_v, const float *suffix_k,
+                        const float *suffix_v, const int32_t *prefix_len, const int32_t *suffix_len,
+                        const uint8_t *tree, float scale, int64_t R, int64_t N, int64_t T, int64_t Hq, int64_t Hkv,
+                        int64_t D, int64_t P_cap, int64_t S_cap, float *out, int threads) {
+    #pragma omp parallel num_threads(threads) if (R * N * T * Hq >= threads)
+    attention_share(q, Hq * D, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, tree, scale, R, N, T,
+                    Hq, Hkv, D, P_cap, S_cap, out);
+}
+
+/* ------------------------------------------------------------ a decoder layer's step in one call */
+/* A matmul weight as linear() takes it (bias NULL: none) */
+struct matmul {
+    const uint8_t *w;
+    const uint8_t *tail;
+    const float *bias;
+    int64_t head;
+    int64_t out;
+    int64_t in;
+    int32_t bits;
+    int32_t tail_bits;
+};
+
+/* A decoder layer's weights: model.Block's */
+struct layer {
+    struct matmul qkv;
+    struct matmul wo;
+    struct matmul w13;
+    struct matmul w2;
+    const float *attn_norm;
+    const float *ffn_norm;
+    float eps;
+    float scale;
+    int64_t Hq;
+    int64_t Hkv;
+    int64_t D;
+};
+
+static void matmul_of(const struct matmul *m, const float *x, int64_t rows, float *y, const float *norm, float eps,
+                      int gated, const float *cos, const float *sin, int64_t rotated, int64_t D, uint8_t *scratch) {
+    linear_share(m->w, m->bits, m->head, m->tail, m->tail_bits, m->out, m->in, x, rows, y, m->bias, norm, eps, gated,
+                 cos, sin, rotated, D, scratch);
+}
+
+/* x [rows, n] += part [rows, n]: the residual stream */
+static void add_share(float *x, const float *part, int64_t n) {
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; i++) x[i] += part[i];
+}
+
+/* spent[part] += the seconds since *since, by the first thread, after a barrier: every thread's work before it */
+static void lap(double *spent, int part, double *since) {
+    if (omp_get_thread_num() != 0) return;
+    double now = omp_get_wtime();
+    spent[part] += now - *since;
+    *since = now;
+}
+
+/* model.Block's step for x [R, N, T, dim] (rows = R N T), in place, as its calls compute it one by one (the same
+ * arithmetic, the same tokens): x += wo(attention(rope(qkv(norm(x))))), its K/V written at suffix_len + t of this
+ * layer's cache; x += w2(swiglu(w13(norm(x)))). cos, sin [rows, D]; work: rows x (qkv out + Hq D + dim + w13 out)
+ * floats; scratch: linear's, for the widest input. One parallel region. spent [3] gains the seconds of its matmuls,
+ * of its K/V writes and attention, and of its residual adds. */
+void decoder_layer(float *x, int64_t R, int64_t N, int64_t T, const struct layer *l, const float *cos,
+                   const float *sin, const float *prefix_k, const float *prefix_v, float *suffix_k, float *suffix_v,
+                   const int32_t *prefix_len, const int32_t *suffix_len, const uint8_t *tree, int64_t P_cap,
+                   int64_t S_cap, float *work, uint8_t *scratch, double *spent, int threads) {
+    int64_t rows = R * N * T;
+    int64_t D = l->D;
+    int64_t dim = l->wo.out;
+    float *qkv = work;                          /* [rows, (Hq + 2 Hkv) D] */
+    float *heads = qkv + rows * l->qkv.out;     /* [rows, Hq D] */
+    float *part = heads + rows * l->Hq * D;     /* [rows, dim] */
+    float *ffn = part + rows * dim;             /* [rows, 2 ffn] */
+    #pragma omp parallel num_threads(threads)
+    {
+        double since = omp_get_wtime();
+        matmul_of(&l->qkv, x, rows, qkv, l->attn_norm, l->eps, 0, cos, sin, l->Hq + l->Hkv, D, scratch);
+        lap(spent, 0, &since);
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * l->Hkv; task++) { /* this step's keys and values into the cache */
+            int64_t row = task / l->Hkv;
+            int64_t h = task % l->Hkv;
+            int64_t r = row / (N * T);
+            int64_t at = ((row / T * l->Hkv + h) * S_cap + suffix_len[r] + row % T) * D;
+            const float *k = qkv + row * l->qkv.out + (l->Hq + h) * D;
+            memcpy(suffix_k + at, k, D * sizeof(float));
+            memcpy(suffix_v + at, k + l->Hkv * D, D * sizeof(float));
+        }
+        attention_share(qkv, l->qkv.out, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, tree,
+                        l->scale, R, N, T, l->Hq, l->Hkv, D, P_cap, S_cap, heads);
+        lap(spent, 1, &since);
+        matmul_of(&l->wo, heads, rows, part, NULL, 0, 0, NULL, NULL, 0, 0, scratch);
+        lap(spent, 0, &since);
+        add_share(x, part, rows * dim);
+        lap(spent, 2, &since);
+        matmul_of(&l->w13, x, rows, ffn, l->ffn_norm, l->eps, 0, NULL, NULL, 0, 0, scratch);
+        matmul_of(&l->w2, ffn, rows, part, NULL, 0, 1, NULL, NULL, 0, 0, scratch);
+        lap(spent, 0, &since);
+        add_share(x, part, rows * dim);
+        lap(spent, 2, &since);
     }
 }

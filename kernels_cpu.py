@@ -229,6 +229,7 @@ def load(path):
     lib.linear.argtypes = [ptr, ctypes.c_int, i64, ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float,
                            ctypes.c_int, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
+    lib.decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr] + [ptr] * 7 + [i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
 
@@ -341,18 +342,23 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     G = Hq // prefix_k.shape[1]
     out = torch.empty_like(q)
     lengths = (prefix_len + suffix_len).tolist()
-    if N * T * G * (max(lengths) + T) <= SMALL_ATTENTION:  # every request small: one call
+    if small(N * T * G, max(lengths) + T):  # every request small: one call
         attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree, out)
         return out
     for r, keys in enumerate(lengths):
         one = slice(r, r + 1)
         parts = (q[one], prefix_k[one], prefix_v[one], suffix_k[one], suffix_v[one], prefix_len[one], suffix_len[one])
         at_r = None if tree is None else tree[one]
-        if N * T * G * (keys + T) > SMALL_ATTENTION:
+        if not small(N * T * G, keys + T):
             out[one] = large(*parts, scale, at_r)
         else:
             attention_call(*parts, scale, at_r, out[one])
     return out
+
+
+def small(rows, keys):
+    """Whether a request's attention of rows query rows a KV head over keys keys is the compiled kernel's to run."""
+    return rows * keys <= SMALL_ATTENTION
 
 
 def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree, out):
@@ -368,3 +374,58 @@ def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix
                            None if tree_bytes is None else tree_bytes.data_ptr(), scale, R, N, T, Hq,
                            prefix_k.shape[1], D, prefix_k.shape[2], suffix_k.shape[3], out.data_ptr(),
                            torch.get_num_threads())
+
+
+# ---------------------------------------------------------------- a decoder layer's step in one call
+class Matmul(ctypes.Structure):
+    """kernels_cpu.c's struct matmul: a w4a8 weight as w4a8_linear takes it (bias None: 0)."""
+    _fields_ = [("w", ctypes.c_void_p), ("tail", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("head", ctypes.c_int64),
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bits", ctypes.c_int32), ("tail_bits", ctypes.c_int32)]
+
+
+class Layer(ctypes.Structure):
+    """kernels_cpu.c's struct layer: a decoder layer's four w4a8 weights, its norms, eps, attention's scale and heads."""
+    _fields_ = [("qkv", Matmul), ("wo", Matmul), ("w13", Matmul), ("w2", Matmul), ("attn_norm", ctypes.c_void_p),
+                ("ffn_norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64)]
+
+
+def matmul(packed, bits, n, tail=None, bias=None):
+    """-> Matmul of w4a8_linear's (packed, bits, tail, bias) for n inputs; the tensors must outlive it."""
+    m = Matmul(w=packed.data_ptr(), bits=bits, head=packed.shape[0] * PANEL, in_=n, bias=pointer(bias))
+    m.out = m.head
+    if tail is not None:
+        m.tail = tail[0].data_ptr()
+        m.tail_bits = tail[1]
+        m.out += tail[0].shape[0] * PANEL
+    return m
+
+
+LAYER_PARTS = ("matmuls", "attention and KV writes", "residual adds")
+layer_seconds = (ctypes.c_double * len(LAYER_PARTS))()  # decoder_layers' time by part, all calls of a process
+
+
+def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, tree=None):
+    """x [R, N, T, dim] float32 through every layer of layers (Layer each, the cache's [L, ...] in order) in place, a
+    call a layer: model.Block's step, its calls' arithmetic (the same tokens), its K/V written at suffix_len + t.
+    cos, sin [R, N, T, 1, D]; the caches as particle_attention takes them, with the layers first; tree as there.
+    Adds its seconds by part (LAYER_PARTS) to layer_seconds: where a step's time goes, for bench.py parts."""
+    lib = _library.get("lib") or library()[0]
+    R, N, T, dim = x.shape
+    rows = R * N * T
+    first = layers[0]
+    widest = max(first.qkv.in_, first.wo.in_, first.w13.in_, first.w2.in_)
+    floats = rows * (first.qkv.out + first.Hq * first.D + dim + first.w13.out)  # decoder_layer's work
+    room = scratch(4 * floats + rows * widest + 16 * rows * (widest // GROUP) + 4 * rows)  # then linear's scratch
+    tree_bytes = None
+    if tree is not None:
+        tree_bytes = tree.to(torch.uint8).contiguous()
+    caches = (prefix_k, prefix_v, suffix_k, suffix_v)
+    steps = [c.stride(0) * c.element_size() for c in caches]  # bytes from one layer's cache to the next
+    for i, layer in enumerate(layers):
+        at = [c.data_ptr() + i * step for c, step in zip(caches, steps)]
+        lib.decoder_layer(x.data_ptr(), R, N, T, ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), *at,
+                          prefix_len.data_ptr(), suffix_len.data_ptr(), pointer(tree_bytes, torch.uint8),
+                          prefix_k.shape[3], suffix_k.shape[4], room.data_ptr(), room.data_ptr() + 4 * floats,
+                          layer_seconds, torch.get_num_threads())
+    return x

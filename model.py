@@ -275,6 +275,26 @@ class Block(torch.nn.Module):
         """x [..., dim] -> [..., dim], this rank's FFN columns' share."""
         return gated_linear(normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13), self.w2)
 
+    def one_call(self):
+        """-> kernels_cpu.Layer of this block, for a step of it in one call (kernels_cpu.decoder_layers), where its four
+        matmuls are w4a8; else None. Made once for these weights: the Layer holds their addresses."""
+        weights = (self.wqkv, self.wo, self.w13, self.w2)
+        if any(getattr(w, "fmt", None) != "w4a8" for w in weights):
+            return None
+        tensors = (self.attn_norm, self.ffn_norm, self.bqkv)
+        key = (*weights, *(None if t is None else t.data_ptr() for t in tensors))
+        kept = self.__dict__.get("kept_layer")
+        if kept is None or kept[0] != key:
+            self.kept_layer = (key, self.layer_struct())
+        return self.kept_layer[1]
+
+    def layer_struct(self):
+        c = self.c
+        return kernels_cpu.Layer(qkv=self.wqkv.matmul(c.dim, self.bqkv), wo=self.wo.matmul(c.n_heads * c.head_dim),
+                                 w13=self.w13.matmul(c.dim), w2=self.w2.matmul(c.ffn_dim),
+                                 attn_norm=self.attn_norm.data_ptr(), ffn_norm=self.ffn_norm.data_ptr(), eps=c.norm_eps,
+                                 scale=c.head_dim ** -0.5, Hq=c.n_heads, Hkv=c.n_kv_heads, D=c.head_dim)
+
 
 class Transformer(torch.nn.Module):
     def __init__(self, c, device="cpu", dtype=torch.bfloat16):
@@ -352,9 +372,29 @@ class Transformer(torch.nn.Module):
         per_particle = (-1, tokens.shape[1], -1, -1, -1)  # a row of them for each row of x, as w4a8's call reads them
         cos = self.cos[pos][:, None, :, None].expand(per_particle).contiguous()  # [R, N, T, 1, D]
         sin = self.sin[pos][:, None, :, None].expand(per_particle).contiguous()
-        at = cache.write_index(tokens.shape[-1])
-        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_step, at=at, tree=tree))  # [R, N, T, dim]
+        h = self.embed[tokens]  # [R, N, T, dim]
+        layers = self._one_call_layers(cache, tokens.shape)
+        if layers:
+            caches = (cache.prefix_k, cache.prefix_v, cache.suffix_k, cache.suffix_v, cache.prefix_len, cache.suffix_len)
+            h = kernels_cpu.decoder_layers(h, layers, cos, sin, *caches, tree)
+        else:
+            h = self._hidden(h, cos, sin, partial(cache.attend_step, at=cache.write_index(tokens.shape[-1]), tree=tree))
         return self._logits(h[:, :, -1] if last_only else h)
+
+    def _one_call_layers(self, cache, shape):
+        """-> every block's Layer where a step of `shape` [R, N, T] runs each layer in one call of kernels_cpu (its
+        weights w4a8, its attention the compiled kernel's, one rank), else None: the same arithmetic either way."""
+        c = self.config
+        _, N, T = shape
+        if c.tp > 1 or not cache.compiled:
+            return None
+        keys = int((cache.prefix_len + cache.suffix_len).max()) + T
+        if not kernels_cpu.small(N * T * c.n_heads // c.n_kv_heads, keys):
+            return None
+        layers = [b.one_call() for b in self.layers]
+        if any(layer is None for layer in layers):
+            return None
+        return layers
 
 
 # ---------------------------------------------------------------- its tensors by Hugging Face name

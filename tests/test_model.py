@@ -466,6 +466,45 @@ def test_w4a8_takes_q_k_v_with_a_6_bit_v_as_4_bits_and_a_6_bit_tail(tmp_path, tp
     assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].wqkv.tail_bits == 0
 
 
+@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, monkeypatch):
+    """A w4a8 step a call a layer (kernels_cpu.decoder_layers) computes what the layer's calls compute one by one:
+    the same logits, keys and values to the bit, for one new row, for particles of three new tokens each after some
+    committed ones, for a batch of two prompts of other lengths and for a token tree (a qwen2 layer with biases, a
+    6-bit down projection and a 6-bit v)."""
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", down="Q6_K", v="Q6_K"))
+    m = loading.build(c, get, weights="w4a8")
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6])]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)  # two siblings
+    depth = torch.tensor([0, 1, 1]).expand(2, 3)
+    cases = [dict(shape=(1, 1, 1)), dict(shape=(1, 3, 3)), dict(shape=(2, 3, 3)), dict(shape=(2, 2, 3), tree=True)]
+    calls = []
+    one_call = kernels_cpu.decoder_layers
+    monkeypatch.setattr(kernels_cpu, "decoder_layers", lambda *a: calls.append(1) or one_call(*a))
+
+    def run(shape, tree_step=False):
+        R, N, T = shape
+        cache = model.KVCache(m.config, N, 8, 8, "cpu", torch.float32, requests=R)
+        for r in range(R):
+            m.prefill(prompts[r], cache, r=r)
+        g = torch.Generator().manual_seed(R * N * T)
+        first = m.step(torch.randint(16, shape, generator=g), cache)  # [R, N, T, V]
+        cache.suffix_len += T
+        options = dict(tree=tree[:R], depth=depth[:R]) if tree_step else {}
+        second = m.step(torch.randint(16, shape, generator=g), cache, **options)
+        return first, second, cache.suffix_k, cache.suffix_v
+
+    for case in cases:
+        calls.clear()
+        together = run(case["shape"], case.get("tree", False))
+        assert len(calls) == 2
+        with monkeypatch.context() as plain:
+            plain.setattr(model.Transformer, "_one_call_layers", lambda *a: None)
+            one_by_one = run(case["shape"], case.get("tree", False))
+        assert len(calls) == 2
+        assert all(torch.equal(a, b) for a, b in zip(together, one_by_one)), case
+
+
 def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
     lookup excluded), int8's bf16 scale a row, int4's bf16 scale and zero a group of 32, w4a8's int8 q of both a
