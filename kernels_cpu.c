@@ -15,9 +15,9 @@
  * Activations: xq int8 [rows, in], and per row and group dx (its step) and xs (dx x the sum of its codes), so a
  * group adds scale x dx x sum(code x xq) + low x xs to each column; per half group xo (32 x the sum of its codes),
  * so a 6-bit half adds scale x dx x (sum(code x xq) - xo).
- * Speed: a tile of rows x panels keeps its int32 sums and float accumulators in registers; each group's codes are
- * read and unpacked once for the tile's rows, each row's activations broadcast once for its panels; the rows' sums
- * are independent chains, interleaved; for tiles of several rows, software prefetch runs ahead of the weight stream.
+ * Speed: a tile of a panel's rows keeps its int32 sums and float accumulators in registers; each group's codes are
+ * read and unpacked once for the tile's rows; the rows' sums are independent chains, interleaved; a thread reads
+ * its panels one after another (one stream); for tiles of several rows, software prefetch runs ahead of it.
  */
 #include <math.h>
 #include <omp.h>
@@ -138,9 +138,6 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KERNEL_ISA "avx512_vnni"
 #define MAX_TILE 12 /* rows of a one-panel tile: a sum and an accumulator a row, and the codes, in 32 registers */
-#define PANELS 2 /* panels of a tile of at most PAIR_ROWS rows: each broadcast activation feeds two dot products */
-#define PAIR_ROWS 6
-
 /* 6-bit codes' high two bits, at bits 2j of each byte of v, moved to bits 4 and 5 (16-bit shifts: the bits that
  * cross into a neighbouring byte are masked off) */
 static inline __attribute__((always_inline)) __m512i high_bits_avx512(const uint8_t *v, int j) {
@@ -160,23 +157,21 @@ static inline __attribute__((always_inline)) __m512 half_floats_avx512(const uin
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
-        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in,
-        int rows, float *y, int64_t out) {
-    __m512 acc[MAX_TILE][PANELS];
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int bits, int64_t groups,
+        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
+        int64_t out) {
+    __m512 acc[MAX_TILE];
     #pragma GCC unroll 16
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < panels; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15);
     int gb = group_bytes(bits);
     for (int64_t g = 0; g < groups; g++) {
-        __m512i s[MAX_TILE][PANELS];
+        const uint8_t *p = group_at(panel, g, bits);
+        const uint8_t *head = head_at(panel, g, bits);
+        __m512i s[MAX_TILE];
         #pragma GCC unroll 16
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < panels; c++) s[r][c] = _mm512_setzero_si512();
-        #pragma GCC unroll 4
-        for (int c = 0; c < panels && rows > 1; c++) { /* one row: the hardware prefetchers keep up alone, faster */
-            const uint8_t *p = group_at(panel + c * panel_bytes, g, bits);
+        for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
+        if (rows > 1) { /* one row: the hardware prefetchers keep up alone, faster */
             #pragma GCC unroll 9
             for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
         }
@@ -185,61 +180,45 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         for (int i = 0; i < 8; i++) {
             int t = i;
             if (bits == 4) t = i / 2 + 4 * (i % 2); /* t and t + 4 come from one vector */
-            __m512i codes[PANELS];
-            #pragma GCC unroll 4
-            for (int c = 0; c < panels; c++) {
-                const uint8_t *p = group_at(panel + c * panel_bytes, g, bits);
-                if (bits == 8) codes[c] = _mm512_loadu_si512(p + 64 * t);
-                else if (t < 4) codes[c] = _mm512_and_si512(_mm512_loadu_si512(p + 64 * t), nibble);
-                else codes[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * (t - 4)), 4), nibble);
-                if (bits == 6) codes[c] = _mm512_or_si512(codes[c], high_bits_avx512(p + 256 + 64 * (t % 2), t / 2));
-            }
+            __m512i codes;
+            if (bits == 8) codes = _mm512_loadu_si512(p + 64 * t);
+            else if (t < 4) codes = _mm512_and_si512(_mm512_loadu_si512(p + 64 * t), nibble);
+            else codes = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(p + 64 * (t - 4)), 4), nibble);
+            if (bits == 6) codes = _mm512_or_si512(codes, high_bits_avx512(p + 256 + 64 * (t % 2), t / 2));
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
                 const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
-                __m512i x = _mm512_set1_epi32(a[t]);
-                #pragma GCC unroll 4
-                for (int c = 0; c < panels; c++) s[r][c] = _mm512_dpbusd_epi32(s[r][c], codes[c], x);
+                s[r] = _mm512_dpbusd_epi32(s[r], codes, _mm512_set1_epi32(a[t]));
             }
             if (bits == 6 && i % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then summed anew */
-                #pragma GCC unroll 4
-                for (int c = 0; c < panels; c++) {
-                    const uint8_t *f = group_at(panel + c * panel_bytes, g, bits) + 384 + 16 * (i / 4);
-                    const uint8_t *head = head_at(panel + c * panel_bytes, g, bits);
-                    __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(f));
-                    #pragma GCC unroll 16
-                    for (int r = 0; r < rows; r++) {
-                        __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
-                        __m512i offset = _mm512_set1_epi32(xo[r * (in / 16) + 2 * g + i / 4]);
-                        __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][c], offset));
-                        acc[r][c] = _mm512_fmadd_ps(sum, step, acc[r][c]);
-                        s[r][c] = _mm512_setzero_si512();
-                    }
+                __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(p + 384 + 16 * (i / 4)));
+                #pragma GCC unroll 16
+                for (int r = 0; r < rows; r++) {
+                    __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
+                    __m512i offset = _mm512_set1_epi32(xo[r * (in / 16) + 2 * g + i / 4]);
+                    __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], offset));
+                    acc[r] = _mm512_fmadd_ps(sum, step, acc[r]);
+                    s[r] = _mm512_setzero_si512();
                 }
             }
         }
-        #pragma GCC unroll 4
-        for (int c = 0; c < panels && bits != 6; c++) {
-            const uint8_t *f = group_at(panel + c * panel_bytes, g, bits) + bits * PANEL * GROUP / 8;
-            const uint8_t *head = head_at(panel + c * panel_bytes, g, bits);
+        if (bits != 6) {
+            const uint8_t *f = p + bits * PANEL * GROUP / 8;
             __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(f));
             __m512 low = _mm512_mul_ps(half_floats_avx512(head + 32), int8_floats_avx512(f + 16));
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
                 __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), step, acc[r][c]);
-                acc[r][c] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * (in / GROUP) + g]), acc[r][c]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), step, acc[r]);
+                acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * (in / GROUP) + g]), acc[r]);
             }
         }
     }
     #pragma GCC unroll 16
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < panels; c++) _mm512_storeu_ps(y + r * out + c * PANEL, acc[r][c]);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * out, acc[r]);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PANELS 1
-#define PAIR_ROWS 3
 #define MAX_TILE 3 /* 16 registers: 3 rows x (2 sums + 2 accumulators) and the codes being used */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KERNEL_ISA "avx512_vnni_256"
@@ -278,11 +257,9 @@ static inline __attribute__((always_inline)) __m256i high_bits_avx2(const uint8_
     return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
 }
 
-static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels,
-        int bits, int64_t groups, const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in,
-        int rows, float *y, int64_t out) {
-    (void)panel_bytes; /* one panel a tile */
-    (void)panels;
+static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int bits, int64_t groups,
+        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
+        int64_t out) {
     __m256 acc[MAX_TILE][2];
     #pragma GCC unroll 3
     for (int r = 0; r < rows; r++) {
@@ -354,15 +331,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 #else
 #define KERNEL_ISA "portable"
 #define MAX_TILE 1
-#define PANELS 1
-#define PAIR_ROWS 1
 
-static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
-        int64_t out) {
-    (void)panel_bytes; /* one panel and one row a tile */
-    (void)panels;
-    (void)rows;
+static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int8_t *xq, const float *dx,
+        const float *xs, const int32_t *xo, int64_t in, int rows, float *y, int64_t out) {
+    (void)rows; /* one row a tile */
     (void)in;
     for (int c = 0; c < PANEL; c++) {
         float acc = 0;
@@ -399,51 +371,41 @@ static void panel_tile(const uint8_t *panel, int64_t panel_bytes, int panels, in
 }
 #endif
 
-/* A tile of each row count, panel count and code width, so that every loop over them unrolls into registers. */
-#define TILE(p, n) \
-    if (bits == 4) panel_tile(panel, panel_bytes, p, 4, groups, xq, dx, xs, xo, in, n, y, out); \
-    else if (bits == 6) panel_tile(panel, panel_bytes, p, 6, groups, xq, dx, xs, xo, in, n, y, out); \
-    else panel_tile(panel, panel_bytes, p, 8, groups, xq, dx, xs, xo, in, n, y, out);
-#define ONE_PANEL(n) case n: TILE(1, n) break;
-#define PANELS_OR_ONE(n) case n: if (panels == PANELS) { TILE(PANELS, n) } else { TILE(1, n) } break;
+/* A tile of each row count and code width, so that every loop over them unrolls into registers. */
+#define TILE(n) case n: \
+    if (bits == 4) panel_tile(panel, 4, groups, xq, dx, xs, xo, in, n, y, out); \
+    else if (bits == 6) panel_tile(panel, 6, groups, xq, dx, xs, xo, in, n, y, out); \
+    else panel_tile(panel, 8, groups, xq, dx, xs, xo, in, n, y, out); \
+    break;
 
-static void panel_rows(const uint8_t *panel, int64_t panel_bytes, int panels, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
-        int64_t out) {
+static void panel_rows(const uint8_t *panel, int bits, int64_t groups, const int8_t *xq, const float *dx,
+        const float *xs, const int32_t *xo, int64_t in, int rows, float *y, int64_t out) {
     switch (rows) {
-        PANELS_OR_ONE(1)
+        TILE(1)
 #if MAX_TILE >= 3
-        PANELS_OR_ONE(2) PANELS_OR_ONE(3)
+        TILE(2) TILE(3)
 #endif
 #if MAX_TILE >= 12
-        PANELS_OR_ONE(4) PANELS_OR_ONE(5) PANELS_OR_ONE(6)
-        ONE_PANEL(7) ONE_PANEL(8) ONE_PANEL(9) ONE_PANEL(10) ONE_PANEL(11) ONE_PANEL(12)
+        TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
 #endif
     }
 }
 
 /* y [rows, out] float32 (rows ldy apart) = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo): the calling thread's
- * share of the panels in a parallel region, with no barrier after it. */
+ * share of the panels in a parallel region, with no barrier after it. A panel at a time, its tiles of rows in turn:
+ * one stream of weights a thread, which the hardware prefetchers follow best. */
 static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
                          const float *xs, const int32_t *xo, int64_t rows, float *y, int64_t ldy) {
     int64_t groups = in / GROUP;
     int64_t panel_bytes = panel_bytes_of(bits, groups);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
-    int64_t blocks = (out / PANEL + PANELS - 1) / PANELS; /* PANELS panels each, the last maybe fewer */
     #pragma omp for schedule(static) nowait
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t first_panel = b * PANELS;
-        int panels = out / PANEL - first_panel < PANELS ? (int)(out / PANEL - first_panel) : PANELS;
+    for (int64_t c = 0; c < out / PANEL; c++) {
         for (int64_t t = 0; t < tiles; t++) {
             int64_t first = rows * t / tiles; /* tiles of balanced size: 16 rows are 8 + 8, not 12 + 4 */
             int64_t n = rows * (t + 1) / tiles - first;
-            for (int done = 0; done < panels;) { /* a tall tile, or a last block of fewer panels: one at a time */
-                int now = panels - done == PANELS && n <= PAIR_ROWS ? PANELS : 1;
-                panel_rows(w + (first_panel + done) * panel_bytes, panel_bytes, now, bits, groups, xq + first * in,
-                           dx + first * groups, xs + first * groups, xo + 2 * first * groups, in, (int)n,
-                           y + first * ldy + (first_panel + done) * PANEL, ldy);
-                done += now;
-            }
+            panel_rows(w + c * panel_bytes, bits, groups, xq + first * in, dx + first * groups, xs + first * groups,
+                       xo + 2 * first * groups, in, (int)n, y + first * ldy + c * PANEL, ldy);
         }
     }
 }
