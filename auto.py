@@ -110,9 +110,11 @@ def file_identity(path):
 
 
 def machine_key(paths, draft_config):
-    """What decides auto's choices: this CPU, its threads, torch's version, the code that times and chooses, and the
-    models (paths: [target, draft] files; a draft without a file by its Config), as JSON reads it back."""
-    code = "".join(open(m.__file__).read() for m in (sys.modules[__name__], formats, kernels))
+    """What decides auto's choices: this CPU, its threads, torch's version, the code that times and chooses (the C
+    kernels' too), and the models (paths: [target, draft] files; a draft without a file by its Config), as JSON reads
+    it back."""
+    sources = [m.__file__ for m in (sys.modules[__name__], formats, kernels, kernels_cpu)] + [kernels_cpu.SOURCE]
+    code = "".join(open(path).read() for path in sources)
     draft = None
     if paths[1]:
         draft = file_identity(paths[1])
