@@ -147,6 +147,13 @@ static inline __attribute__((always_inline)) __m512i high_bits_avx512(const uint
     return _mm512_and_si512(h, _mm512_set1_epi8(0x30));
 }
 
+/* sum + the dot products of codes' unsigned bytes with the 4 signed bytes at a, in each 32-bit lane: vpdpbusd taking
+ * a broadcast from memory, as EVEX allows (gcc broadcasts into a register first, one more instruction a product) */
+static inline __attribute__((always_inline)) __m512i dot_broadcast(__m512i sum, __m512i codes, const int32_t *a) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(codes), "m"(*a));
+    return sum;
+}
+
 /* 16 int8 -> 16 floats */
 static inline __attribute__((always_inline)) __m512 int8_floats_avx512(const uint8_t *q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
@@ -188,7 +195,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
                 const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
-                s[r] = _mm512_dpbusd_epi32(s[r], codes, _mm512_set1_epi32(a[t]));
+                s[r] = dot_broadcast(s[r], codes, a + t);
             }
             if (bits == 6 && i % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then summed anew */
                 __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(p + 384 + 16 * (i / 4)));
