@@ -369,10 +369,11 @@ def profile_phases(e, ids, N, K, new_tokens):
 # listed function inherits its caller's part; decode.py's own work is the rule's, the scheduler's the host's.
 # w4a8's norms, SwiGLU and RoPE run inside its matmul call (kernels_cpu.w4a8_linear): counted with the matmuls. A step
 # of w4a8 layers in one call each (kernels_cpu.decoder_layers) is split by the parts its C code times (ONE_CALL).
-PARTS = {("kernels_cpu", "decoder_layers"): "layers in one call", ("model", "linear"): "matmuls", ("model", "normed_linear"): "matmuls",
-         ("kernels_cpu", "w4a8_linear"): "matmuls", ("kernels", "particle_attention"): "attention",
-         ("kernels_cpu", "particle_attention"): "attention", ("model", "attend_step"): "KV writes",
-         ("model", "rms_norm"): "norms and RoPE", ("model", "apply_rope"): "norms and RoPE",
+PARTS = {("kernels_cpu", "decoder_layers"): "layers in one call", ("model", "linear"): "matmuls",
+         ("model", "normed_linear"): "matmuls", ("kernels_cpu", "w4a8_linear"): "matmuls",
+         ("kernels", "particle_attention"): "attention", ("kernels_cpu", "particle_attention"): "attention",
+         ("model", "attend_step"): "KV writes", ("model", "rms_norm"): "norms and RoPE",
+         ("model", "apply_rope"): "norms and RoPE",
          ("model", "step"): "other model ops", ("kernels", "sample"): "sampling", ("kernels", "token_logprobs"): "sampling"}
 PART_NAMES = ("matmuls", "attention", "KV writes", "norms and RoPE", "other model ops", "sampling", "the rule", "host")
 ONE_CALL = {"matmuls": "matmuls", "attention and KV writes": "attention", "residual adds": "other model ops"}

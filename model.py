@@ -289,6 +289,7 @@ class Block(torch.nn.Module):
         return self.kept_layer[1]
 
     def layer_struct(self):
+        """-> kernels_cpu.Layer: this block's w4a8 weights, norms, bias and shapes, by address."""
         c = self.c
         return kernels_cpu.Layer(qkv=self.wqkv.matmul(c.dim, self.bqkv), wo=self.wo.matmul(c.n_heads * c.head_dim),
                                  w13=self.w13.matmul(c.dim), w2=self.w2.matmul(c.ffn_dim),
