@@ -1,9 +1,10 @@
 """The CPU kernels torch lacks: w4a8, a matmul of 4-bit (or 6- or 8-bit) weight codes times activations quantized to
 int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it; and
-particle attention for a step's few rows, whose reference is kernels.particle_attention_ref. Their C source,
-kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles nothing);
-where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention. Imports no
-project file."""
+particle attention for a step's few rows, whose reference is kernels.particle_attention_ref; and the two with a
+layer's residual adds as one call a decoder layer (decoder_layers), whose reference is model.Block's calls. Their C
+source, kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles
+nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention.
+Imports no project file."""
 import ctypes
 import hashlib
 import os
