@@ -12,9 +12,10 @@
  * vectors of low nibbles, then 2 of high bits, vector t's at bits 2 (t / 2) of vector t % 2 (384 bytes).
  * 6-bit codes are a GGUF Q6_K block's own: w[c, k] = d[c] x q[c, half] x (code - 32), a scale per 16 inputs, so
  * their superblock has only the 16 d, their group the 16 q of its first half, then those of its second.
- * Activations: xq int8 [rows, in], and per row and group dx (its step) and xs (dx x the sum of its codes), so a
+ * Activations: xq int8 in groups of 32, and per row and group dx (its step) and xs (dx x the sum of its codes), so a
  * group adds scale x dx x sum(code x xq) + low x xs to each column; per half group xo (32 x the sum of its codes),
- * so a 6-bit half adds scale x dx x (sum(code x xq) - xo).
+ * so a 6-bit half adds scale x dx x (sum(code x xq) - xo). Group-major: a group's rows side by side, so a tile finds
+ * each row's at a constant offset from one pointer.
  * Speed: a tile of a panel's rows keeps its int32 sums and float accumulators in registers; each group's codes are
  * read and unpacked once for the tile's rows; the rows' sums are independent chains, interleaved; a thread reads
  * its panels one after another (one stream); for tiles of several rows, software prefetch runs ahead of it.
@@ -126,12 +127,16 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
 #define QUANTIZE_GROUP quantize_group
 #endif
 
-/* linear's first half on its own, for the tests that hold it to the reference exactly */
+/* linear's first half on its own, for the tests that hold it to the reference exactly: group-major, as linear's
+ * (a group's rows side by side: xq [in / 32, rows, 32], dx and xs [in / 32, rows], xo [in / 32, rows, 2]) */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int32_t *xo,
                    int threads) {
     int64_t groups = rows * (in / GROUP);
     #pragma omp parallel for num_threads(threads) schedule(static) if (groups >= 1024)
-    for (int64_t g = 0; g < groups; g++) QUANTIZE_GROUP(x + g * GROUP, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t at = g % (in / GROUP) * rows + g / (in / GROUP);
+        QUANTIZE_GROUP(x + g * GROUP, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
+    }
 }
 
 /* ------------------------------------------------------------ one panel x a tile of rows */
@@ -165,7 +170,7 @@ static inline __attribute__((always_inline)) __m512 half_floats_avx512(const uin
 }
 
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
+        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t ld, int rows, float *y,
         int64_t out) {
     __m512 acc[MAX_TILE];
     #pragma GCC unroll 16
@@ -175,6 +180,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = group_at(panel, g, bits);
         const uint8_t *head = head_at(panel, g, bits);
+        const int8_t *xg = xq + g * ld * GROUP; /* the group's rows side by side: their offsets are constants */
+        const float *dxg = dx + g * ld;
+        const float *xsg = xs + g * ld;
+        const int32_t *xog = xo + 2 * g * ld;
         __m512i s[MAX_TILE];
         #pragma GCC unroll 16
         for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
@@ -194,15 +203,14 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             if (bits == 6) codes = _mm512_or_si512(codes, high_bits_avx512(p + 256 + 64 * (t % 2), t / 2));
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
-                const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
-                s[r] = dot_broadcast(s[r], codes, a + t);
+                s[r] = dot_broadcast(s[r], codes, (const int32_t *)(xg + r * GROUP) + t);
             }
             if (bits == 6 && i % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then summed anew */
                 __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(p + 384 + 16 * (i / 4)));
                 #pragma GCC unroll 16
                 for (int r = 0; r < rows; r++) {
-                    __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
-                    __m512i offset = _mm512_set1_epi32(xo[r * (in / 16) + 2 * g + i / 4]);
+                    __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dxg[r]));
+                    __m512i offset = _mm512_set1_epi32(xog[2 * r + i / 4]);
                     __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], offset));
                     acc[r] = _mm512_fmadd_ps(sum, step, acc[r]);
                     s[r] = _mm512_setzero_si512();
@@ -215,9 +223,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             __m512 low = _mm512_mul_ps(half_floats_avx512(head + 32), int8_floats_avx512(f + 16));
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
-                __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * (in / GROUP) + g]));
+                __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dxg[r]));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), step, acc[r]);
-                acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xs[r * (in / GROUP) + g]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsg[r]), acc[r]);
             }
         }
     }
@@ -265,7 +273,7 @@ static inline __attribute__((always_inline)) __m256i high_bits_avx2(const uint8_
 }
 
 static inline __attribute__((always_inline)) void panel_tile(const uint8_t *panel, int bits, int64_t groups,
-        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t in, int rows, float *y,
+        const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t ld, int rows, float *y,
         int64_t out) {
     __m256 acc[MAX_TILE][2];
     #pragma GCC unroll 3
@@ -278,6 +286,10 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = group_at(panel, g, bits);
         const uint8_t *head = head_at(panel, g, bits);
+        const int8_t *xg = xq + g * ld * GROUP;
+        const float *dxg = dx + g * ld;
+        const float *xsg = xs + g * ld;
+        const int32_t *xog = xo + 2 * g * ld;
         for (int line = 0; line < gb; line += 64) _mm_prefetch((const char *)p + PREFETCH + line, _MM_HINT_T0);
         __m256i s[MAX_TILE][2];
         #pragma GCC unroll 3
@@ -296,7 +308,7 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                 if (bits == 6) codes = _mm256_or_si256(codes, high_bits_avx2(p + 256 + 64 * (t % 2) + 32 * h, t / 2));
                 #pragma GCC unroll 3
                 for (int r = 0; r < rows; r++) {
-                    const int32_t *a = (const int32_t *)(xq + r * in + g * GROUP);
+                    const int32_t *a = (const int32_t *)(xg + r * GROUP);
                     s[r][h] = dot_codes(s[r][h], codes, _mm256_set1_epi32(a[t]), bits);
                 }
                 if (bits == 6 && t % 4 == 3) { /* a half group's 16 inputs summed: times its scale, then anew */
@@ -304,8 +316,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                     __m256 scale = _mm256_mul_ps(d, int8_floats_avx2(p + 384 + 16 * (t / 4) + 8 * h));
                     #pragma GCC unroll 3
                     for (int r = 0; r < rows; r++) {
-                        __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * (in / GROUP) + g]));
-                        __m256i offset = _mm256_set1_epi32(xo[r * (in / 16) + 2 * g + t / 4]);
+                        __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dxg[r]));
+                        __m256i offset = _mm256_set1_epi32(xog[2 * r + t / 4]);
                         __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[r][h], offset));
                         acc[r][h] = _mm256_fmadd_ps(sum, step, acc[r][h]);
                         s[r][h] = _mm256_setzero_si256();
@@ -322,9 +334,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                                        int8_floats_avx2(f + 16 + 8 * h));
             #pragma GCC unroll 3
             for (int r = 0; r < rows; r++) {
-                __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * (in / GROUP) + g]));
+                __m256 step = _mm256_mul_ps(scale, _mm256_set1_ps(dxg[r]));
                 acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), step, acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(xs[r * (in / GROUP) + g]), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(xsg[r]), acc[r][h]);
             }
         }
     }
@@ -340,9 +352,8 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
 #define MAX_TILE 1
 
 static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int8_t *xq, const float *dx,
-        const float *xs, const int32_t *xo, int64_t in, int rows, float *y, int64_t out) {
+        const float *xs, const int32_t *xo, int64_t ld, int rows, float *y, int64_t out) {
     (void)rows; /* one row a tile */
-    (void)in;
     for (int c = 0; c < PANEL; c++) {
         float acc = 0;
         for (int64_t g = 0; g < groups; g++) {
@@ -357,7 +368,7 @@ static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int
                 if (bits == 8) code = p[64 * t + at];
                 else code = (p[64 * (t % 4) + at] >> (4 * (t / 4))) & 15;
                 if (bits == 6) code |= (p[256 + 64 * (t % 2) + at] >> (2 * (t / 2)) & 3) << 4;
-                s[k / 16] += code * xq[g * GROUP + k];
+                s[k / 16] += code * xq[g * ld * GROUP + k];
             }
             uint16_t d;
             uint16_t dlow;
@@ -365,11 +376,11 @@ static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int
             memcpy(&dlow, head + 32 + 2 * c, 2);
             const int8_t *q = (const int8_t *)f;
             if (bits == 6) {
-                acc = fmaf((float)(s[0] - xo[2 * g]), half_to_float(d) * q[c] * dx[g], acc);
-                acc = fmaf((float)(s[1] - xo[2 * g + 1]), half_to_float(d) * q[16 + c] * dx[g], acc);
+                acc = fmaf((float)(s[0] - xo[2 * g * ld]), half_to_float(d) * q[c] * dx[g * ld], acc);
+                acc = fmaf((float)(s[1] - xo[2 * g * ld + 1]), half_to_float(d) * q[16 + c] * dx[g * ld], acc);
             } else {
-                acc = fmaf((float)(s[0] + s[1]), half_to_float(d) * q[c] * dx[g], acc);
-                acc = fmaf(half_to_float(dlow) * q[16 + c], xs[g], acc);
+                acc = fmaf((float)(s[0] + s[1]), half_to_float(d) * q[c] * dx[g * ld], acc);
+                acc = fmaf(half_to_float(dlow) * q[16 + c], xs[g * ld], acc);
             }
         }
         y[c] = acc;
@@ -380,13 +391,13 @@ static void panel_tile(const uint8_t *panel, int bits, int64_t groups, const int
 
 /* A tile of each row count and code width, so that every loop over them unrolls into registers. */
 #define TILE(n) case n: \
-    if (bits == 4) panel_tile(panel, 4, groups, xq, dx, xs, xo, in, n, y, out); \
-    else if (bits == 6) panel_tile(panel, 6, groups, xq, dx, xs, xo, in, n, y, out); \
-    else panel_tile(panel, 8, groups, xq, dx, xs, xo, in, n, y, out); \
+    if (bits == 4) panel_tile(panel, 4, groups, xq, dx, xs, xo, ld, n, y, out); \
+    else if (bits == 6) panel_tile(panel, 6, groups, xq, dx, xs, xo, ld, n, y, out); \
+    else panel_tile(panel, 8, groups, xq, dx, xs, xo, ld, n, y, out); \
     break;
 
 static void panel_rows(const uint8_t *panel, int bits, int64_t groups, const int8_t *xq, const float *dx,
-        const float *xs, const int32_t *xo, int64_t in, int rows, float *y, int64_t out) {
+        const float *xs, const int32_t *xo, int64_t ld, int rows, float *y, int64_t out) {
     switch (rows) {
         TILE(1)
 #if MAX_TILE >= 3
@@ -411,8 +422,8 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
         for (int64_t t = 0; t < tiles; t++) {
             int64_t first = rows * t / tiles; /* tiles of balanced size: 16 rows are 8 + 8, not 12 + 4 */
             int64_t n = rows * (t + 1) / tiles - first;
-            panel_rows(w + c * panel_bytes, bits, groups, xq + first * in, dx + first * groups, xs + first * groups,
-                       xo + 2 * first * groups, in, (int)n, y + first * ldy + c * PANEL, ldy);
+            panel_rows(w + c * panel_bytes, bits, groups, xq + first * GROUP, dx + first, xs + first, xo + 2 * first,
+                       rows, (int)n, y + first * ldy + c * PANEL, ldy);
         }
     }
 }
@@ -486,7 +497,8 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
             for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
             v = prepared;
         }
-        QUANTIZE_GROUP(v, xq + g * GROUP, dx + g, xs + g, xo + 2 * g);
+        int64_t at = g % (in / GROUP) * rows + g / (in / GROUP); /* group-major: a group's rows side by side */
+        QUANTIZE_GROUP(v, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
     }
     matmul_share(w, bits, head, in, xq, dx, xs, xo, rows, y, out); /* after the loop's barrier: all quantized */
     if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, rows, y + head, out);

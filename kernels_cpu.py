@@ -264,13 +264,13 @@ def quantize_rows(x2):
     first half alone."""
     lib, _ = library()
     rows, n = x2.shape
-    xq = torch.empty(rows, n, dtype=torch.int8)
-    dx = torch.empty(rows, n // GROUP)
-    xs = torch.empty(rows, n // GROUP)
-    xo = torch.empty(rows, 2 * n // GROUP, dtype=torch.int32)  # 32 x the sum of each 16 codes: 6-bit matmuls' own
+    xq = torch.empty(n // GROUP, rows, GROUP, dtype=torch.int8)  # group-major, as the kernel keeps them
+    dx = torch.empty(n // GROUP, rows)
+    xs = torch.empty(n // GROUP, rows)
+    xo = torch.empty(n // GROUP, rows, 2, dtype=torch.int32)  # 32 x the sum of each 16 codes: 6-bit matmuls' own
     lib.quantize_rows(x2.data_ptr(), rows, n, xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), xo.data_ptr(),
                       torch.get_num_threads())
-    return xq, dx, xs
+    return xq.transpose(0, 1).reshape(rows, n), dx.T, xs.T
 
 
 _scratch = threading.local()  # each thread's room for its quantized rows (MineDraft's two halves run at once)
