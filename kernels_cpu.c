@@ -127,6 +127,11 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
 #define QUANTIZE_GROUP quantize_group
 #endif
 
+/* where group g of rows x in inputs, counted row by row, sits group-major (a group's rows side by side) */
+static inline int64_t group_major(int64_t g, int64_t in, int64_t rows) {
+    return g % (in / GROUP) * rows + g / (in / GROUP);
+}
+
 /* linear's first half on its own, for the tests that hold it to the reference exactly: group-major, as linear's
  * (a group's rows side by side: xq [in / 32, rows, 32], dx and xs [in / 32, rows], xo [in / 32, rows, 2]) */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int32_t *xo,
@@ -134,7 +139,7 @@ void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *
     int64_t groups = rows * (in / GROUP);
     #pragma omp parallel for num_threads(threads) schedule(static) if (groups >= 1024)
     for (int64_t g = 0; g < groups; g++) {
-        int64_t at = g % (in / GROUP) * rows + g / (in / GROUP);
+        int64_t at = group_major(g, in, rows);
         QUANTIZE_GROUP(x + g * GROUP, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
     }
 }
@@ -497,7 +502,7 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
             for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
             v = prepared;
         }
-        int64_t at = g % (in / GROUP) * rows + g / (in / GROUP); /* group-major: a group's rows side by side */
+        int64_t at = group_major(g, in, rows);
         QUANTIZE_GROUP(v, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
     }
     matmul_share(w, bits, head, in, xq, dx, xs, xo, rows, y, out); /* after the loop's barrier: all quantized */
