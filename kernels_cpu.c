@@ -433,6 +433,57 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
     }
 }
 
+/* ------------------------------------------------------------ equal rows multiplied once */
+#define DISTINCT_ROWS 64 /* rows up to which a call looks for equal ones: a step's rows, not a prompt's */
+
+/* rows a and b of group-major activations (ld rows) quantized alike: the same codes and steps */
+static int same_row(const int8_t *xq, const float *dx, int64_t ld, int64_t groups, int64_t a, int64_t b) {
+    for (int64_t g = 0; g < groups; g++) {
+        if (dx[g * ld + a] != dx[g * ld + b]) return 0;
+        if (memcmp(xq + (g * ld + a) * GROUP, xq + (g * ld + b) * GROUP, GROUP)) return 0;
+    }
+    return 1;
+}
+
+/* A row's result is its own input's, so rows quantized alike (a particle's copies after resampling, and their
+ * equal drafts) need one multiply: the distinct rows move to the front of the group-major activations (ld becomes
+ * their count), slot[r] = the distinct row whose result row r takes; -> their count. */
+static int64_t gather_distinct(int8_t *xq, float *dx, float *xs, int32_t *xo, int64_t rows, int64_t groups,
+                               int32_t *slot) {
+    int64_t first[DISTINCT_ROWS]; /* each distinct row's first occurrence */
+    int64_t distinct = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t u = 0;
+        while (u < distinct && !same_row(xq, dx, rows, groups, first[u], r)) u++;
+        if (u == distinct) first[distinct++] = r;
+        slot[r] = (int32_t)u;
+    }
+    if (distinct == rows) return rows;
+    for (int64_t g = 0; g < groups; g++) { /* in order: a row only ever moves down, onto one already moved */
+        for (int64_t u = 0; u < distinct; u++) {
+            int64_t from = g * rows + first[u];
+            int64_t to = g * distinct + u;
+            memmove(xq + to * GROUP, xq + from * GROUP, GROUP);
+            dx[to] = dx[from];
+            xs[to] = xs[from];
+            xo[2 * to] = xo[2 * from];
+            xo[2 * to + 1] = xo[2 * from + 1];
+        }
+    }
+    return distinct;
+}
+
+/* y [rows, out] from its distinct rows' results at its front: row r becomes row slot[r] (slot[r] <= r, so from the
+ * last row up nothing is overwritten before it is read); the calling thread's share of the columns */
+static void spread_rows(float *y, int64_t rows, int64_t out, const int32_t *slot) {
+    #pragma omp for schedule(static)
+    for (int64_t c = 0; c < out; c += PANEL) {
+        for (int64_t r = rows - 1; r > 0; r--) {
+            if (slot[r] != r) memcpy(y + r * out + c, y + slot[r] * out + c, PANEL * sizeof(float));
+        }
+    }
+}
+
 /* silu(gate) x up for a group of 32 of each: SwiGLU's input to the down projection. silu(v) = v / (1 + e^-v), with
  * e = e^-|v| (at most 1, so exp_nonpositive's): 1 / (1 + e) for v >= 0, e / (1 + e) below */
 static inline void swiglu_group(const float *gate, const float *up, float *v) {
@@ -468,8 +519,8 @@ static void rotate_heads(float *y, int64_t rows, int64_t out, const float *cos, 
  * norm [in] (else NULL), x's rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is
  * [rows, 2 in], gate then up, and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim]
  * (else NULL), the first `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch
- * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats), then multiplied: the calling
- * thread's share, in a parallel region, all of y written when it returns. */
+ * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats, rows + 1 int32), then multiplied,
+ * rows quantized alike once: the calling thread's share, in a parallel region, all of y written when it returns. */
 static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out,
                          int64_t in, const float *x, int64_t rows, float *y, const float *bias, const float *norm,
                          float eps, int gated, const float *cos, const float *sin, int64_t rotated, int64_t head_dim,
@@ -480,6 +531,8 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
     float *xs = dx + groups;
     int32_t *xo = (int32_t *)(xs + groups);
     float *inverse_rms = (float *)(xo + 2 * groups);
+    int32_t *slot = (int32_t *)(inverse_rms + rows);
+    int32_t *distinct = slot + rows;
     if (norm) {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -505,9 +558,16 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
         int64_t at = group_major(g, in, rows);
         QUANTIZE_GROUP(v, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
     }
-    matmul_share(w, bits, head, in, xq, dx, xs, xo, rows, y, out); /* after the loop's barrier: all quantized */
-    if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, rows, y + head, out);
+    int64_t used = rows; /* after the loop's barrier: all quantized */
+    if (rows > 1 && rows <= DISTINCT_ROWS) {
+        #pragma omp single
+        *distinct = (int32_t)gather_distinct(xq, dx, xs, xo, rows, in / GROUP, slot);
+        used = *distinct;
+    }
+    matmul_share(w, bits, head, in, xq, dx, xs, xo, used, y, out);
+    if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, used, y + head, out);
     #pragma omp barrier
+    if (used < rows) spread_rows(y, rows, out, slot);
     if (bias) {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)

@@ -283,6 +283,12 @@ def scratch(size):
     return _scratch.t
 
 
+def linear_scratch(rows, n):
+    """Bytes of the C linear's scratch for rows of n inputs: xq; dx, xs, xo (two int32 a group); 1 / rms; each row's
+    distinct row and their count."""
+    return rows * n + 16 * rows * (n // GROUP) + 4 * rows + 4 * (rows + 1)
+
+
 def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rope=None, tail=None):
     """x [..., in] float32 @ w.T + bias [out] for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by
     the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. tail (packed,
@@ -302,7 +308,7 @@ def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rop
         tail_packed, tail_bits = tail
     out = head + (0 if tail is None else tail_packed.shape[0] * PANEL)
     y = x.new_empty(*x.shape[:-1], out)
-    room = scratch(rows * n + 16 * rows * (n // GROUP) + 4 * rows)  # xq; dx, xs, xo (two int32 a group); 1 / rms
+    room = scratch(linear_scratch(rows, n))
     cos = None
     sin = None
     heads = 0
@@ -417,7 +423,7 @@ def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, 
     first = layers[0]
     widest = max(first.qkv.in_, first.wo.in_, first.w13.in_, first.w2.in_)
     floats = rows * (first.qkv.out + first.Hq * first.D + dim + first.w13.out)  # decoder_layer's work
-    room = scratch(4 * floats + rows * widest + 16 * rows * (widest // GROUP) + 4 * rows)  # then linear's scratch
+    room = scratch(4 * floats + linear_scratch(rows, widest))  # then linear's scratch
     tree_bytes = None
     if tree is not None:
         tree_bytes = tree.to(torch.uint8).contiguous()

@@ -179,6 +179,35 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, extra):
     assert torch.equal(call(slice(0, 5)), together[:5])
 
 
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("extra", ["plain", "normed", "gated", "rotated", "tail"])
+def test_rows_quantized_alike_each_get_the_result_of_their_own(bits, extra):
+    """A call multiplies equal rows once (a particle's copies after resampling): every row, first or repeated, gets
+    the bits it gets alone, and its own rotation and bias after."""
+    _, codes, scale, low = weights(32, 96, bits)
+    packed = kernels_cpu.pack(codes, scale, low, bits)
+    distinct = torch.randn(4, 192 if extra == "gated" else 96)
+    order = torch.tensor([0, 1, 0, 2, 1, 0, 3, 0, 2])  # repeats before and after other rows
+    x = distinct[order]
+    cos, sin = rope_rows(len(order), 16, 1)
+    _, codes6, scale6, low6 = weights(16, 96, 6, seed=1)
+    options = {"plain": {}, "normed": dict(bias=torch.randn(32), norm=torch.rand(96) + 0.5, eps=1e-6),
+               "gated": dict(gated=True), "rotated": {},
+               "tail": dict(bias=torch.randn(48), tail=(kernels_cpu.pack(codes6, scale6, low6, 6), 6))}[extra]
+
+    def call(at):
+        rope = (cos[at], sin[at], 1) if extra == "rotated" else None
+        return kernels_cpu.w4a8_linear(x[at], packed, bits, rope=rope, **options)
+    together = call(slice(0, len(order)))
+    for i in range(len(order)):
+        assert torch.equal(call(slice(i, i + 1)), together[i:i + 1])
+    if extra == "rotated":  # the same input at other positions: other outputs
+        assert not torch.equal(together[0], together[2])
+    else:
+        assert torch.equal(together[0], together[7])
+
+
 def test_pack_refuses_a_shape_the_kernel_cannot_tile():
     codes = torch.zeros(24, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="16k x 32k"):
