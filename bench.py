@@ -335,7 +335,8 @@ def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
     suffix = new_tokens // 2
     cache = model.KVCache(m.config, N, len(ids), suffix + K + 1, m.device, m.embed.dtype)
     m.prefill(torch.tensor(ids, device=m.device), cache)
-    tokens = torch.zeros(1, N, K + 1, dtype=torch.long, device=m.device)  # [R, N, K+1]
+    distinct = torch.arange(N * (K + 1), device=m.device) * 97 % m.config.vocab_size  # equal rows cost one
+    tokens = distinct.view(1, N, K + 1)  # [R, N, K+1]: each particle its own tokens
     best = math.inf
     for _ in range(repeats):
         cache.suffix_len.fill_(suffix)
