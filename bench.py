@@ -329,36 +329,31 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e):
         row |= roofline(runner, row, len(ids_by_prompt[row["prompt"]]), args.new_tokens, bandwidth)
 
 
-def verify_forward_ms(m, ids, N, K, new_tokens, repeats=5):
-    """ms of the target's verify forward of an (N, K) cycle timed on its own, the best of `repeats`: N particles
-    of K + 1 tokens after the prompt ids and half of new_tokens, a run's mean suffix."""
-    suffix = new_tokens // 2
-    cache = model.KVCache(m.config, N, len(ids), suffix + K + 1, m.device, m.embed.dtype)
-    m.prefill(torch.tensor(ids, device=m.device), cache)
-    distinct = torch.arange(N * (K + 1), device=m.device) * 97 % m.config.vocab_size  # equal rows cost one
-    tokens = distinct.view(1, N, K + 1)  # [R, N, K+1]: each particle its own tokens
-    best = math.inf
-    for _ in range(repeats):
-        cache.suffix_len.fill_(suffix)
-        scheduler.synchronize(m.device)
-        start = time.perf_counter()
-        m.step(tokens, cache)
-        scheduler.synchronize(m.device)
-        best = min(best, time.perf_counter() - start)
-    return 1e3 * best
-
-
 def profile_phases(e, ids, N, K, new_tokens):
     """One smc run, eager, its phases timed by the engine (phase_times) -> mean ms per cycle of the draft block,
-    of the verify phase (the target's forward, timed on its own: verify_forward_ms, and the rest: the weights,
-    sampling and resampling) and of the whole cycle."""
-    with phase_times(e) as spent:
-        stats = e.generate(ids, method="smc", max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
-                           draft_len=K, cuda_graphs=False).stats
+    of the verify phase (the target's forward, timed in the run, and the rest: the weights, sampling and
+    resampling) and of the whole cycle."""
+    forward = []
+    step = e.target.step
+
+    def timed_step(*args, **kwargs):  # the run's own rows: equal ones are multiplied once
+        scheduler.synchronize(e.target.device)
+        start = time.perf_counter()
+        out = step(*args, **kwargs)
+        scheduler.synchronize(e.target.device)
+        forward.append(time.perf_counter() - start)
+        return out
+    e.target.step = timed_step
+    try:
+        with phase_times(e) as spent:
+            stats = e.generate(ids, method="smc", max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N,
+                               draft_len=K, cuda_graphs=False).stats
+    finally:
+        del e.target.step
     cycles = max(stats["cycles"], 1)
     draft_ms = 1e3 * sum(spent["draft_block"]) / cycles
     verify_phase_ms = 1e3 * sum(spent["verify_cycle"]) / cycles
-    forward_ms = verify_forward_ms(e.target, ids, N, K, new_tokens)
+    forward_ms = 1e3 * sum(forward) / cycles
     return {"N": N, "K": K, "draft_ms": draft_ms, "verify_ms": forward_ms,
             "weights_resample_ms": verify_phase_ms - forward_ms, "cycle_ms": draft_ms + verify_phase_ms}
 
