@@ -592,8 +592,9 @@ const char *isa(void) { return KERNEL_ISA; }
 
 /* One query row against keys [0, n) of k/v [n, D] (those with seen[j] == 0 skipped, where seen is not NULL), folded
  * into its running softmax: m (the largest score so far), l (the sum of exp(score - m)), o [D] (sum of exp x v). */
-static void fold_keys(const float *qrow, const float *k, const float *v, int64_t n, const uint8_t *seen, int64_t D,
-                      float scale, float *m, float *l, float *o) {
+static inline __attribute__((always_inline)) void fold_keys_of(const float *restrict qrow, const float *restrict k,
+        const float *restrict v, int64_t n, const uint8_t *seen, int64_t D, float scale, float *m, float *l,
+        float *restrict o) {
     float scores[KEYS];
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
         int64_t block = n - j0 < KEYS ? n - j0 : KEYS;
@@ -622,6 +623,14 @@ static void fold_keys(const float *qrow, const float *k, const float *v, int64_t
         }
         *m = top;
     }
+}
+
+/* fold_keys_of for the usual head sizes as constants: the loops over D unrolled, o kept in registers over a block */
+static void fold_keys(const float *qrow, const float *k, const float *v, int64_t n, const uint8_t *seen, int64_t D,
+                      float scale, float *m, float *l, float *o) {
+    if (D == 128) fold_keys_of(qrow, k, v, n, seen, 128, scale, m, l, o);
+    else if (D == 64) fold_keys_of(qrow, k, v, n, seen, 64, scale, m, l, o);
+    else fold_keys_of(qrow, k, v, n, seen, D, scale, m, l, o);
 }
 
 /* out [R, N, T, Hq, D] for q [R, N, T, Hq, D] (its rows ldq floats apart), prefix_k/v [R, Hkv, P_cap, D],
