@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+import kernels_cpu
+
 try:
     import triton
     import triton.language as tl
@@ -469,11 +471,27 @@ def _logprob(picked, chunk_max, chunk_sum, t):
     return (picked - (chunk_max + chunk_sum.log()).logsumexp(-1)).where(t > 0, greedy)
 
 
+def compiled_rows(logits):
+    """Whether logits [B, V] are the compiled CPU sampler's to read: float32 rows in CPU memory, the code built."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels_cpu.library()[0] is not None
+
+
+def sample_cpu(logits, temperature, rng):
+    """sample_ref's draw (the same uniforms), by the compiled code where compiled_rows, without its [B, V] temporaries."""
+    if not compiled_rows(logits):
+        return sample_ref(logits, temperature, rng)
+    B = logits.shape[0]
+    R = rng.shape[0]
+    t = _per_row(_temperatures(temperature, logits.device, R), B)  # [B]
+    u = _uniforms(rng, B // R)[:, 0]  # [B]
+    return kernels_cpu.sample(logits.contiguous(), t.contiguous(), u)
+
+
 def sample(logits, temperature, rng):
     """One token per row of logits [B, V], grouped by request, from softmax(logits / temperature), temperature a float
     or float32 [R] -> tokens int64 [B], log-probs float32 [B] (T = 0: greedy, 0). rng: see `make_rng`. No host sync."""
     if not use_triton(logits):
-        return sample_ref(logits, temperature, rng)
+        return sample_cpu(logits, temperature, rng)
     t = _temperatures(temperature, logits.device, rng.shape[0])  # [R]
     noise = torch.is_tensor(temperature) or temperature != 0
     chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, t, rng, noise)  # [B, C] each
@@ -484,11 +502,19 @@ def sample(logits, temperature, rng):
     return tokens, _logprob(picked, chunk_max, chunk_sum, _per_row(t, len(logits)))
 
 
+def token_logprobs_cpu(logits, tokens, temperature):
+    """token_logprobs_ref by the compiled code where compiled_rows, in one pass over each row and no temporaries."""
+    if not compiled_rows(logits):
+        return token_logprobs_ref(logits, tokens, temperature)
+    t = _per_row(_temperatures(temperature, logits.device), logits.shape[0])  # [B]
+    return kernels_cpu.token_logprobs(logits.contiguous(), tokens.long().contiguous(), t.contiguous())
+
+
 def token_logprobs(logits, tokens, temperature):
     """log softmax(logits [B, V] / temperature)[tokens [B]] -> float32 [B], in one pass over logits. temperature: a
     float, or float32 [R] for R requests of B // R rows each; 0 = greedy: 0 for the argmax token, -inf for others."""
     if not use_triton(logits):
-        return token_logprobs_ref(logits, tokens, temperature)
+        return token_logprobs_cpu(logits, tokens, temperature)
     t = _temperatures(temperature, logits.device)  # [R]
     chunk_max, chunk_sum = _vocab_chunks(logits, t, None, False)[:2]
     rows = _per_row(t, len(logits))  # [B]

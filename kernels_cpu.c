@@ -775,3 +775,133 @@ void decoder_layer(float *x, int64_t R, int64_t N, int64_t T, const struct layer
         lap(spent, 2, &since);
     }
 }
+
+/* ------------------------------------------------------------ a token drawn from each row of logits */
+#define SAMPLE_CHUNK 256 /* kernels.SAMPLE_CHUNK: the entries a partial sum covers */
+
+/* e^(x / t - top) = e^(x inverse - top) for x of a row whose largest tempered logit is top; 0 far below it (and for
+ * -inf, which a restricted row holds: exp_nonpositive alone would leave it a float's smallest) */
+static inline float weight_of(float x, float inverse, float top) {
+    float d = x * inverse - top;
+    float e = exp_nonpositive(d);
+    return d < -87.0f ? 0.0f : e;
+}
+
+/* a row's largest logit, and where it first is */
+static float row_max(const float *x, int64_t V, int64_t *at) {
+    float top = -INFINITY;
+    #pragma omp simd reduction(max : top)
+    for (int64_t v = 0; v < V; v++) top = x[v] > top ? x[v] : top; /* not fmaxf: it keeps the loop scalar */
+    *at = 0;
+    while (*at < V - 1 && !(x[*at] == top)) (*at)++;
+    return top;
+}
+
+/* sums [B, chunks] of each row's weights a chunk of SAMPLE_CHUNK entries, and top [B] (each row's largest tempered
+ * logit), first [B] (where its largest logit first is), inverse [B] (1 / its temperature, 1 at 0): the calling
+ * thread's share, in a parallel region; the chunks of all rows shared out, so one row keeps every thread busy */
+static void chunk_sums(const float *logits, int64_t B, int64_t V, const float *t, float *top, int64_t *first,
+                       float *inverse, float *sums) {
+    int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        inverse[b] = t[b] > 0 ? 1.0f / t[b] : 1.0f;
+        top[b] = row_max(logits + b * V, V, first + b) * inverse[b];
+    }
+    #pragma omp for schedule(static)
+    for (int64_t task = 0; task < B * chunks; task++) {
+        int64_t b = task / chunks;
+        const float *x = logits + b * V;
+        int64_t from = task % chunks * SAMPLE_CHUNK;
+        int64_t to = from + SAMPLE_CHUNK < V ? from + SAMPLE_CHUNK : V;
+        float sum = 0;
+        #pragma omp simd reduction(+ : sum)
+        for (int64_t v = from; v < to; v++) sum += weight_of(x[v], inverse[b], top[b]);
+        sums[task] = sum;
+    }
+}
+
+/* kernels.sample_ref's draw from row x [V] with uniform u, given its chunks' sums: the first token whose running sum
+ * of weights exceeds u x their total (sums in double), found a chunk at a time, then in the chunk drawn entry by
+ * entry; where u x total rounds past every sum, the last chunk and entry of nonzero weight; a row of no weight (NaN)
+ * draws its last token */
+static int64_t draw_row(const float *x, int64_t V, const float *sums, float inverse, float top, float u,
+                        double *total) {
+    int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    *total = 0;
+    for (int64_t c = 0; c < chunks; c++) *total += sums[c];
+    double target = u * *total;
+    int64_t chosen = V - 1;
+    double before = 0; /* the sums of the chunks before the one looked at */
+    int64_t drawn = -1; /* the chunk drawn (so far: the last of nonzero weight), and the sums before it */
+    double before_drawn = 0;
+    for (int64_t c = 0; c < chunks && *total > 0; c++) {
+        if (sums[c] > 0) {
+            drawn = c;
+            before_drawn = before;
+        }
+        if (before + sums[c] > target) break;
+        before += sums[c];
+    }
+    if (drawn < 0) return chosen;
+    int64_t to = (drawn + 1) * SAMPLE_CHUNK < V ? (drawn + 1) * SAMPLE_CHUNK : V;
+    double running = before_drawn;
+    for (int64_t v = drawn * SAMPLE_CHUNK; v < to; v++) {
+        float w = weight_of(x[v], inverse, top);
+        if (w > 0) chosen = v;
+        running += w;
+        if (w > 0 && running > target) break;
+    }
+    return chosen;
+}
+
+/* tokens [B] and their log-probs [B] drawn from logits [B, V] float32, row b at temperature t[b] (0: its first
+ * largest logit, log-prob 0) with uniform u[b]; work: 3 B + B x chunks floats and B int64 */
+void sample_rows(const float *logits, int64_t B, int64_t V, const float *t, const float *u, int64_t *tokens,
+                 float *logprobs, float *work, int threads) {
+    float *top = work;
+    float *inverse = top + B;
+    int64_t *first = (int64_t *)(inverse + B);
+    float *sums = (float *)(first + B);
+    int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    #pragma omp parallel num_threads(threads)
+    {
+        chunk_sums(logits, B, V, t, top, first, inverse, sums);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const float *x = logits + b * V;
+            double total;
+            int64_t token = draw_row(x, V, sums + b * chunks, inverse[b], top[b], u[b], &total);
+            tokens[b] = token;
+            logprobs[b] = x[token] * inverse[b] - top[b] - (float)log(total);
+            if (!(t[b] > 0)) {
+                tokens[b] = first[b];
+                logprobs[b] = 0;
+            }
+        }
+    }
+}
+
+/* out [B] = log softmax(logits [B, V] / t[b])[tokens[b]], as kernels.token_logprobs_ref: at t 0, 0 for a largest
+ * logit and -inf for any other token; work as sample_rows' */
+void token_logprobs(const float *logits, int64_t B, int64_t V, const int64_t *tokens, const float *t, float *out,
+                    float *work, int threads) {
+    float *top = work;
+    float *inverse = top + B;
+    int64_t *first = (int64_t *)(inverse + B);
+    float *sums = (float *)(first + B);
+    int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    #pragma omp parallel num_threads(threads)
+    {
+        chunk_sums(logits, B, V, t, top, first, inverse, sums);
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const float *x = logits + b * V;
+            double total = 0;
+            for (int64_t c = 0; c < chunks; c++) total += sums[b * chunks + c];
+            float picked = x[tokens[b]];
+            out[b] = picked * inverse[b] - top[b] - (float)log(total);
+            if (!(t[b] > 0)) out[b] = picked >= x[first[b]] ? 0.0f : -INFINITY;
+        }
+    }
+}

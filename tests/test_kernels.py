@@ -224,7 +224,8 @@ def test_tree_node_sees_no_sibling(attention):
 
 # ---------------------------------------------------------------- sampling
 
-SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytest.param(kernels.sample_ref, id="ref")]
+SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytest.param(kernels.sample_ref, id="ref"),
+            pytest.param(kernels.sample_cpu, id="compiled")]  # float32 rows on the CPU: the C sampler
 
 
 @pytest.mark.slow
@@ -303,7 +304,7 @@ def test_sample_batching_never_changes_a_requests_draws(sampler):
 
 
 LOGPROBS = [pytest.param(kernels.token_logprobs, marks=needs_triton, id="triton"),
-            pytest.param(kernels.token_logprobs_ref, id="ref")]
+            pytest.param(kernels.token_logprobs_ref, id="ref"), pytest.param(kernels.token_logprobs_cpu, id="compiled")]
 
 
 @pytest.mark.parametrize("logprobs", LOGPROBS)

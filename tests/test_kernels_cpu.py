@@ -208,6 +208,43 @@ def test_rows_quantized_alike_each_get_the_result_of_their_own(bits, extra):
         assert torch.equal(together[0], together[7])
 
 
+@needs_kernel
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 0.0])
+def test_the_compiled_sampler_draws_by_the_exact_inverse_cdf(temperature):
+    """Each row's token is where its uniform falls in the float64 running sum of softmax(logits / T) (to rounding),
+    never a token of probability 0, with its exact log-prob; at T = 0 the first largest logit, log-prob 0."""
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(48, 5000, generator=g)
+    logits[:, 700:2100] = float("-inf")  # whole chunks of no probability
+    logits[:, :260] = logits[:, -2:] = float("-inf")  # and at either end (a whole chunk first)
+    u = torch.rand(48, generator=g)
+    u[:2] = torch.tensor([0.0, 1.0])  # the first token of nonzero probability; past every sum (as u x total may
+    # round): the last one
+    tokens, logprobs = kernels_cpu.sample(logits, torch.full((48,), temperature), u)
+    if temperature == 0:
+        assert torch.equal(tokens, logits.argmax(-1)) and not logprobs.any()
+        return
+    exact = torch.log_softmax(logits.double() / temperature, -1)
+    cdf = exact.exp().cumsum(-1)
+    below = cdf.gather(1, (tokens - 1)[:, None])[:, 0]  # the mass before the token
+    assert logits.gather(1, tokens[:, None]).isfinite().all()
+    assert ((below <= u + 1e-5) & (cdf.gather(1, tokens[:, None])[:, 0] >= u - 1e-5)).all()
+    assert tokens[0] == 260 and tokens[1] == 4997
+    torch.testing.assert_close(logprobs.double(), exact.gather(1, tokens[:, None])[:, 0], atol=1e-4, rtol=1e-4)
+    picked = torch.randint(0, 5000, (48,), generator=g)
+    want = exact.gather(1, picked[:, None])[:, 0].float()
+    torch.testing.assert_close(kernels_cpu.token_logprobs(logits, picked, torch.full((48,), temperature)), want,
+                               atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_a_row_of_no_probability_draws_its_last_token():
+    logits = torch.full((2, 600), float("nan"))
+    logits[1] = float("-inf")
+    tokens, logprobs = kernels_cpu.sample(logits, torch.ones(2), torch.full((2,), 0.5))
+    assert tokens.tolist() == [599, 599] and logprobs.isnan().all()
+
+
 def test_pack_refuses_a_shape_the_kernel_cannot_tile():
     codes = torch.zeros(24, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="16k x 32k"):
