@@ -605,7 +605,7 @@ static inline __attribute__((always_inline)) void fold_keys_of(const float *rest
             #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; d++) dot += qrow[d] * key[d];
             scores[j] = seen && !seen[j0 + j] ? -INFINITY : dot * scale;
-            top = fmaxf(top, scores[j]);
+            top = scores[j] > top ? scores[j] : top; /* not fmaxf, which is slower here */
         }
         if (top == -INFINITY) continue; /* nothing seen yet */
         float rescale = exp_nonpositive(*m - top); /* the earlier sums, to the new largest score */
