@@ -797,16 +797,32 @@ static float row_max(const float *x, int64_t V, int64_t *at) {
     return top;
 }
 
-/* sums [B, chunks] of each row's weights a chunk of SAMPLE_CHUNK entries, and top [B] (each row's largest tempered
- * logit), first [B] (where its largest logit first is), inverse [B] (1 / its temperature, 1 at 0): the calling
- * thread's share, in a parallel region; the chunks of all rows shared out, so one row keeps every thread busy */
-static void chunk_sums(const float *logits, int64_t B, int64_t V, const float *t, float *top, int64_t *first,
-                       float *inverse, float *sums) {
+/* a sampling call's work, split: each row's largest tempered logit (top), 1 / its temperature (inverse: 1 at 0),
+ * where its largest logit first is (first), and its sums a chunk of SAMPLE_CHUNK entries (sums [B, chunks]) */
+struct rows_seen {
+    float *top;
+    float *inverse;
+    int64_t *first;
+    float *sums;
+};
+
+static struct rows_seen rows_seen_in(float *work, int64_t B) {
+    struct rows_seen seen;
+    seen.top = work;
+    seen.inverse = work + B;
+    seen.first = (int64_t *)(work + 2 * B);
+    seen.sums = work + 4 * B;
+    return seen;
+}
+
+/* seen's fields for logits [B, V] at temperatures t: the calling thread's share, in a parallel region; the chunks
+ * of all rows shared out, so one row keeps every thread busy */
+static void chunk_sums(const float *logits, int64_t B, int64_t V, const float *t, const struct rows_seen *seen) {
     int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) {
-        inverse[b] = t[b] > 0 ? 1.0f / t[b] : 1.0f;
-        top[b] = row_max(logits + b * V, V, first + b) * inverse[b];
+        seen->inverse[b] = t[b] > 0 ? 1.0f / t[b] : 1.0f;
+        seen->top[b] = row_max(logits + b * V, V, seen->first + b) * seen->inverse[b];
     }
     #pragma omp for schedule(static)
     for (int64_t task = 0; task < B * chunks; task++) {
@@ -816,26 +832,31 @@ static void chunk_sums(const float *logits, int64_t B, int64_t V, const float *t
         int64_t to = from + SAMPLE_CHUNK < V ? from + SAMPLE_CHUNK : V;
         float sum = 0;
         #pragma omp simd reduction(+ : sum)
-        for (int64_t v = from; v < to; v++) sum += weight_of(x[v], inverse[b], top[b]);
-        sums[task] = sum;
+        for (int64_t v = from; v < to; v++) sum += weight_of(x[v], seen->inverse[b], seen->top[b]);
+        seen->sums[task] = sum;
     }
 }
 
-/* kernels.sample_ref's draw from row x [V] with uniform u, given its chunks' sums: the first token whose running sum
- * of weights exceeds u x their total (sums in double), found a chunk at a time, then in the chunk drawn entry by
- * entry; where u x total rounds past every sum, the last chunk and entry of nonzero weight; a row of no weight (NaN)
- * draws its last token */
-static int64_t draw_row(const float *x, int64_t V, const float *sums, float inverse, float top, float u,
-                        double *total) {
+/* a row's total weight from its chunks' sums, in double */
+static double row_total(const float *sums, int64_t chunks) {
+    double total = 0;
+    for (int64_t c = 0; c < chunks; c++) total += sums[c];
+    return total;
+}
+
+/* kernels.sample_ref's draw from row x [V] with uniform u, given its chunks' sums and their total: the first token
+ * whose running sum of weights exceeds u x total, found a chunk at a time, then in the chunk drawn entry by entry;
+ * where u x total rounds past every sum, the last chunk and entry of nonzero weight; a row of no weight (NaN) draws
+ * its last token */
+static int64_t draw_row(const float *x, int64_t V, const float *sums, double total, float inverse, float top,
+                        float u) {
     int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
-    *total = 0;
-    for (int64_t c = 0; c < chunks; c++) *total += sums[c];
-    double target = u * *total;
+    double target = u * total;
     int64_t chosen = V - 1;
     double before = 0; /* the sums of the chunks before the one looked at */
     int64_t drawn = -1; /* the chunk drawn (so far: the last of nonzero weight), and the sums before it */
     double before_drawn = 0;
-    for (int64_t c = 0; c < chunks && *total > 0; c++) {
+    for (int64_t c = 0; c < chunks && total > 0; c++) {
         if (sums[c] > 0) {
             drawn = c;
             before_drawn = before;
@@ -850,58 +871,31 @@ static int64_t draw_row(const float *x, int64_t V, const float *sums, float inve
         float w = weight_of(x[v], inverse, top);
         if (w > 0) chosen = v;
         running += w;
-        if (w > 0 && running > target) break;
+        if (running > target) break; /* first true just after a weight > 0 */
     }
     return chosen;
 }
 
-/* tokens [B] and their log-probs [B] drawn from logits [B, V] float32, row b at temperature t[b] (0: its first
- * largest logit, log-prob 0) with uniform u[b]; work: 3 B + B x chunks floats and B int64 */
-void sample_rows(const float *logits, int64_t B, int64_t V, const float *t, const float *u, int64_t *tokens,
-                 float *logprobs, float *work, int threads) {
-    float *top = work;
-    float *inverse = top + B;
-    int64_t *first = (int64_t *)(inverse + B);
-    float *sums = (float *)(first + B);
+/* out [B] = log softmax(logits [B, V] float32 / t[b])[tokens[b]], as kernels.token_logprobs_ref (at t 0: 0 for a
+ * largest logit, -inf for any other token); with u [B] (else NULL) tokens are first drawn, row b with uniform u[b],
+ * as kernels.sample_ref draws them (at t 0 its first largest logit). work: 4 B + B x chunks floats (rows_seen's) */
+void rows_logprobs(const float *logits, int64_t B, int64_t V, const float *t, const float *u, int64_t *tokens,
+                   float *out, float *work, int threads) {
+    struct rows_seen seen = rows_seen_in(work, B);
     int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
     #pragma omp parallel num_threads(threads)
     {
-        chunk_sums(logits, B, V, t, top, first, inverse, sums);
+        chunk_sums(logits, B, V, t, &seen);
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             const float *x = logits + b * V;
-            double total;
-            int64_t token = draw_row(x, V, sums + b * chunks, inverse[b], top[b], u[b], &total);
-            tokens[b] = token;
-            logprobs[b] = x[token] * inverse[b] - top[b] - (float)log(total);
-            if (!(t[b] > 0)) {
-                tokens[b] = first[b];
-                logprobs[b] = 0;
-            }
-        }
-    }
-}
-
-/* out [B] = log softmax(logits [B, V] / t[b])[tokens[b]], as kernels.token_logprobs_ref: at t 0, 0 for a largest
- * logit and -inf for any other token; work as sample_rows' */
-void token_logprobs(const float *logits, int64_t B, int64_t V, const int64_t *tokens, const float *t, float *out,
-                    float *work, int threads) {
-    float *top = work;
-    float *inverse = top + B;
-    int64_t *first = (int64_t *)(inverse + B);
-    float *sums = (float *)(first + B);
-    int64_t chunks = (V + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
-    #pragma omp parallel num_threads(threads)
-    {
-        chunk_sums(logits, B, V, t, top, first, inverse, sums);
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            const float *x = logits + b * V;
-            double total = 0;
-            for (int64_t c = 0; c < chunks; c++) total += sums[b * chunks + c];
+            const float *sums = seen.sums + b * chunks;
+            double total = row_total(sums, chunks);
+            if (u) tokens[b] = seen.first[b];
+            if (u && t[b] > 0) tokens[b] = draw_row(x, V, sums, total, seen.inverse[b], seen.top[b], u[b]);
             float picked = x[tokens[b]];
-            out[b] = picked * inverse[b] - top[b] - (float)log(total);
-            if (!(t[b] > 0)) out[b] = picked >= x[first[b]] ? 0.0f : -INFINITY;
+            out[b] = picked * seen.inverse[b] - seen.top[b] - (float)log(total);
+            if (!(t[b] > 0)) out[b] = picked >= x[seen.first[b]] ? 0.0f : -INFINITY;
         }
     }
 }

@@ -231,8 +231,7 @@ def load(path):
                            ctypes.c_int, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
     lib.decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr] + [ptr] * 7 + [i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    lib.sample_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-    lib.token_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.rows_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
 
@@ -444,32 +443,27 @@ def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, 
 SAMPLE_CHUNK = 256  # kernels.SAMPLE_CHUNK, kernels_cpu.c's
 
 
-def sampling_work(B, V):
-    """float32 room of the C sampler's: each row's largest tempered logit, 1 / temperature, where its largest logit
-    is (int64), and its sums a chunk."""
-    return torch.empty(4 * B + B * -(-V // SAMPLE_CHUNK))
+def rows_logprobs(logits, temperature, tokens, u=None):
+    """The C rows_logprobs: logits [B, V] float32, temperature [B] float32 (a row's own), tokens int64 [B] (with u,
+    float32 [B] uniforms in [0, 1): drawn into them) -> their log-probs float32 [B]. Nothing of [B, V] is allocated:
+    its work is each row's largest logit, 1 / temperature, where the largest is (int64), and its sums a chunk."""
+    B, V = logits.shape
+    out = torch.empty(B)
+    work = torch.empty(4 * B + B * -(-V // SAMPLE_CHUNK))
+    lib = _library.get("lib") or library()[0]
+    lib.rows_logprobs(logits.data_ptr(), B, V, temperature.data_ptr(), pointer(u), tokens.data_ptr(), out.data_ptr(),
+                      work.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def sample(logits, temperature, u):
     """kernels.sample_ref's draw by the compiled code: logits [B, V] float32, temperature and u float32 [B] (a row's
-    own, u uniform in [0, 1)) -> tokens int64 [B], log-probs float32 [B]. Nothing of [B, V] is allocated."""
-    B, V = logits.shape
-    tokens = torch.empty(B, dtype=torch.int64)
-    logprobs = torch.empty(B)
-    work = sampling_work(B, V)  # held until the call returns
-    lib = _library.get("lib") or library()[0]
-    lib.sample_rows(logits.data_ptr(), B, V, temperature.data_ptr(), u.data_ptr(), tokens.data_ptr(),
-                    logprobs.data_ptr(), work.data_ptr(), torch.get_num_threads())
-    return tokens, logprobs
+    own, u uniform in [0, 1)) -> tokens int64 [B], log-probs float32 [B]."""
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    return tokens, rows_logprobs(logits, temperature, tokens, u)
 
 
 def token_logprobs(logits, tokens, temperature):
     """kernels.token_logprobs_ref by the compiled code: logits [B, V] float32, tokens int64 [B], temperature float32
     [B] (a row's own) -> float32 [B]."""
-    B, V = logits.shape
-    out = torch.empty(B)
-    work = sampling_work(B, V)  # held until the call returns
-    lib = _library.get("lib") or library()[0]
-    lib.token_logprobs(logits.data_ptr(), B, V, tokens.data_ptr(), temperature.data_ptr(), out.data_ptr(),
-                       work.data_ptr(), torch.get_num_threads())
-    return out
+    return rows_logprobs(logits, temperature, tokens)
