@@ -61,9 +61,10 @@ static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> float, subno
 
 /* exp(x) for x <= 0 to a float's precision, in plain arithmetic the compiler vectorises (not libm's expf, nor fmaxf
  * or floorf, which keep gcc's loops scalar): x = k ln 2 + r, k rounded to nearest by adding and taking away 1.5 x 2^23,
- * |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* e^-87 is a float's smallest normal: below it, 0 is as good */
+ * |r| <= ln 2 / 2, e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), times 2^k. Below -87 (-inf
+ * included: a masked score, a restricted logit) exactly 0: e^-87 is a float's smallest normal */
+static inline float exp_nonpositive(float v) {
+    float x = v < -87.0f ? -87.0f : v;
     float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
     float r = x - k * 0.693359375f + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -76,7 +77,7 @@ static inline float exp_nonpositive(float x) {
     int32_t bits = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    return v < -87.0f ? 0.0f : p * scale;
 }
 
 /* ------------------------------------------------------------ activations: int8 per row and group of 32 */
@@ -779,13 +780,8 @@ void decoder_layer(float *x, int64_t R, int64_t N, int64_t T, const struct layer
 /* ------------------------------------------------------------ a token drawn from each row of logits */
 #define SAMPLE_CHUNK 256 /* kernels.SAMPLE_CHUNK: the entries a partial sum covers */
 
-/* e^(x / t - top) = e^(x inverse - top) for x of a row whose largest tempered logit is top; 0 far below it (and for
- * -inf, which a restricted row holds: exp_nonpositive alone would leave it a float's smallest) */
-static inline float weight_of(float x, float inverse, float top) {
-    float d = x * inverse - top;
-    float e = exp_nonpositive(d);
-    return d < -87.0f ? 0.0f : e;
-}
+/* e^(x / t - top) = e^(x inverse - top) for x of a row whose largest tempered logit is top (0 for -inf) */
+static inline float weight_of(float x, float inverse, float top) { return exp_nonpositive(x * inverse - top); }
 
 /* a row's largest logit, and where it first is */
 static float row_max(const float *x, int64_t V, int64_t *at) {

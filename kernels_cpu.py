@@ -440,7 +440,7 @@ def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, 
 
 
 # ---------------------------------------------------------------- sampling
-SAMPLE_CHUNK = 256  # kernels.SAMPLE_CHUNK, kernels_cpu.c's
+SAMPLE_CHUNK = 256  # kernels_cpu.c's: the entries a partial sum covers (the work's size)
 
 
 def rows_logprobs(logits, temperature, tokens, u=None):
