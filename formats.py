@@ -47,9 +47,9 @@ class Quantized(torch.nn.Module):
     """A matmul weight [out, in] in int8, int4, w4a8 or w8a8, built from the tensors it keeps (`quantized` makes them
     from a plain weight; `tensors()` gives them back, as weight_cache.py keeps them): int8 and int4 q and scale for
     kernels.quantized_linear; w4a8 kernels_cpu's packed codes of `bits` bits (and, tail_bits > 0, more rows in tail,
-    of tail_bits: a fused q/k/v whose v a file holds wider); w8a8 q and scale, packed by FBGEMM at construction
-    (`packed_bytes` of it), and float32 outlier columns (kernels.w8a8_linear). Parameters where it can, so
-    weight_bytes counts them."""
+    of tail_bits: a fused q/k/v whose v a file holds wider) and, once calibrated (keep_outliers), its outlier input
+    channels and their float32 columns; w8a8 q and scale, packed by FBGEMM at construction (`packed_bytes` of it),
+    and float32 outlier columns (kernels.w8a8_linear). Parameters where it can, so weight_bytes counts them."""
 
     def __init__(self, fmt, tensors, bits=4, tail_bits=0):
         super().__init__()
@@ -70,21 +70,39 @@ class Quantized(torch.nn.Module):
     def normed(self, x, norm, eps, bias=None, rope=None):
         """forward(model.rms_norm(x, norm, eps), bias), its first heads rotated by rope = (cos, sin, heads), w4a8's in
         one call of its kernel (model.normed_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope, tail=self.tail())
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope, tail=self.tail(),
+                                       outliers=self.float_inputs())
 
     def gated(self, x):
         """forward(silu(gate) x up) for x = [gate | up], w4a8's in one call of its kernel (model.gated_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail())
+        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail(),
+                                       outliers=self.float_inputs())
 
     def matmul(self, n, bias=None):
         """w4a8's weight of n inputs (and bias [out] or None) as kernels_cpu.decoder_layers takes it (a Matmul)."""
-        return kernels_cpu.matmul(self.packed, self.bits, n, self.tail(), bias)
+        return kernels_cpu.matmul(self.packed, self.bits, n, self.tail(), bias, self.float_inputs())
 
     def tail(self):
         """w4a8's rows in other bits, as its kernel takes them: (packed, bits), or None."""
         if not self.tail_bits:
             return None
         return self.tail_packed, self.tail_bits
+
+    def float_inputs(self):
+        """w4a8's outlier input channels and their columns, as its kernel takes them: (at, w_at), or None."""
+        if "w_outliers" not in self._parameters:
+            return None
+        return self.outliers, self.w_outliers
+
+    def keep_outliers(self, amax):
+        """w4a8: the W4A8_OUTLIERS input channels of largest amax [in] (calibrated's) kept out of the activations'
+        rounding from now on, with their columns of the weight (the file's values, as the kernel sees them)."""
+        at = amax.float().topk(W4A8_OUTLIERS).indices.sort().values
+        columns = kernels_cpu.columns(self.packed, self.bits, len(amax), at)  # [k, out]
+        if self.tail_bits:
+            columns = torch.cat([columns, kernels_cpu.columns(self.tail_packed, self.tail_bits, len(amax), at)], 1)
+        self.outliers = torch.nn.Parameter(at.int(), requires_grad=False)
+        self.w_outliers = torch.nn.Parameter(columns.contiguous(), requires_grad=False)
 
     def tensors(self):
         """-> {name: tensor}: what this weight is built from again (Quantized(fmt, tensors, bits))."""
@@ -99,7 +117,8 @@ class Quantized(torch.nn.Module):
         if self.fmt == "w8a8":
             y = kernels.w8a8_linear(x, self.packed, self.outliers, self.w_outliers)
         elif self.fmt == "w4a8":
-            return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, tail=self.tail())
+            return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, tail=self.tail(),
+                                           outliers=self.float_inputs())
         else:
             y = kernels.quantized_linear(x, self.q, self.scale)
         return y if bias is None else y + bias
@@ -186,25 +205,33 @@ def held_wide(c, get):
     return held
 
 
-# ---------------------------------------------------------------- w8a8 calibration
+# ---------------------------------------------------------------- calibration: w8a8's and w4a8's outlier channels
+# The input channels w4a8 keeps out of its activations' rounding: a model's few massive activations (a channel of
+# Qwen2.5's residual stream) set their groups' steps and round the other inputs there to a step or two.
+W4A8_OUTLIERS = 2
+
+
 class Probe(torch.nn.Module):
     """A matmul weight w in calibration: as model.linear multiplies by it, keeps amax [in], the largest |input| per
-    channel it has seen."""
+    channel it has seen (None before its first input)."""
 
     def __init__(self, w):
         super().__init__()
         self.w = w
-        self.amax = torch.zeros(w.shape[1], device=w.device)
+        self.amax = None
 
     def forward(self, x, bias=None):
-        self.amax = torch.maximum(self.amax, x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float())
+        seen = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()  # [in]
+        if self.amax is not None:
+            seen = torch.maximum(self.amax, seen)
+        self.amax = seen
         return model.linear(x, self.w, bias)
 
 
 @torch.no_grad()
 def calibrated(transformer, length=64):
     """-> {matmul name: amax [in]} over a prefill of `length` seeded random tokens: the model alone decides where w8a8
-    keeps floats (its large channels are much the same for any text)."""
+    and w4a8 keep floats (its large channels are much the same for any text)."""
     probes = {name: (m, attr, Probe(getattr(m, attr))) for name, m, attr in matmuls(transformer)}
     for m, attr, p in probes.values():
         replace(m, attr, p)
@@ -220,12 +247,17 @@ def calibrated(transformer, length=64):
 @torch.no_grad()
 def convert_weights(transformer, fmt=None, held=None):
     """Every matmul weight not yet Quantized into format fmt (None: its dtype's), the wider ones of held (a file's:
-    held_wide's {name: bits}) wide, in place; w8a8 calibrated first, a tied head copied (lookups need plain rows)."""
+    held_wide's {name: bits}) wide, in place; w8a8 and w4a8 calibrated first (w4a8's outliers kept after; not on a
+    tensor-parallel rank), a tied head copied (lookups need plain rows)."""
     held = held or {}
     if fmt is None:
         fmt = "float32" if transformer.embed.dtype == torch.float32 else "bf16"
-    amax = calibrated(transformer) if fmt == "w8a8" else {}
+    amax = {}
+    if fmt == "w8a8" or fmt == "w4a8" and transformer.config.tp == 1:  # w4a8's rank alone could not run the forward
+        amax = calibrated(transformer)
     for name, m, attr in matmuls(transformer):
         w = getattr(m, attr)
         if not isinstance(w, Quantized):
             replace(m, attr, converted(w, fmt, amax.get(name), wide=held.get(name, 0)))
+        if fmt == "w4a8" and name in amax:
+            getattr(m, attr).keep_outliers(amax[name])

@@ -415,11 +415,53 @@ static void panel_rows(const uint8_t *panel, int bits, int64_t groups, const int
     }
 }
 
-/* y [rows, out] float32 (rows ldy apart) = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo): the calling thread's
- * share of the panels in a parallel region, with no barrier after it. A panel at a time, its tiles of rows in turn:
- * one stream of weights a thread, which the hardware prefetchers follow best. */
+/* ------------------------------------------------------------ inputs kept out of the rounding */
+#define OUTLIERS 8 /* the most outlier channels a weight has: its scratch's room */
+
+/* A few input channels whose activations are far larger than the rest (a model's massive activations) would set
+ * their groups' steps and round the other 31 inputs to a step or two: at[n] (ascending) are kept out of the
+ * rounding and multiply w's own columns there, w [n, out] float32. */
+struct outliers {
+    const int32_t *at;
+    const float *w;
+    int64_t n;
+};
+
+/* group v (inputs first .. first + 31 of a row) with its outlier inputs moved to aside[j] and zeroed: in prepared
+ * where it holds one (v itself is the caller's) */
+static const float *set_aside(const float *v, float *prepared, int64_t first, const struct outliers *o, float *aside) {
+    for (int64_t j = 0; j < o->n; j++) {
+        int64_t i = o->at[j] - first;
+        if (i < 0 || i >= GROUP) continue;
+        if (v != prepared) memcpy(prepared, v, GROUP * sizeof(float));
+        v = prepared;
+        aside[j] = prepared[i];
+        prepared[i] = 0;
+    }
+    return v;
+}
+
+/* a panel's tile y [rows, PANEL] (rows ldy apart) += aside [rows, o->n] @ o->w's PANEL columns from `column` (o->w's
+ * rows ldy long): the outlier inputs' part, in float32, while the tile is in cache */
+static void add_outliers(float *y, int64_t ldy, int64_t rows, const float *aside, const struct outliers *o,
+                         int64_t column) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = 0; j < o->n; j++) {
+            float a = aside[r * o->n + j];
+            const float *w = o->w + j * ldy + column;
+            #pragma omp simd
+            for (int i = 0; i < PANEL; i++) y[r * ldy + i] += a * w[i];
+        }
+    }
+}
+
+/* y [rows, out] float32 (rows ldy apart) = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo) and its outlier
+ * inputs aside (o's, w's columns from `column` of o->w): the calling thread's share of the panels in a parallel
+ * region, with no barrier after it. A panel at a time, its tiles of rows in turn: one stream of weights a thread,
+ * which the hardware prefetchers follow best. */
 static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
-                         const float *xs, const int32_t *xo, int64_t rows, float *y, int64_t ldy) {
+                         const float *xs, const int32_t *xo, const float *aside, const struct outliers *o,
+                         int64_t column, int64_t rows, float *y, int64_t ldy) {
     int64_t groups = in / GROUP;
     int64_t panel_bytes = panel_bytes_of(bits, groups);
     int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
@@ -428,8 +470,10 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
         for (int64_t t = 0; t < tiles; t++) {
             int64_t first = rows * t / tiles; /* tiles of balanced size: 16 rows are 8 + 8, not 12 + 4 */
             int64_t n = rows * (t + 1) / tiles - first;
+            float *tile = y + first * ldy + c * PANEL;
             panel_rows(w + c * panel_bytes, bits, groups, xq + first * GROUP, dx + first, xs + first, xo + 2 * first,
-                       rows, (int)n, y + first * ldy + c * PANEL, ldy);
+                       rows, (int)n, tile, ldy);
+            if (o->n) add_outliers(tile, ldy, n, aside + first * o->n, o, column + c * PANEL);
         }
     }
 }
@@ -437,8 +481,11 @@ static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, co
 /* ------------------------------------------------------------ equal rows multiplied once */
 #define DISTINCT_ROWS 64 /* rows up to which a call looks for equal ones: a step's rows, not a prompt's */
 
-/* rows a and b of group-major activations (ld rows) quantized alike: the same codes and steps */
-static int same_row(const int8_t *xq, const float *dx, int64_t ld, int64_t groups, int64_t a, int64_t b) {
+/* rows a and b of group-major activations (ld rows) quantized alike: the same codes and steps, and outlier inputs
+ * aside [ld, n] */
+static int same_row(const int8_t *xq, const float *dx, const float *aside, int64_t n, int64_t ld, int64_t groups,
+                    int64_t a, int64_t b) {
+    if (memcmp(aside + a * n, aside + b * n, n * sizeof(float))) return 0;
     for (int64_t g = 0; g < groups; g++) {
         if (dx[g * ld + a] != dx[g * ld + b]) return 0;
         if (memcmp(xq + (g * ld + a) * GROUP, xq + (g * ld + b) * GROUP, GROUP)) return 0;
@@ -448,18 +495,19 @@ static int same_row(const int8_t *xq, const float *dx, int64_t ld, int64_t group
 
 /* A row's result is its own input's, so rows quantized alike (a particle's copies after resampling, and their
  * equal drafts) need one multiply: the distinct rows move to the front of the group-major activations (ld becomes
- * their count), slot[r] = the distinct row whose result row r takes; -> their count. */
-static int64_t gather_distinct(int8_t *xq, float *dx, float *xs, int32_t *xo, int64_t rows, int64_t groups,
-                               int32_t *slot) {
+ * their count) and of aside [rows, n], slot[r] = the distinct row whose result row r takes; -> their count. */
+static int64_t gather_distinct(int8_t *xq, float *dx, float *xs, int32_t *xo, float *aside, int64_t n, int64_t rows,
+                               int64_t groups, int32_t *slot) {
     int64_t first[DISTINCT_ROWS]; /* each distinct row's first occurrence */
     int64_t distinct = 0;
     for (int64_t r = 0; r < rows; r++) {
         int64_t u = 0;
-        while (u < distinct && !same_row(xq, dx, rows, groups, first[u], r)) u++;
+        while (u < distinct && !same_row(xq, dx, aside, n, rows, groups, first[u], r)) u++;
         if (u == distinct) first[distinct++] = r;
         slot[r] = (int32_t)u;
     }
     if (distinct == rows) return rows;
+    for (int64_t u = 0; u < distinct; u++) memmove(aside + u * n, aside + first[u] * n, n * sizeof(float));
     for (int64_t g = 0; g < groups; g++) { /* in order: a row only ever moves down, onto one already moved */
         for (int64_t u = 0; u < distinct; u++) {
             int64_t from = g * rows + first[u];
@@ -520,12 +568,13 @@ static void rotate_heads(float *y, int64_t rows, int64_t out, const float *cos, 
  * norm [in] (else NULL), x's rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is
  * [rows, 2 in], gate then up, and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim]
  * (else NULL), the first `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch
- * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats, rows + 1 int32), then multiplied,
- * rows quantized alike once: the calling thread's share, in a parallel region, all of y written when it returns. */
+ * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats, rows + 1 int32, rows x OUTLIERS
+ * floats), then multiplied, rows quantized alike (and alike in o's outlier inputs, added in float32) once: the
+ * calling thread's share, in a parallel region, all of y written when it returns. */
 static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out,
                          int64_t in, const float *x, int64_t rows, float *y, const float *bias, const float *norm,
                          float eps, int gated, const float *cos, const float *sin, int64_t rotated, int64_t head_dim,
-                         uint8_t *scratch) {
+                         const struct outliers *o, uint8_t *scratch) {
     int64_t groups = rows * (in / GROUP);
     int8_t *xq = (int8_t *)scratch;
     float *dx = (float *)(scratch + rows * in);
@@ -534,6 +583,7 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
     float *inverse_rms = (float *)(xo + 2 * groups);
     int32_t *slot = (int32_t *)(inverse_rms + rows);
     int32_t *distinct = slot + rows;
+    float *aside = (float *)(distinct + 1); /* [rows, o->n]: each row's inputs at the outlier channels */
     if (norm) {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -556,17 +606,18 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
             for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
             v = prepared;
         }
+        if (o->n) v = set_aside(v, prepared, g % (in / GROUP) * GROUP, o, aside + g / (in / GROUP) * o->n);
         int64_t at = group_major(g, in, rows);
         QUANTIZE_GROUP(v, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
     }
     int64_t used = rows; /* after the loop's barrier: all quantized */
     if (rows > 1 && rows <= DISTINCT_ROWS) {
         #pragma omp single
-        *distinct = (int32_t)gather_distinct(xq, dx, xs, xo, rows, in / GROUP, slot);
+        *distinct = (int32_t)gather_distinct(xq, dx, xs, xo, aside, o->n, rows, in / GROUP, slot);
         used = *distinct;
     }
-    matmul_share(w, bits, head, in, xq, dx, xs, xo, used, y, out);
-    if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, used, y + head, out);
+    matmul_share(w, bits, head, in, xq, dx, xs, xo, aside, o, 0, used, y, out);
+    if (tail) matmul_share(tail, tail_bits, out - head, in, xq, dx, xs, xo, aside, o, head, used, y + head, out);
     #pragma omp barrier
     if (used < rows) spread_rows(y, rows, out, slot);
     if (bias) {
@@ -580,10 +631,12 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
 /* linear_share's y, in one parallel region (one start of the threads a call) */
 void linear(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out, int64_t in,
             const float *x, int64_t rows, float *y, const float *bias, const float *norm, float eps, int gated,
-            const float *cos, const float *sin, int64_t rotated, int64_t head_dim, uint8_t *scratch, int threads) {
+            const float *cos, const float *sin, int64_t rotated, int64_t head_dim, const int32_t *outliers,
+            const float *w_outliers, int64_t n_outliers, uint8_t *scratch, int threads) {
+    struct outliers o = {outliers, w_outliers, n_outliers};
     #pragma omp parallel num_threads(threads)
     linear_share(w, bits, head, tail, tail_bits, out, in, x, rows, y, bias, norm, eps, gated, cos, sin, rotated,
-                 head_dim, scratch);
+                 head_dim, &o, scratch);
 }
 
 const char *isa(void) { return KERNEL_ISA; }
@@ -694,6 +747,7 @@ struct matmul {
     int64_t in;
     int32_t bits;
     int32_t tail_bits;
+    struct outliers outliers;
 };
 
 /* A decoder layer's weights: model.Block's */
@@ -714,7 +768,7 @@ struct layer {
 static void matmul_of(const struct matmul *m, const float *x, int64_t rows, float *y, const float *norm, float eps,
                       int gated, const float *cos, const float *sin, int64_t rotated, int64_t D, uint8_t *scratch) {
     linear_share(m->w, m->bits, m->head, m->tail, m->tail_bits, m->out, m->in, x, rows, y, m->bias, norm, eps, gated,
-                 cos, sin, rotated, D, scratch);
+                 cos, sin, rotated, D, &m->outliers, scratch);
 }
 
 /* x [rows, n] += part [rows, n]: the residual stream */

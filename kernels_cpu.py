@@ -108,11 +108,55 @@ def dequantize(codes, scale, low):
     return w.flatten(1)
 
 
-def w4a8_linear_ref(x, codes, scale, low):
-    """x [..., in] @ w.T for w = dequantize(codes, scale, low), x rounded as quantize_rows_ref rounds it."""
+def w4a8_linear_ref(x, codes, scale, low, outliers=None):
+    """x [..., in] @ w.T for w = dequantize(codes, scale, low), x rounded as quantize_rows_ref rounds it. outliers (at
+    int32 [n], w_at [n, out]): x's inputs at channels `at` kept out of the rounding (zero there) and times w_at, w's
+    columns there, in float32."""
+    aside = None
+    if outliers is not None:
+        at = outliers[0].long()
+        aside = x[..., at]  # [..., n]
+        x = x.index_fill(-1, at, 0)
     xq, dx, _ = quantize_rows_ref(x)
     x_hat = (xq.float().unflatten(-1, (-1, GROUP)) * dx[..., None]).flatten(-2)
-    return x_hat @ dequantize(codes, scale, low).T
+    y = x_hat @ dequantize(codes, scale, low).T
+    if aside is None:
+        return y
+    return y + aside @ outliers[1]
+
+
+def columns(packed, bits, n, at):
+    """w's columns at inputs `at` (int [k]) of packed = pack(codes, scale, low, bits) for n inputs -> float32 [k, out]:
+    dequantize(codes, scale, low)[:, at].T, read from the packed bytes (a group's codes, its scales and lows)."""
+    panels = packed.shape[0]
+    codes_bytes = bits * PANEL * GROUP // 8  # a group's codes, then its scales' int8 q (and its lows')
+    group = codes_bytes + 2 * PANEL  # kernels_cpu.c's group_bytes
+    head = 2 * PANEL if bits == 6 else 4 * PANEL  # head_bytes: the f16 d of a superblock's scales (and lows)
+    out = []
+    for c in at.tolist():
+        g = c // GROUP
+        i = c % GROUP  # the input within its group: vector i // 4 of 8, byte 4 x column + i % 4
+        start = g // SUPER * (head + SUPER * group)
+        d = packed[:, start:start + head].contiguous().view(torch.float16).float()  # [panels, 16 | 32]
+        body = packed[:, start + head + g % SUPER * group:][:, :group].long()  # [panels, group bytes]
+        t = i // 4
+        lanes = torch.arange(PANEL) * 4 + i % 4
+        if bits == 8:
+            code = body[:, 64 * t + lanes]
+        else:
+            code = body[:, 64 * (t % 4) + lanes] >> 4 * (t // 4) & 15
+        if bits == 6:
+            code = code | (body[:, 256 + 64 * (t % 2) + lanes] >> 2 * (t // 2) & 3) << 4
+            q = body[:, codes_bytes + PANEL * (i // 16) + torch.arange(PANEL)]  # its half group's
+            scale = d * torch.where(q > 127, q - 256, q).float()
+            low = -32 * scale
+        else:
+            q = body[:, codes_bytes + torch.arange(2 * PANEL)]
+            q = torch.where(q > 127, q - 256, q).float()
+            scale = d[:, :PANEL] * q[:, :PANEL]
+            low = d[:, PANEL:] * q[:, PANEL:]
+        out.append((code.float() * scale + low).flatten())  # [panels x 16]
+    return torch.stack(out)
 
 
 # ---------------------------------------------------------------- weights: quantized, packed
@@ -228,7 +272,7 @@ def load(path):
     ptr = ctypes.c_void_p
     lib.quantize_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.linear.argtypes = [ptr, ctypes.c_int, i64, ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float,
-                           ctypes.c_int, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+                           ctypes.c_int, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
     lib.decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr] + [ptr] * 7 + [i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.rows_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
@@ -284,19 +328,23 @@ def scratch(size):
     return _scratch.t
 
 
+OUTLIERS = 8  # kernels_cpu.c's: the most outlier channels a weight has (its scratch's room)
+
+
 def linear_scratch(rows, n):
     """Bytes of the C linear's scratch for rows of n inputs: xq; dx, xs, xo (two int32 a group); 1 / rms; each row's
-    distinct row and their count."""
-    return rows * n + 16 * rows * (n // GROUP) + 4 * rows + 4 * (rows + 1)
+    distinct row and their count; each row's outlier inputs."""
+    return rows * n + 16 * rows * (n // GROUP) + 4 * rows + 4 * (rows + 1) + 4 * OUTLIERS * rows
 
 
-def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rope=None, tail=None):
+def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rope=None, tail=None, outliers=None):
     """x [..., in] float32 @ w.T + bias [out] for packed = pack(codes, scale, low, bits): w4a8_linear_ref's math by
     the compiled kernel (float32 sums in another order), x quantized and multiplied in one call. tail (packed,
     bits): more rows of w after packed's, in other bits (a fused q/k/v whose v a file holds wider). norm [in]: x's
     rows RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)). gated: x is [..., 2 in], gate then up,
     and the input silu(gate) x up (SwiGLU's). rope (cos, sin, heads): the output's first `heads` heads rotated after
-    the bias (model.apply_rope's), cos and sin one [D] row per row of x. All in the same call."""
+    the bias (model.apply_rope's), cos and sin one [D] row per row of x. outliers (at, w_at): as the reference's, of
+    the prepared input (after the norm or the gate). All in the same call."""
     if gated and norm is not None:
         raise ValueError("w4a8_linear gates or normalises its input, not both")
     x = x.float().contiguous()
@@ -320,11 +368,23 @@ def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rop
         if cos.numel() != rows * D or sin.shape != cos.shape or heads * D > out:
             raise ValueError(f"rope's cos and sin {tuple(cos.shape)} must give each of the {rows} rows its own, "
                              f"for {heads} heads of at most {out // max(D, 1)}")
+    at, w_at, count = outlier_args(outliers, out)
     lib = _library.get("lib") or library()[0]
     lib.linear(packed.data_ptr(), bits, head, pointer(tail_packed, torch.uint8), tail_bits, out, n, x.data_ptr(), rows,
-               y.data_ptr(), pointer(bias), pointer(norm), eps, gated, pointer(cos), pointer(sin), heads, D,
-               room.data_ptr(), torch.get_num_threads())
+               y.data_ptr(), pointer(bias), pointer(norm), eps, gated, pointer(cos), pointer(sin), heads, D, at, w_at,
+               count, room.data_ptr(), torch.get_num_threads())
     return y
+
+
+def outlier_args(outliers, out):
+    """(at, w_at) -> the C code's pointers and count, checked; None -> none."""
+    if outliers is None:
+        return None, None, 0
+    at, w_at = outliers
+    if len(at) > OUTLIERS or w_at.shape != (len(at), out):
+        raise ValueError(f"w4a8's outliers are at most {OUTLIERS} channels and their columns [{len(at)}, {out}], "
+                         f"not {tuple(w_at.shape)}")
+    return pointer(at, torch.int32), pointer(w_at), len(at)
 
 
 def pointer(t, dtype=torch.float32):
@@ -386,9 +446,10 @@ def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix
 
 # ---------------------------------------------------------------- a decoder layer's step in one call
 class Matmul(ctypes.Structure):
-    """kernels_cpu.c's struct matmul: a w4a8 weight as w4a8_linear takes it (bias None: 0)."""
+    """kernels_cpu.c's struct matmul: a w4a8 weight as w4a8_linear takes it (bias None: 0), its outliers' struct last."""
     _fields_ = [("w", ctypes.c_void_p), ("tail", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("head", ctypes.c_int64),
-                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bits", ctypes.c_int32), ("tail_bits", ctypes.c_int32)]
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bits", ctypes.c_int32), ("tail_bits", ctypes.c_int32),
+                ("at", ctypes.c_void_p), ("w_at", ctypes.c_void_p), ("outliers", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):
@@ -398,14 +459,15 @@ class Layer(ctypes.Structure):
                 ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64)]
 
 
-def matmul(packed, bits, n, tail=None, bias=None):
-    """-> Matmul of w4a8_linear's (packed, bits, tail, bias) for n inputs; the tensors must outlive it."""
+def matmul(packed, bits, n, tail=None, bias=None, outliers=None):
+    """-> Matmul of w4a8_linear's (packed, bits, tail, bias, outliers) for n inputs; the tensors must outlive it."""
     m = Matmul(w=packed.data_ptr(), bits=bits, head=packed.shape[0] * PANEL, in_=n, bias=pointer(bias))
     m.out = m.head
     if tail is not None:
         m.tail = tail[0].data_ptr()
         m.tail_bits = tail[1]
         m.out += tail[0].shape[0] * PANEL
+    m.at, m.w_at, m.outliers = outlier_args(outliers, m.out)
     return m
 
 

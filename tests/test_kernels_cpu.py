@@ -78,6 +78,88 @@ def test_w4a8_linear_matches_the_reference(bits, rows, n):
     torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("n", [160, 544])
+def test_columns_are_the_weights_own_as_dequantize_gives_them(bits, n):
+    """Read from the packed bytes, exactly: each group's place in its superblock (the last one short of 8), the input's
+    vector and nibble (6 bits: its high bits, its half group's scale)."""
+    _, codes, scale, low = weights(48, n, bits)
+    at = torch.tensor([0, 3, 17, 37, 100, n - 33, n - 1])
+    got = kernels_cpu.columns(kernels_cpu.pack(codes, scale, low, bits), bits, n, at)
+    assert torch.equal(got, kernels_cpu.dequantize(codes, scale, low)[:, at].T)
+
+
+def outliers_of(packed, bits, n, channels):
+    at = torch.tensor(channels, dtype=torch.int32)
+    return at, kernels_cpu.columns(packed, bits, n, at)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("rows", [1, 9, 17])
+def test_outlier_inputs_kept_out_of_the_rounding_are_multiplied_in_float(bits, rows):
+    """A channel 100 times the others' size sets its group's step: rounded, the other 31 inputs there lose their
+    digits; kept out (its value times the weight's column, in float32), the call is far nearer the exact product."""
+    _, codes, scale, low = weights(48, 160, bits)
+    packed = kernels_cpu.pack(codes, scale, low, bits)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    x[:, 37] = 100.0
+    outliers = outliers_of(packed, bits, 160, [37, 100])
+    want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low, outliers)
+    got = kernels_cpu.w4a8_linear(x, packed, bits, outliers=outliers)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = x @ kernels_cpu.dequantize(codes, scale, low).T
+    rounded = kernels_cpu.w4a8_linear(x, packed, bits)
+    assert (got - exact).abs().max() < (rounded - exact).abs().max() / 4
+    with pytest.raises(ValueError, match="at most 8 channels"):
+        kernels_cpu.w4a8_linear(x, packed, bits, outliers=(outliers[0], outliers[1][:, :16]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("extra", ["normed", "gated", "tail"])
+def test_outliers_are_channels_of_the_prepared_input(extra):
+    """After the norm or the gate, as the reference takes its input; a tail's columns follow the head's."""
+    _, codes, scale, low = weights(32, 160, 4)
+    _, codes6, scale6, low6 = weights(16, 160, 6, seed=1)
+    packed = kernels_cpu.pack(codes, scale, low, 4)
+    packed6 = kernels_cpu.pack(codes6, scale6, low6, 6)
+    g = torch.Generator().manual_seed(3)
+    x = 3 * torch.randn(9, 320 if extra == "gated" else 160, generator=g)
+    x[:, 37] *= 50
+    norm = torch.rand(160, generator=g) + 0.5
+    at, w_at = outliers_of(packed, 4, 160, [5, 37])
+    if extra == "tail":
+        w_at = torch.cat([w_at, kernels_cpu.columns(packed6, 6, 160, at)], 1)
+    if extra == "gated":
+        gate, up = x.chunk(2, -1)
+        prepared = F.silu(gate) * up
+    else:
+        prepared = F.rms_norm(x, (160,), norm, 1e-6)
+    want = kernels_cpu.w4a8_linear_ref(prepared, codes, scale, low, (at, w_at[:, :32]))
+    if extra == "tail":
+        want = torch.cat([want, kernels_cpu.w4a8_linear_ref(prepared, codes6, scale6, low6, (at, w_at[:, 32:]))], -1)
+    options = {"normed": dict(norm=norm, eps=1e-6), "gated": dict(gated=True),
+               "tail": dict(norm=norm, eps=1e-6, tail=(packed6, 6))}[extra]
+    assert nearly(kernels_cpu.w4a8_linear(x, packed, 4, outliers=(at, w_at), **options), want)
+
+
+@needs_kernel
+def test_rows_alike_but_at_an_outlier_each_get_their_own():
+    """Equal rows are multiplied once, and rows that differ only at an outlier channel quantize alike: each row's
+    own outlier inputs are added after its share of the product, so each still gets the bits it gets alone."""
+    _, codes, scale, low = weights(32, 96, 4)
+    packed = kernels_cpu.pack(codes, scale, low, 4)
+    outliers = outliers_of(packed, 4, 96, [40])
+    x = torch.randn(1, 96).repeat(4, 1)
+    x[1, 40] += 3.0
+    x[3, 40] -= 1.0
+    together = kernels_cpu.w4a8_linear(x, packed, 4, outliers=outliers)
+    for i in range(4):
+        assert torch.equal(kernels_cpu.w4a8_linear(x[i:i + 1], packed, 4, outliers=outliers), together[i:i + 1])
+    assert torch.equal(together[0], together[2])
+    assert not torch.equal(together[0], together[1])
+
+
 def nearly(got, want):
     """Equal up to float32's rounding of the prepared rows, which can move an activation code by one step (a few in a
     thousand outputs off by that much)."""

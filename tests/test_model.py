@@ -444,8 +444,30 @@ def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     held = kernels_cpu.w4a8_linear(torch.eye(gate_up.shape[1]), m.layers[0].w13.packed, 4).T
     assert (held - gate_up).abs().max() <= 1e-6 * gate_up.abs().max()
     assert formats.held_wide(c, get) == {"layers.0.wqkv": 8, "layers.0.w2": 6}
+    assert (w2.float_inputs() is None) == (tp[1] > 1)  # a rank alone cannot run calibration's forward
     assert loading.build(c, get, tp=tp, weights="int4").layers[0].w2.q.dtype == torch.int8
     assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].w2.bits == 4
+
+
+@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+def test_w4a8_keeps_each_matmuls_largest_input_channels_out_of_the_rounding(tiny, monkeypatch):
+    """The two channels of largest input in calibration (a prefill of random tokens), of every matmul, with the
+    weight's own columns there: as the kernel multiplies by it (rows of one 1.0 are exact steps)."""
+    seen = {}
+    real = formats.calibrated
+
+    def recorded(transformer):
+        seen.update(real(transformer))
+        return seen
+    monkeypatch.setattr(formats, "calibrated", recorded)
+    m = loading.load(tiny[1], weights="w4a8")[0]
+    for name, owner, attr in formats.matmuls(m):
+        w = getattr(owner, attr)
+        at, w_at = w.float_inputs()
+        assert at.tolist() == sorted(seen[name].topk(formats.W4A8_OUTLIERS).indices.tolist()), name
+        n = len(seen[name])
+        whole = kernels_cpu.w4a8_linear(torch.eye(n), w.packed, w.bits, tail=w.tail())  # [in, out]: w.T
+        torch.testing.assert_close(w_at, whole[at.long()], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
@@ -508,8 +530,9 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
 def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
     lookup excluded), int8's bf16 scale a row, int4's bf16 scale and zero a group of 32, w4a8's int8 q of both a
-    group and f16 d of both a row's superblock of 256 inputs, w8a8's float32 scale a row and its 8 outlier columns in
-    float32, and its norms and biases in the activations' dtype."""
+    group and f16 d of both a row's superblock of 256 inputs and its outlier columns in float32 (their channels in
+    int32), w8a8's float32 scale a row and its 8 outlier columns in float32, and its norms and biases in the
+    activations' dtype."""
     _, path = tiny
     c = loading.open_weights(path)[0]
     shapes = {n: s for n, s in model.expected_shapes(c).items() if n != "model.embed_tokens.weight"}
@@ -520,7 +543,8 @@ def test_weight_bytes_follow_the_format(tiny):
     expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
                 "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest,
                 "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest,
-                "w4a8": matmul // 2 + 2 * matmul // 32 + 2 * 2 * superblocks + 4 * rest}
+                "w4a8": matmul // 2 + 2 * matmul // 32 + 2 * 2 * superblocks + 4 * formats.W4A8_OUTLIERS * rows
+                + 4 * formats.W4A8_OUTLIERS * (4 * c.n_layers + 1) + 4 * rest}
     assert {fmt: loading.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
 
 
