@@ -973,9 +973,10 @@ def format_report(target, prompts, names, new_tokens, device):
     return out
 
 
-def weight_costs(names, rows, shape=(17920, 1536)):
+def weight_costs(names, rows, shape=(17920, 1536), passes=5):
     """{format: {rows: ps per weight}} of model.linear in each format over copies of one [out, in] matrix (the 1.5B's
-    gate/up) filling twice the last-level cache, so every pass reads them from memory; the best of 3 passes."""
+    gate/up) filling twice the last-level cache, so every pass reads them from memory; the best of `passes` passes,
+    the row counts taking turns within each: a machine's drift moves them alike, not their ratios."""
     out = {}
     for name in names:
         w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(formats.FORMATS[name])
@@ -984,11 +985,13 @@ def weight_costs(names, rows, shape=(17920, 1536)):
             first, torch.nn.Module) else w.numel() * w.element_size()
         ws = [first] + [copy.deepcopy(first) if isinstance(first, torch.nn.Module) else formats.converted(w, name)
                         for _ in range(max(1, int(2 * auto.cache_bytes() // per_copy)))]
-        out[name] = {}
-        for r in rows:
-            x = torch.randn(r, shape[1], dtype=formats.FORMATS[name])
-            seconds = min(timeit.repeat(lambda: [model.linear(x, w) for w in ws], repeat=3, number=1))
-            out[name][r] = 1e12 * seconds / (len(ws) * w.numel())
+        xs = {r: torch.randn(r, shape[1], dtype=formats.FORMATS[name]) for r in rows}
+        seconds = {r: math.inf for r in rows}
+        for _ in range(passes):
+            for r in rows:
+                took = timeit.timeit(lambda: [model.linear(xs[r], each) for each in ws], number=1)
+                seconds[r] = min(seconds[r], took)
+        out[name] = {r: 1e12 * seconds[r] / (len(ws) * w.numel()) for r in rows}
     return out
 
 
