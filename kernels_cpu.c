@@ -416,8 +416,6 @@ static void panel_rows(const uint8_t *panel, int bits, int64_t groups, const int
 }
 
 /* ------------------------------------------------------------ inputs kept out of the rounding */
-#define OUTLIERS 8 /* the most outlier channels a weight has: its scratch's room */
-
 /* A few input channels whose activations are far larger than the rest (a model's massive activations) would set
  * their groups' steps and round the other 31 inputs to a step or two: at[n] (ascending) are kept out of the
  * rounding and multiply w's own columns there, w [n, out] float32. */
@@ -568,7 +566,7 @@ static void rotate_heads(float *y, int64_t rows, int64_t out, const float *cos, 
  * norm [in] (else NULL), x's rows RMS-normalised first, times norm: x / sqrt(mean(x^2) + eps) x norm. gated: x is
  * [rows, 2 in], gate then up, and the input is silu(gate) x up (not with norm). With cos and sin [rows, head_dim]
  * (else NULL), the first `rotated` heads of y rotated after the bias (RoPE). The rows are quantized into scratch
- * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats, rows + 1 int32, rows x OUTLIERS
+ * (rows x in bytes, then 2 x rows x in / 32 floats, as many int32, rows floats, rows + 1 int32, rows x o->n
  * floats), then multiplied, rows quantized alike (and alike in o's outlier inputs, added in float32) once: the
  * calling thread's share, in a parallel region, all of y written when it returns. */
 static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t *tail, int tail_bits, int64_t out,

@@ -328,7 +328,7 @@ def scratch(size):
     return _scratch.t
 
 
-OUTLIERS = 8  # kernels_cpu.c's: the most outlier channels a weight has (its scratch's room)
+OUTLIERS = 8  # the most outlier channels a weight may have: the room linear_scratch leaves for their inputs
 
 
 def linear_scratch(rows, n):
