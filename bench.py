@@ -20,17 +20,16 @@ import timeit
 
 import torch
 
-import auto
 import decode
 import engine
 import formats
 import kernels
-import kernels_cpu
 import loading
 import model
 import peers
 import quality
 import scheduler
+from cpu import auto, native, store
 
 CODE_PROMPT = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; return them sorted by start.
@@ -61,14 +60,14 @@ DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weigh
 
 def cpu_flags():
     """The CPU's vector and matrix extensions that decide which weight format is fast."""
-    return sorted(flag for flag in set(auto.cpu()["flags"]) if flag.startswith(("avx", "amx", "fma", "f16c")))
+    return sorted(flag for flag in set(store.cpu()["flags"]) if flag.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def machine(device):
     gpu = None
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
-    return {"cpu": auto.cpu()["name"], "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": store.cpu()["name"], "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "device": str(device), "gpu": gpu, "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -363,8 +362,8 @@ def profile_phases(e, ids, N, K, new_tokens):
 
 # A function's time, less that of the functions inside it with a part of their own, counts in its part; time in no
 # listed function inherits its caller's part; decode.py's own work is the rule's, the scheduler's the host's.
-# w4a8's norms, SwiGLU and RoPE run inside its matmul call (kernels_cpu.w4a8_linear): counted with the matmuls. A step
-# of w4a8 layers in one call each (kernels_cpu.decoder_layers) is split by the parts its C code times (ONE_CALL).
+# w4a8's norms, SwiGLU and RoPE run inside its matmul call (native.w4a8_linear): counted with the matmuls. A step
+# of w4a8 layers in one call each (native.decoder_layers) is split by the parts its C code times (ONE_CALL).
 PARTS = {("kernels_cpu", "decoder_layers"): "layers in one call", ("model", "linear"): "matmuls",
          ("model", "normed_linear"): "matmuls", ("kernels_cpu", "w4a8_linear"): "matmuls",
          ("kernels", "particle_attention"): "attention", ("kernels_cpu", "particle_attention"): "attention",
@@ -408,15 +407,15 @@ def cycle_parts(e, ids, method, N, K, new_tokens):
     parts read high: the matmuls' share is a lower bound."""
     options = dict(method=method, max_new_tokens=new_tokens, temperature=TEMPERATURE, particles=N, draft_len=K,
                    cuda_graphs=False)
-    before = list(kernels_cpu.layer_seconds)
+    before = list(native.layer_seconds)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
         stats = e.generate(ids, **options).stats
-    timed = [after - start for start, after in zip(before, kernels_cpu.layer_seconds)]  # s by LAYER_PARTS
+    timed = [after - start for start, after in zip(before, native.layer_seconds)]  # s by LAYER_PARTS
     cycles = [ev for ev in prof.events() if frame_of(ev) == ("scheduler", "cycle")]
     spent = dict.fromkeys(PART_NAMES + ("layers in one call",), 0.0)
     for ev in cycles:
         split_by_part(ev, "host", spent)
-    for name, seconds in zip(kernels_cpu.LAYER_PARTS, timed):  # the calls' C code by part; their Python: other ops
+    for name, seconds in zip(native.LAYER_PARTS, timed):  # the calls' C code by part; their Python: other ops
         spent[ONE_CALL[name]] += 1e3 * seconds
     spent["other model ops"] += spent.pop("layers in one call") - 1e3 * sum(timed)
     window = (cycles[-1].time_range.end - cycles[0].time_range.start) / 1e3
@@ -1549,9 +1548,8 @@ def parse(argv=None):
 def write(report, path, rank=0):
     """The JSON report, written whole under a temporary name and renamed into place: never half-written."""
     if rank == 0:
-        with open(f"{path}.tmp", "w") as f:
+        with store.atomically(path) as temporary, open(temporary, "w") as f:
             json.dump(report, f, indent=1)
-        os.replace(f"{path}.tmp", path)
 
 
 def main(argv=None):

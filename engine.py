@@ -16,15 +16,14 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-import auto
 import decode
 import formats
 import loading
 import model
 import racer
 import scheduler
-import weight_cache
 from scheduler import DeviceFailed, UsageError, require
+from cpu import auto, weight_cache
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"

@@ -5,8 +5,8 @@ import logging
 import torch
 
 import kernels
-import kernels_cpu
 import model
+from cpu import native
 
 log = logging.getLogger("smcsd")
 
@@ -30,13 +30,13 @@ def weight_format(fmt, device="cpu"):
     if fmt == "w8a8" and kind != "cpu":
         raise model.LoadError(f"w8a8 weights run on the CPU only (FBGEMM's int8 products); use int8 on {device}")
     if fmt == "w4a8" and kind != "cpu":
-        raise model.LoadError(f"w4a8 weights run on the CPU only (kernels_cpu.c); use int4 on {device}")
+        raise model.LoadError(f"w4a8 weights run on the CPU only (native.c); use int4 on {device}")
     return FORMATS[fmt]
 
 
 def usable(fmt):
     """fmt, or int4 where it is w4a8 and its kernel cannot be built here (a line on the "smcsd" log says why)."""
-    lib, why = kernels_cpu.library()
+    lib, why = native.library()
     if fmt != "w4a8" or lib is not None:
         return fmt
     log.warning("%s; using int4 (torch's kernel) instead of w4a8", why)
@@ -46,7 +46,7 @@ def usable(fmt):
 class Quantized(torch.nn.Module):
     """A matmul weight [out, in] in int8, int4, w4a8 or w8a8, built from the tensors it keeps (`quantized` makes them
     from a plain weight; `tensors()` gives them back, as weight_cache.py keeps them): int8 and int4 q and scale for
-    kernels.quantized_linear; w4a8 kernels_cpu's packed codes of `bits` bits (and, tail_bits > 0, more rows in tail,
+    kernels.quantized_linear; w4a8 native's packed codes of `bits` bits (and, tail_bits > 0, more rows in tail,
     of tail_bits: a fused q/k/v whose v a file holds wider) and, once calibrated (keep_outliers), its outlier input
     channels and their float32 columns; w8a8 q and scale, packed by FBGEMM at construction (`packed_bytes` of it),
     and float32 outlier columns (kernels.w8a8_linear). Parameters where it can, so weight_bytes counts them."""
@@ -70,17 +70,17 @@ class Quantized(torch.nn.Module):
     def normed(self, x, norm, eps, bias=None, rope=None):
         """forward(model.rms_norm(x, norm, eps), bias), its first heads rotated by rope = (cos, sin, heads), w4a8's in
         one call of its kernel (model.normed_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope, tail=self.tail(),
+        return native.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope, tail=self.tail(),
                                        outliers=self.float_inputs())
 
     def gated(self, x):
         """forward(silu(gate) x up) for x = [gate | up], w4a8's in one call of its kernel (model.gated_linear's)."""
-        return kernels_cpu.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail(),
+        return native.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail(),
                                        outliers=self.float_inputs())
 
     def matmul(self, n, bias=None):
-        """w4a8's weight of n inputs (and bias [out] or None) as kernels_cpu.decoder_layers takes it (a Matmul)."""
-        return kernels_cpu.matmul(self.packed, self.bits, n, self.tail(), bias, self.float_inputs())
+        """w4a8's weight of n inputs (and bias [out] or None) as native.decoder_layers takes it (a Matmul)."""
+        return native.matmul(self.packed, self.bits, n, self.tail(), bias, self.float_inputs())
 
     def tail(self):
         """w4a8's rows in other bits, as its kernel takes them: (packed, bits), or None."""
@@ -98,9 +98,9 @@ class Quantized(torch.nn.Module):
         """w4a8: the W4A8_OUTLIERS input channels of largest amax [in] (calibrated's) kept out of the activations'
         rounding from now on, with their columns of the weight (the file's values, as the kernel sees them)."""
         at = amax.float().topk(W4A8_OUTLIERS).indices.sort().values
-        columns = kernels_cpu.columns(self.packed, self.bits, len(amax), at)  # [k, out]
+        columns = native.columns(self.packed, self.bits, len(amax), at)  # [k, out]
         if self.tail_bits:
-            columns = torch.cat([columns, kernels_cpu.columns(self.tail_packed, self.tail_bits, len(amax), at)], 1)
+            columns = torch.cat([columns, native.columns(self.tail_packed, self.tail_bits, len(amax), at)], 1)
         self.outliers = torch.nn.Parameter(at.int(), requires_grad=False)
         self.w_outliers = torch.nn.Parameter(columns.contiguous(), requires_grad=False)
 
@@ -117,7 +117,7 @@ class Quantized(torch.nn.Module):
         if self.fmt == "w8a8":
             y = kernels.w8a8_linear(x, self.packed, self.outliers, self.w_outliers)
         elif self.fmt == "w4a8":
-            return kernels_cpu.w4a8_linear(x, self.packed, self.bits, bias, tail=self.tail(),
+            return native.w4a8_linear(x, self.packed, self.bits, bias, tail=self.tail(),
                                            outliers=self.float_inputs())
         else:
             y = kernels.quantized_linear(x, self.q, self.scale)
@@ -131,8 +131,8 @@ def quantized(fmt, w, blocks=None, amax=None, bits=4):
     if fmt in ("int4", "w4a8") and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernels' tiles
         raise model.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
     if fmt == "w4a8":
-        codes, scale, low = blocks or kernels_cpu.quantize(w, bits)
-        return Quantized(fmt, {"packed": kernels_cpu.pack(codes, scale, low, bits)}, bits)
+        codes, scale, low = blocks or native.quantize(w, bits)
+        return Quantized(fmt, {"packed": native.pack(codes, scale, low, bits)}, bits)
     if fmt == "w8a8":
         if amax is None:
             amax = w.new_ones(w.shape[1])
@@ -151,7 +151,7 @@ def quantized(fmt, w, blocks=None, amax=None, bits=4):
 def w4a8_in_two(head, tail):
     """w4a8's Quantized of a weight whose first rows are a file's 4-bit blocks and the rest its 6-bit ones, each
     given as w4a8's (codes, scale, low) and kept as it is: the rest is its tail."""
-    tensors = {"packed": kernels_cpu.pack(*head, 4), "tail_packed": kernels_cpu.pack(*tail, 6)}
+    tensors = {"packed": native.pack(*head, 4), "tail_packed": native.pack(*tail, 6)}
     return Quantized("w4a8", tensors, 4, tail_bits=6)
 
 

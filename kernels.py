@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from cpu import native
 
-import kernels_cpu
 
 try:
     import triton
@@ -473,7 +473,7 @@ def _logprob(picked, chunk_max, chunk_sum, t):
 
 def compiled_rows(logits):
     """Whether logits [B, V] are the compiled CPU sampler's to read: float32 rows in CPU memory, the code built."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels_cpu.library()[0] is not None
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and native.library()[0] is not None
 
 
 def sample_cpu(logits, temperature, rng):
@@ -484,7 +484,7 @@ def sample_cpu(logits, temperature, rng):
     R = rng.shape[0]
     t = _per_row(_temperatures(temperature, logits.device, R), B)  # [B]
     u = _uniforms(rng, B // R)[:, 0]  # [B]
-    return kernels_cpu.sample(logits.contiguous(), t.contiguous(), u)
+    return native.sample(logits.contiguous(), t.contiguous(), u)
 
 
 def sample(logits, temperature, rng):
@@ -507,7 +507,7 @@ def token_logprobs_cpu(logits, tokens, temperature):
     if not compiled_rows(logits):
         return token_logprobs_ref(logits, tokens, temperature)
     t = _per_row(_temperatures(temperature, logits.device), logits.shape[0])  # [B]
-    return kernels_cpu.token_logprobs(logits.contiguous(), tokens.long().contiguous(), t.contiguous())
+    return native.token_logprobs(logits.contiguous(), tokens.long().contiguous(), t.contiguous())
 
 
 def token_logprobs(logits, tokens, temperature):

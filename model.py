@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-import kernels_cpu
+from cpu import native
 
 
 class LoadError(Exception):
@@ -173,7 +173,7 @@ class KVCache:
         self.prefix_len = torch.zeros(requests, dtype=torch.int32, device=device)
         self.suffix_len = torch.zeros(requests, dtype=torch.int32, device=device)
         on_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
-        self.compiled = on_cpu and kernels_cpu.library()[0] is not None  # kernels_cpu's attention for small steps
+        self.compiled = on_cpu and native.library()[0] is not None  # native's attention for small steps
 
     @staticmethod
     def nbytes(c, particles, prefix_cap, suffix_cap, dtype, requests=1):
@@ -201,7 +201,7 @@ class KVCache:
         args = (q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
                 self.prefix_len, self.suffix_len, scale, tree)
         if self.compiled:
-            return kernels_cpu.particle_attention(*args, large=kernels.particle_attention_cpu)
+            return native.particle_attention(*args, large=kernels.particle_attention_cpu)
         return kernels.particle_attention(*args)
 
 
@@ -276,7 +276,7 @@ class Block(torch.nn.Module):
         return gated_linear(normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13), self.w2)
 
     def one_call(self):
-        """-> kernels_cpu.Layer of this block, for a step of it in one call (kernels_cpu.decoder_layers), where its four
+        """-> native.Layer of this block, for a step of it in one call (native.decoder_layers), where its four
         matmuls are w4a8; else None. Made once for these weights: the Layer holds their addresses."""
         weights = (self.wqkv, self.wo, self.w13, self.w2)
         if any(getattr(w, "fmt", None) != "w4a8" for w in weights):
@@ -289,9 +289,9 @@ class Block(torch.nn.Module):
         return self.kept_layer[1]
 
     def layer_struct(self):
-        """-> kernels_cpu.Layer: this block's w4a8 weights, norms, bias and shapes, by address."""
+        """-> native.Layer: this block's w4a8 weights, norms, bias and shapes, by address."""
         c = self.c
-        return kernels_cpu.Layer(qkv=self.wqkv.matmul(c.dim, self.bqkv), wo=self.wo.matmul(c.n_heads * c.head_dim),
+        return native.Layer(qkv=self.wqkv.matmul(c.dim, self.bqkv), wo=self.wo.matmul(c.n_heads * c.head_dim),
                                  w13=self.w13.matmul(c.dim), w2=self.w2.matmul(c.ffn_dim),
                                  attn_norm=self.attn_norm.data_ptr(), ffn_norm=self.ffn_norm.data_ptr(), eps=c.norm_eps,
                                  scale=c.head_dim ** -0.5, Hq=c.n_heads, Hkv=c.n_kv_heads, D=c.head_dim)
@@ -377,13 +377,13 @@ class Transformer(torch.nn.Module):
         layers = self._one_call_layers(cache, tokens.shape)
         if layers:
             caches = (cache.prefix_k, cache.prefix_v, cache.suffix_k, cache.suffix_v, cache.prefix_len, cache.suffix_len)
-            h = kernels_cpu.decoder_layers(h, layers, cos, sin, *caches, tree)
+            h = native.decoder_layers(h, layers, cos, sin, *caches, tree)
         else:
             h = self._hidden(h, cos, sin, partial(cache.attend_step, at=cache.write_index(tokens.shape[-1]), tree=tree))
         return self._logits(h[:, :, -1] if last_only else h)
 
     def _one_call_layers(self, cache, shape):
-        """-> every block's Layer where a step of `shape` [R, N, T] runs each layer in one call of kernels_cpu (its
+        """-> every block's Layer where a step of `shape` [R, N, T] runs each layer in one call of cpu.native (its
         weights w4a8, its attention the compiled kernel's, one rank), else None: the same arithmetic either way."""
         c = self.config
         _, N, T = shape
@@ -393,7 +393,7 @@ class Transformer(torch.nn.Module):
         if any(layer is None for layer in layers):
             return None
         keys = int((cache.prefix_len + cache.suffix_len).max()) + T  # read back only here: w4a8 runs on CPUs alone
-        if not kernels_cpu.small(N * T * c.n_heads // c.n_kv_heads, keys):
+        if not native.small(N * T * c.n_heads // c.n_kv_heads, keys):
             return None
         return layers
 

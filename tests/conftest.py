@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 # Nothing in the suite asks the Hugging Face Hub: a Hub id is read from a cache a test lays out (test_hub.py).
 os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# what the tests build or keep (kernels_cpu's compiled kernel at collection, auto's choices) never goes to the user's
+# what the tests build or keep (native's compiled kernel at collection, auto's choices) never goes to the user's
 # cache directory; each test gets a folder of its own below (measurement_cache)
 os.environ["SMCSD_MINI_CACHE"] = tempfile.mkdtemp(prefix="smcsd-tests-")
 sys.path.insert(0, ROOT)

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-import auto
 import engine
 import kernels
 import model
 from test_engine import save
+from cpu import auto, store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ def test_the_choice_is_kept_so_a_second_process_makes_the_same_tokens(path, monk
     err = capsys.readouterr().err
     assert (first.weights, first.draft_weights) == ("float32", "float32")
     assert f"weights auto: measuring the weight formats on this CPU (once; kept in {kept}) ..." in err.splitlines()
-    assert os.path.dirname(kept) == os.environ[auto.CACHE_ENV] and sorted(os.listdir(os.path.dirname(kept))) == [
+    assert os.path.dirname(kept) == os.environ[store.CACHE_ENV] and sorted(os.listdir(os.path.dirname(kept))) == [
         os.path.basename(kept), "weights"]  # written whole, no temporary file left; weight_cache's folder beside it
     monkeypatch.setattr(auto.Measurement, "timed_calls", timings("int8"))
     second = engine.Engine(path, path, weights="auto", on_line=engine.say)
@@ -84,11 +84,11 @@ def test_the_key_is_the_machine_and_the_files(path, monkeypatch, tmp_path):
     config = os.path.join(path, "config.json")
     os.utime(config, ns=(0, os.stat(config).st_mtime_ns + 1))
     assert engine.Engine(path, path, weights="auto", on_line=engine.say).measurement.path != kept
-    monkeypatch.delenv(auto.CACHE_ENV)
+    monkeypatch.delenv(store.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert auto.cache_folder() == str(tmp_path / "smcsd-mini")
+    assert store.cache_folder() == str(tmp_path / "smcsd-mini")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert auto.cache_folder() == os.path.join(os.path.expanduser("~"), ".cache", "smcsd-mini")
+    assert store.cache_folder() == os.path.join(os.path.expanduser("~"), ".cache", "smcsd-mini")
 
 
 def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monkeypatch, capsys, tmp_path):
@@ -104,7 +104,7 @@ def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monke
     assert lines[1].startswith("weights auto: measuring") and again.weights == "float32"
     assert json.load(open(e.measurement.path))["choices"]  # replaced, whole
     (tmp_path / "file").write_text("")
-    monkeypatch.setenv(auto.CACHE_ENV, str(tmp_path / "file" / "cache"))  # a folder that cannot be made
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path / "file" / "cache"))  # a folder that cannot be made
     assert engine.Engine(path, path, weights="auto", on_line=engine.say).load().weights == "float32"
     assert "weights auto: cannot keep the choices in " in capsys.readouterr().err
 
@@ -112,7 +112,7 @@ def test_a_corrupt_or_unwritable_file_is_one_line_and_measured_again(path, monke
 @pytest.mark.slow
 def test_the_cli_measures_once_then_reads_back(path, tmp_path):
     """engine.py twice with one seed: the first run measures and keeps, the second reads back; the same tokens."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", auto.CACHE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", store.CACHE_ENV)}
     env["XDG_CACHE_HOME"] = str(tmp_path)
     command = [sys.executable, os.path.join(ROOT, "engine.py"), "--target", path, "--draft", path, "--prompt",
                "w1 w2 w3", "--max-new-tokens", "8", "--seed", "3", "--json"]

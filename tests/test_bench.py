@@ -8,12 +8,12 @@ import pytest
 
 import bench
 import kernels
-import kernels_cpu
 import loading
 import model
 import peers
 import quality
 from weights import fetch
+from cpu import native
 
 
 @pytest.fixture(autouse=True)
@@ -491,7 +491,7 @@ def test_parts_split_each_cycle_by_part(tmp_path, capsys):
         assert r["parts_ms"]["matmuls"] > 0 and r["parts_ms"]["attention"] > 0 and r["parts_ms"]["sampling"] > 0
         assert min(r["parts_ms"].values()) >= 0
     assert rows["smc", 2, 2]["parts_ms"]["the rule"] > 0 and 1 <= rows["ar", 1, 1]["tokens_per_cycle"] < 1.1
-    if kernels_cpu.library()[0] is not None:  # w4a8's layers a call each: split by the parts its C code times
+    if native.library()[0] is not None:  # w4a8's layers a call each: split by the parts its C code times
         bench.main(["parts", "--quick", "--random", "tiny:tiny", "--threads", "1", "--prompt-len", "8", "--methods",
                     "ar", "--weights", "w4a8", "--out", str(out)])
         (one_call,) = json.loads(out.read_text())["parts"]

@@ -11,13 +11,13 @@ import zipfile
 import pytest
 import torch
 
-import auto
 import engine
 import loading
 import model
 import server
 from test_engine import PROMPT, TARGET, pair, reference_kernels  # noqa: F401 (fixtures)
 from weights import fetch
+from cpu import auto
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

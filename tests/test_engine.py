@@ -14,16 +14,15 @@ import threading
 import pytest
 import torch
 
-import auto
 import decode
 import engine
 import formats
 import kernels
-import kernels_cpu
 import loading
 import model
 import racer
 import scheduler
+from cpu import auto, native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, PROMPT = 8, [1, 2, 3]
@@ -762,7 +761,7 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
         assert [r.stats["stop"] for r in together] == [r.stats["stop"] for r in alone]
 
 
-@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
     """w4a8 rounds each activation row on its own (per group of 32), so its batches keep every request's tokens."""

@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import auto
 import formats
 import kernels
-import kernels_cpu
 import loading
 import model
+from cpu import auto, native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -419,7 +418,7 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
     assert torch.allclose(values.flatten(1), exact.layers[0].wqkv[:len(q)], rtol=0, atol=1e-5)
 
 
-@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 @pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
 @pytest.mark.parametrize("down", ["Q6_K", "Q5_0"])
 def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
@@ -435,13 +434,13 @@ def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     assert w2.bits == 6 and m.layers[0].w13.bits == 4 and m.layers[0].wqkv.bits == 8  # v's Q8_0: 8 bits
     want = exact.layers[0].w2  # [256, 512 / tp]
     eye = torch.eye(want.shape[1])
-    got = kernels_cpu.w4a8_linear(eye, w2.packed, 6).T  # rows of one 1.0: each input's step is exact
-    again = kernels_cpu.dequantize(*kernels_cpu.quantize(want, 6))
+    got = native.w4a8_linear(eye, w2.packed, 6).T  # rows of one 1.0: each input's step is exact
+    again = native.dequantize(*native.quantize(want, 6))
     if down == "Q6_K":
         assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert (got - want).abs().max() < (again - want).abs().max() / 2
     gate_up = exact.layers[0].w13  # Q4_K: each weight its block's d x sc x code - dmin x m, to float32's rounding
-    held = kernels_cpu.w4a8_linear(torch.eye(gate_up.shape[1]), m.layers[0].w13.packed, 4).T
+    held = native.w4a8_linear(torch.eye(gate_up.shape[1]), m.layers[0].w13.packed, 4).T
     assert (held - gate_up).abs().max() <= 1e-6 * gate_up.abs().max()
     assert formats.held_wide(c, get) == {"layers.0.wqkv": 8, "layers.0.w2": 6}
     assert (w2.float_inputs() is None) == (tp[1] > 1)  # a rank alone cannot run calibration's forward
@@ -449,7 +448,7 @@ def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].w2.bits == 4
 
 
-@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 def test_w4a8_keeps_each_matmuls_largest_input_channels_out_of_the_rounding(tiny, monkeypatch):
     """The two channels of largest input in calibration (a prefill of random tokens), of every matmul, with the
     weight's own columns there: as the kernel multiplies by it (rows of one 1.0 are exact steps)."""
@@ -466,11 +465,11 @@ def test_w4a8_keeps_each_matmuls_largest_input_channels_out_of_the_rounding(tiny
         at, w_at = w.float_inputs()
         assert at.tolist() == sorted(seen[name].topk(formats.W4A8_OUTLIERS).indices.tolist()), name
         n = len(seen[name])
-        whole = kernels_cpu.w4a8_linear(torch.eye(n), w.packed, w.bits, tail=w.tail())  # [in, out]: w.T
+        whole = native.w4a8_linear(torch.eye(n), w.packed, w.bits, tail=w.tail())  # [in, out]: w.T
         torch.testing.assert_close(w_at, whole[at.long()], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 @pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
 def test_w4a8_takes_q_k_v_with_a_6_bit_v_as_4_bits_and_a_6_bit_tail(tmp_path, tp):
     """A Q4_K_M file's q and k in 4-bit blocks and v in Q6_K (half the layers of the default target): w4a8 holds
@@ -482,15 +481,15 @@ def test_w4a8_takes_q_k_v_with_a_6_bit_v_as_4_bits_and_a_6_bit_tail(tmp_path, tp
     wqkv = loading.build(c, get, tp=tp, weights="w4a8").layers[0].wqkv
     assert (wqkv.bits, wqkv.tail_bits) == (4, 6)
     want = exact.layers[0].wqkv  # [(256 + 128 + 128) / tp, 256]
-    got = kernels_cpu.w4a8_linear(torch.eye(want.shape[1]), wqkv.packed, 4, tail=wqkv.tail()).T
+    got = native.w4a8_linear(torch.eye(want.shape[1]), wqkv.packed, 4, tail=wqkv.tail()).T
     q, k, v = (got - want).abs().split([256 // tp[1], 128 // tp[1], 128 // tp[1]])
     assert max(q.max(), v.max()) <= 1e-6 * want.abs().max() and k.max() <= 0.01 * want.abs().max()
     assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].wqkv.tail_bits == 0
 
 
-@pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, monkeypatch):
-    """A w4a8 step a call a layer (kernels_cpu.decoder_layers) computes what the layer's calls compute one by one:
+    """A w4a8 step a call a layer (native.decoder_layers) computes what the layer's calls compute one by one:
     the same logits, keys and values to the bit, for one new row, for particles of three new tokens each after some
     committed ones, for a batch of two prompts of other lengths and for a token tree (a qwen2 layer with biases, a
     6-bit down projection and a 6-bit v)."""
@@ -501,8 +500,8 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
     depth = torch.tensor([0, 1, 1]).expand(2, 3)
     cases = [dict(shape=(1, 1, 1)), dict(shape=(1, 3, 3)), dict(shape=(2, 3, 3)), dict(shape=(2, 2, 3), tree=True)]
     calls = []
-    one_call = kernels_cpu.decoder_layers
-    monkeypatch.setattr(kernels_cpu, "decoder_layers", lambda *a: calls.append(1) or one_call(*a))
+    one_call = native.decoder_layers
+    monkeypatch.setattr(native, "decoder_layers", lambda *a: calls.append(1) or one_call(*a))
 
     def run(shape, tree_step=False):
         R, N, T = shape
@@ -597,7 +596,7 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
     tokens."""
     import engine
     gguf_path = write_mixed_gguf(tmp_path / "m.gguf", "qwen2")
-    four_bits = "w4a8" if kernels_cpu.library()[0] else "int4"  # w4a8 where its kernel builds
+    four_bits = "w4a8" if native.library()[0] else "int4"  # w4a8 where its kernel builds
     assert auto.file_format(loading.open_weights(gguf_path)) == four_bits
     assert auto.file_format(loading.open_weights(tiny[1])) == "bf16"
     assert auto.clear_winner({"bf16": 100, "float32": 81, "int8": 90}, "bf16") == "bf16"  # 19%: within noise

@@ -14,11 +14,11 @@ import torch.multiprocessing as mp
 
 import engine
 import kernels
-import kernels_cpu
 import loading
 import model
 from test_engine import save
 from test_model import fetch_module
+from cpu import native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "weights", "qwen2.5-coder-0.5b-instruct")
@@ -237,7 +237,7 @@ def test_one_process_initialises_nothing(monkeypatch):
 
 def test_step_depth_and_tree(monkeypatch):
     """depth = arange(T) is the chain step; other depths move the rotary positions; a tree reaches the
-    attention kernel (kernels', or on the CPU in float32 kernels_cpu's), and a chain passes None."""
+    attention kernel (kernels', or on the CPU in float32 native's), and a chain passes None."""
     m = random_model(tiny_config(), 4)
     g = torch.Generator().manual_seed(6)
     prompt, new = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 2, 3), generator=g)
@@ -251,7 +251,7 @@ def test_step_depth_and_tree(monkeypatch):
     assert not torch.allclose(step(depth=torch.tensor([[0, 1, 1]]))[..., 2, :], chain[..., 2, :])
     seen = []
     attention = kernels.particle_attention
-    compiled = kernels_cpu.particle_attention
+    compiled = native.particle_attention
 
     def spy(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None, large=None):
         seen.append(tree)
@@ -260,7 +260,7 @@ def test_step_depth_and_tree(monkeypatch):
             return attention(*args)
         return compiled(*args, large=large)
     monkeypatch.setattr(kernels, "particle_attention", spy)
-    monkeypatch.setattr(kernels_cpu, "particle_attention", spy)
+    monkeypatch.setattr(native, "particle_attention", spy)
     tree = torch.ones(1, 3, 3, dtype=torch.bool).tril()
     assert torch.equal(step(tree=tree), chain)  # the kernel stand-in ignores it: this checks the plumbing
     assert all(t is tree for t in seen) and len(seen) == 2

@@ -12,15 +12,14 @@ import torch
 import engine
 import formats
 import kernels
-import kernels_cpu
 import loading
 import model
-import weight_cache
 from test_engine import save, tiny
 from test_model import write_mixed_gguf
+from cpu import native, store, weight_cache
 
 IDS = torch.tensor([1, 5, 2, 9, 3, 3, 0, 7])
-FORMATS = [f for f in formats.FORMATS if f != "w4a8" or kernels_cpu.library()[0] is not None]
+FORMATS = [f for f in formats.FORMATS if f != "w4a8" or native.library()[0] is not None]
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +49,7 @@ def built(path, fmt="int4", role="target", wider=True):
 
 
 def kept_files():
-    folder = os.path.join(kernels_cpu.cache_folder(), "weights")
+    folder = os.path.join(store.cache_folder(), "weights")
     return sorted(os.listdir(folder))
 
 
@@ -175,13 +174,13 @@ def no_temporaries():
 
 def test_a_read_only_cache_folder_gives_one_line_and_a_normal_load(tmp_path, monkeypatch):
     path = str(write_mixed_gguf(tmp_path / "m.gguf", "qwen2"))
-    folder = os.path.join(kernels_cpu.cache_folder(), "weights")
+    folder = os.path.join(store.cache_folder(), "weights")
     os.makedirs(folder)
     os.chmod(folder, 0o555)
     if os.geteuid() == 0:  # root writes anyway: the refusal a read-only folder gives anyone else
         def refused(*args, dir=None, **kwargs):
             raise PermissionError(errno.EACCES, "Permission denied", dir)
-        monkeypatch.setattr(weight_cache.tempfile, "mkstemp", refused)
+        monkeypatch.setattr(store.tempfile, "mkstemp", refused)
     m, lines = built(path)
     os.chmod(folder, 0o755)
     where = weight_cache.cache_path(path, "int4", "target")

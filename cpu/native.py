@@ -2,26 +2,25 @@
 int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it; and
 particle attention for a step's few rows, whose reference is kernels.particle_attention_ref; and the two with a
 layer's residual adds as one call a decoder layer (decoder_layers), whose reference is model.Block's calls. Their C
-source, kernels_cpu.c, is compiled for this CPU on first use into the user's cache folder (installing compiles
-nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention.
-Imports no project file."""
+source, native.c, is compiled for this CPU on first use into the user's cache folder (installing compiles
+nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention."""
 import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 
 import torch
 
+from cpu import store
+
 GROUP = 32  # inputs sharing a weight scale and low, and an activation step
 PANEL = 16  # output columns the kernel computes side by side (one 512-bit register of int32 sums)
 SUPER = 8  # groups whose scales share one float a column: a superblock of 256 inputs, as GGUF's K blocks
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_cpu.c")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-CACHE_ENV = "SMCSD_MINI_CACHE"  # a folder in place of the user's cache directory's (tests set it)
 
 
 # ---------------------------------------------------------------- the reference
@@ -130,7 +129,7 @@ def columns(packed, bits, n, at):
     dequantize(codes, scale, low)[:, at].T, read from the packed bytes (a group's codes, its scales and lows)."""
     panels = packed.shape[0]
     codes_bytes = bits * PANEL * GROUP // 8  # a group's codes, then its scales' int8 q (and its lows')
-    group = codes_bytes + 2 * PANEL  # kernels_cpu.c's group_bytes
+    group = codes_bytes + 2 * PANEL  # native.c's group_bytes
     head = 2 * PANEL if bits == 6 else 4 * PANEL  # head_bytes: the f16 d of a superblock's scales (and lows)
     out = []
     for c in at.tolist():
@@ -191,7 +190,7 @@ def quantize_6(w):
 
 def pack(codes, scale, low, bits):
     """codes [out, in] of 4, 6 or 8 bits, scale and low [out, in / 32] (6-bit: quantize_6's) -> uint8 [out / 16,
-    bytes a panel]: kernels_cpu.c's layout. A panel of 16 columns is superblocks of 8 groups of 32 inputs (the last
+    bytes a panel]: native.c's layout. A panel of 16 columns is superblocks of 8 groups of 32 inputs (the last
     maybe fewer): its 16 f16 d of the scales (and of the lows), then each group's codes as 8 vectors of 4 inputs x 16
     columns and its int8 q of the scales and lows (6-bit: of the scales of its first 16 inputs, then its last 16)."""
     out, n = codes.shape
@@ -226,41 +225,25 @@ def pack(codes, scale, low, bits):
 
 
 # ---------------------------------------------------------------- the compiled kernel
-def cache_folder():
-    """$SMCSD_MINI_CACHE, else smcsd-mini in the user's cache directory (XDG's)."""
-    if os.environ.get(CACHE_ENV):
-        return os.environ[CACHE_ENV]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "smcsd-mini")
-
-
 def compiler():
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def build(cc, flags=FLAGS):
-    """-> the path of kernels_cpu.c compiled by cc with flags, built once into the cache folder, keyed on the source,
+    """-> the path of native.c compiled by cc with flags, built once into the cache folder, keyed on the source,
     the compiler and what -march=native means here (its predefined macros); raises OSError with the compiler's
     message."""
     ident = subprocess.run([cc, *flags[:2], "-dM", "-E", "-"], input="", capture_output=True, text=True)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(open(SOURCE, "rb").read() + (version + ident.stdout + " ".join(flags)).encode())
-    folder = cache_folder()
-    path = os.path.join(folder, f"kernels_cpu-{platform.machine()}-{key.hexdigest()[:16]}.so")
+    path = os.path.join(store.cache_folder(), f"native-{platform.machine()}-{key.hexdigest()[:16]}.so")
     if os.path.exists(path):
         return path
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    try:
+    with store.atomically(path) as tmp:  # whole or not at all: another process may load it at once
         run = subprocess.run([cc, *flags, "-o", tmp, SOURCE], capture_output=True, text=True)
         if run.returncode != 0:
             said = run.stderr.strip().splitlines() or [f"exit status {run.returncode}"]
             raise OSError(f"{cc} failed: {said[-1]}")
-        os.replace(tmp, path)  # whole or not at all: another process may load it at once
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
@@ -446,14 +429,14 @@ def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix
 
 # ---------------------------------------------------------------- a decoder layer's step in one call
 class Matmul(ctypes.Structure):
-    """kernels_cpu.c's struct matmul: a w4a8 weight as w4a8_linear takes it (bias None: 0), its outliers' struct last."""
+    """native.c's struct matmul: a w4a8 weight as w4a8_linear takes it (bias None: 0), its outliers' struct last."""
     _fields_ = [("w", ctypes.c_void_p), ("tail", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("head", ctypes.c_int64),
                 ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bits", ctypes.c_int32), ("tail_bits", ctypes.c_int32),
                 ("at", ctypes.c_void_p), ("w_at", ctypes.c_void_p), ("outliers", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):
-    """kernels_cpu.c's struct layer: a decoder layer's four w4a8 weights, its norms, eps, attention's scale and heads."""
+    """native.c's struct layer: a decoder layer's four w4a8 weights, its norms, eps, attention's scale and heads."""
     _fields_ = [("qkv", Matmul), ("wo", Matmul), ("w13", Matmul), ("w2", Matmul), ("attn_norm", ctypes.c_void_p),
                 ("ffn_norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64)]
@@ -502,7 +485,7 @@ def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, 
 
 
 # ---------------------------------------------------------------- sampling
-SAMPLE_CHUNK = 256  # kernels_cpu.c's: the entries a partial sum covers (the work's size)
+SAMPLE_CHUNK = 256  # native.c's: the entries a partial sum covers (the work's size)
 
 
 def rows_logprobs(logits, temperature, tokens, u=None):

@@ -1,4 +1,4 @@
-"""kernels_cpu: the compiled w4a8 matmul against its PyTorch reference, on every instruction set this CPU can run."""
+"""cpu.native: the compiled w4a8 matmul against its PyTorch reference, on every instruction set this CPU can run."""
 import os
 import subprocess
 import sys
@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 
 import formats
-import kernels_cpu
 import model
+from cpu import native, store
 
-needs_kernel = pytest.mark.skipif(kernels_cpu.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+needs_kernel = pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 
 
 def weights(out, n, bits, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out, n, generator=g) * 0.05
     w[:, 3] += 0.5  # a large input channel, as real models have
-    codes, scale, low = kernels_cpu.quantize(w, bits)
+    codes, scale, low = native.quantize(w, bits)
     return w, codes, scale, low
 
 
@@ -27,7 +27,7 @@ def test_quantize_bounds_the_error_by_half_a_step(bits):
     w, codes, scale, low = weights(32, 64, bits)
     assert codes.max() <= 2**bits - 1
     size = w.shape[1] // scale.shape[1]  # inputs a scale: 32, or 16 for 6 bits
-    err = (kernels_cpu.dequantize(codes, scale, low) - w).abs().unflatten(1, (-1, size)).amax(-1)  # [out, in / size]
+    err = (native.dequantize(codes, scale, low) - w).abs().unflatten(1, (-1, size)).amax(-1)  # [out, in / size]
     assert (err <= scale.float() * 0.5 + 1e-3 * w.abs().max()).all()
 
 
@@ -43,16 +43,16 @@ def test_split_scales_keeps_a_k_blocks_scales_exactly(per, low, high):
     steps = torch.randint(low, high + 1, (40, 3 * per), generator=g).float()
     steps[:, 0] = low
     values = d.repeat_interleave(per, 1) * steps  # [40, 3 x per]
-    assert torch.equal(kernels_cpu.as_packed(values, per), values)
+    assert torch.equal(native.as_packed(values, per), values)
     other = torch.rand(40, 3 * per, generator=g) * 0.01
     largest = other.unflatten(1, (3, per)).amax(-1).repeat_interleave(per, 1)
-    assert ((kernels_cpu.as_packed(other, per) - other).abs() <= largest / 254 * 1.01).all()
-    assert (kernels_cpu.as_packed(other, per, torch.ceil) >= other).all()
+    assert ((native.as_packed(other, per) - other).abs() <= largest / 254 * 1.01).all()
+    assert (native.as_packed(other, per, torch.ceil) >= other).all()
 
 
 def test_quantize_rows_ref_steps_and_sums():
     x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
-    xq, dx, xs = kernels_cpu.quantize_rows_ref(x)
+    xq, dx, xs = native.quantize_rows_ref(x)
     assert dx.tolist() == [[0.0, pytest.approx(2 / 127)]]
     assert xq[0, 32:35].tolist() == [64, -127, 32]  # 63.5 and 31.75 rounded half to even
     assert xs[0, 1].item() == pytest.approx(dx[0, 1].item() * (64 - 127 + 32))
@@ -62,7 +62,7 @@ def test_quantize_rows_ref_steps_and_sums():
 def test_quantize_rows_matches_the_reference_exactly():
     x = torch.randn(7, 96) * torch.logspace(-3, 2, 96)
     x[2, 32:64] = 0  # an all-zero group has step 0
-    for got, want in zip(kernels_cpu.quantize_rows(x), kernels_cpu.quantize_rows_ref(x)):
+    for got, want in zip(native.quantize_rows(x), native.quantize_rows_ref(x)):
         assert torch.equal(got, want)
 
 
@@ -72,10 +72,10 @@ def test_quantize_rows_matches_the_reference_exactly():
 @pytest.mark.parametrize("n", [160, 544])  # inputs: 5 groups, a superblock short of 8; 17, two superblocks and 1
 def test_w4a8_linear_matches_the_reference(bits, rows, n):
     _, codes, scale, low = weights(48, n, bits)
-    packed = kernels_cpu.pack(codes, scale, low, bits)
+    packed = native.pack(codes, scale, low, bits)
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows))
-    want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low)
-    torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
+    want = native.w4a8_linear_ref(x, codes, scale, low)
+    torch.testing.assert_close(native.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])
@@ -85,13 +85,13 @@ def test_columns_are_the_weights_own_as_dequantize_gives_them(bits, n):
     vector and nibble (6 bits: its high bits, its half group's scale)."""
     _, codes, scale, low = weights(48, n, bits)
     at = torch.tensor([0, 3, 17, 37, 100, n - 33, n - 1])
-    got = kernels_cpu.columns(kernels_cpu.pack(codes, scale, low, bits), bits, n, at)
-    assert torch.equal(got, kernels_cpu.dequantize(codes, scale, low)[:, at].T)
+    got = native.columns(native.pack(codes, scale, low, bits), bits, n, at)
+    assert torch.equal(got, native.dequantize(codes, scale, low)[:, at].T)
 
 
 def outliers_of(packed, bits, n, channels):
     at = torch.tensor(channels, dtype=torch.int32)
-    return at, kernels_cpu.columns(packed, bits, n, at)
+    return at, native.columns(packed, bits, n, at)
 
 
 @needs_kernel
@@ -101,18 +101,18 @@ def test_outlier_inputs_kept_out_of_the_rounding_are_multiplied_in_float(bits, r
     """A channel 100 times the others' size sets its group's step: rounded, the other 31 inputs there lose their
     digits; kept out (its value times the weight's column, in float32), the call is far nearer the exact product."""
     _, codes, scale, low = weights(48, 160, bits)
-    packed = kernels_cpu.pack(codes, scale, low, bits)
+    packed = native.pack(codes, scale, low, bits)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     x[:, 37] = 100.0
     outliers = outliers_of(packed, bits, 160, [37, 100])
-    want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low, outliers)
-    got = kernels_cpu.w4a8_linear(x, packed, bits, outliers=outliers)
+    want = native.w4a8_linear_ref(x, codes, scale, low, outliers)
+    got = native.w4a8_linear(x, packed, bits, outliers=outliers)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    exact = x @ kernels_cpu.dequantize(codes, scale, low).T
-    rounded = kernels_cpu.w4a8_linear(x, packed, bits)
+    exact = x @ native.dequantize(codes, scale, low).T
+    rounded = native.w4a8_linear(x, packed, bits)
     assert (got - exact).abs().max() < (rounded - exact).abs().max() / 4
     with pytest.raises(ValueError, match="at most 8 channels"):
-        kernels_cpu.w4a8_linear(x, packed, bits, outliers=(outliers[0], outliers[1][:, :16]))
+        native.w4a8_linear(x, packed, bits, outliers=(outliers[0], outliers[1][:, :16]))
 
 
 @needs_kernel
@@ -121,26 +121,26 @@ def test_outliers_are_channels_of_the_prepared_input(extra):
     """After the norm or the gate, as the reference takes its input; a tail's columns follow the head's."""
     _, codes, scale, low = weights(32, 160, 4)
     _, codes6, scale6, low6 = weights(16, 160, 6, seed=1)
-    packed = kernels_cpu.pack(codes, scale, low, 4)
-    packed6 = kernels_cpu.pack(codes6, scale6, low6, 6)
+    packed = native.pack(codes, scale, low, 4)
+    packed6 = native.pack(codes6, scale6, low6, 6)
     g = torch.Generator().manual_seed(3)
     x = 3 * torch.randn(9, 320 if extra == "gated" else 160, generator=g)
     x[:, 37] *= 50
     norm = torch.rand(160, generator=g) + 0.5
     at, w_at = outliers_of(packed, 4, 160, [5, 37])
     if extra == "tail":
-        w_at = torch.cat([w_at, kernels_cpu.columns(packed6, 6, 160, at)], 1)
+        w_at = torch.cat([w_at, native.columns(packed6, 6, 160, at)], 1)
     if extra == "gated":
         gate, up = x.chunk(2, -1)
         prepared = F.silu(gate) * up
     else:
         prepared = F.rms_norm(x, (160,), norm, 1e-6)
-    want = kernels_cpu.w4a8_linear_ref(prepared, codes, scale, low, (at, w_at[:, :32]))
+    want = native.w4a8_linear_ref(prepared, codes, scale, low, (at, w_at[:, :32]))
     if extra == "tail":
-        want = torch.cat([want, kernels_cpu.w4a8_linear_ref(prepared, codes6, scale6, low6, (at, w_at[:, 32:]))], -1)
+        want = torch.cat([want, native.w4a8_linear_ref(prepared, codes6, scale6, low6, (at, w_at[:, 32:]))], -1)
     options = {"normed": dict(norm=norm, eps=1e-6), "gated": dict(gated=True),
                "tail": dict(norm=norm, eps=1e-6, tail=(packed6, 6))}[extra]
-    assert nearly(kernels_cpu.w4a8_linear(x, packed, 4, outliers=(at, w_at), **options), want)
+    assert nearly(native.w4a8_linear(x, packed, 4, outliers=(at, w_at), **options), want)
 
 
 @needs_kernel
@@ -148,14 +148,14 @@ def test_rows_alike_but_at_an_outlier_each_get_their_own():
     """Equal rows are multiplied once, and rows that differ only at an outlier channel quantize alike: each row's
     own outlier inputs are added after its share of the product, so each still gets the bits it gets alone."""
     _, codes, scale, low = weights(32, 96, 4)
-    packed = kernels_cpu.pack(codes, scale, low, 4)
+    packed = native.pack(codes, scale, low, 4)
     outliers = outliers_of(packed, 4, 96, [40])
     x = torch.randn(1, 96).repeat(4, 1)
     x[1, 40] += 3.0
     x[3, 40] -= 1.0
-    together = kernels_cpu.w4a8_linear(x, packed, 4, outliers=outliers)
+    together = native.w4a8_linear(x, packed, 4, outliers=outliers)
     for i in range(4):
-        assert torch.equal(kernels_cpu.w4a8_linear(x[i:i + 1], packed, 4, outliers=outliers), together[i:i + 1])
+        assert torch.equal(native.w4a8_linear(x[i:i + 1], packed, 4, outliers=outliers), together[i:i + 1])
     assert torch.equal(together[0], together[2])
     assert not torch.equal(together[0], together[1])
 
@@ -173,15 +173,15 @@ def nearly(got, want):
 def test_the_norm_and_bias_in_the_call_are_rms_norm_then_the_reference_plus_bias(bits, rows):
     """model.normed_linear's one call, nearly: float32 rounds the normalised rows in another order."""
     _, codes, scale, low = weights(48, 160, bits)
-    packed = kernels_cpu.pack(codes, scale, low, bits)
+    packed = native.pack(codes, scale, low, bits)
     g = torch.Generator().manual_seed(rows)
     x = 3 * torch.randn(rows, 160, generator=g)
     norm = torch.rand(160, generator=g) + 0.5
     bias = torch.randn(48, generator=g)
-    want = kernels_cpu.w4a8_linear_ref(F.rms_norm(x, (160,), norm, 1e-6), codes, scale, low) + bias
-    assert nearly(kernels_cpu.w4a8_linear(x, packed, bits, bias, norm, 1e-6), want)
+    want = native.w4a8_linear_ref(F.rms_norm(x, (160,), norm, 1e-6), codes, scale, low) + bias
+    assert nearly(native.w4a8_linear(x, packed, bits, bias, norm, 1e-6), want)
     with pytest.raises(ValueError, match="contiguous float32"):
-        kernels_cpu.w4a8_linear(x, packed, bits, bias.double())
+        native.w4a8_linear(x, packed, bits, bias.double())
 
 
 def rope_rows(rows, D, seed):
@@ -200,21 +200,21 @@ def test_the_gate_and_the_rotation_in_the_call_are_swiglu_and_apply_rope_around_
     """model.gated_linear's one call (silu(gate) x up into w2) and the RoPE of normed_linear's (wqkv's q and k heads,
     after the bias), each against torch's operators around the reference."""
     _, codes, scale, low = weights(48, 160, bits)
-    packed = kernels_cpu.pack(codes, scale, low, bits)
+    packed = native.pack(codes, scale, low, bits)
     g = torch.Generator().manual_seed(rows)
     x = 3 * torch.randn(rows, 320, generator=g)
     gate, up = x.chunk(2, -1)
-    want = kernels_cpu.w4a8_linear_ref(F.silu(gate) * up, codes, scale, low)
-    assert nearly(kernels_cpu.w4a8_linear(x, packed, bits, gated=True), want)
+    want = native.w4a8_linear_ref(F.silu(gate) * up, codes, scale, low)
+    assert nearly(native.w4a8_linear(x, packed, bits, gated=True), want)
     bias = torch.randn(48, generator=g)
     cos, sin = rope_rows(rows, 16, rows)
-    want = (kernels_cpu.w4a8_linear_ref(gate, codes, scale, low) + bias).unflatten(-1, (3, 16))
+    want = (native.w4a8_linear_ref(gate, codes, scale, low) + bias).unflatten(-1, (3, 16))
     want[:, :2] = model.apply_rope(want[:, :2], cos[:, None], sin[:, None])  # two heads rotated, the third not
-    assert nearly(kernels_cpu.w4a8_linear(gate, packed, bits, bias, rope=(cos, sin, 2)), want.flatten(1))
+    assert nearly(native.w4a8_linear(gate, packed, bits, bias, rope=(cos, sin, 2)), want.flatten(1))
     with pytest.raises(ValueError, match="each of the"):
-        kernels_cpu.w4a8_linear(torch.cat([gate, gate]), packed, bits, rope=(cos, sin, 2))
+        native.w4a8_linear(torch.cat([gate, gate]), packed, bits, rope=(cos, sin, 2))
     with pytest.raises(ValueError, match="not both"):
-        kernels_cpu.w4a8_linear(x, packed, bits, norm=torch.ones(160), gated=True)
+        native.w4a8_linear(x, packed, bits, norm=torch.ones(160), gated=True)
 
 
 @needs_kernel
@@ -230,12 +230,12 @@ def test_a_tail_in_other_bits_is_the_rest_of_one_matrix(rows):
     bias = torch.randn(48, generator=g)
     cos, sin = rope_rows(rows, 16, rows)
     normed = F.rms_norm(x, (160,), norm, 1e-6)
-    want = torch.cat([kernels_cpu.w4a8_linear_ref(normed, codes, scale, low),
-                      kernels_cpu.w4a8_linear_ref(normed, codes6, scale6, low6)], -1) + bias
+    want = torch.cat([native.w4a8_linear_ref(normed, codes, scale, low),
+                      native.w4a8_linear_ref(normed, codes6, scale6, low6)], -1) + bias
     want = want.unflatten(-1, (3, 16))
     want[:, :2] = model.apply_rope(want[:, :2], cos[:, None], sin[:, None])
-    tail = (kernels_cpu.pack(codes6, scale6, low6, 6), 6)
-    got = kernels_cpu.w4a8_linear(x, kernels_cpu.pack(codes, scale, low, 4), 4, bias, norm, 1e-6, rope=(cos, sin, 2),
+    tail = (native.pack(codes6, scale6, low6, 6), 6)
+    got = native.w4a8_linear(x, native.pack(codes, scale, low, 4), 4, bias, norm, 1e-6, rope=(cos, sin, 2),
                                   tail=tail)
     assert nearly(got, want.flatten(1))
 
@@ -246,7 +246,7 @@ def test_a_tail_in_other_bits_is_the_rest_of_one_matrix(rows):
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, extra):
     """The exact methods need it: a row alone and in a batch of any size give the same bits."""
     _, codes, scale, low = weights(32, 96, bits)
-    packed = kernels_cpu.pack(codes, scale, low, bits)
+    packed = native.pack(codes, scale, low, bits)
     x = torch.randn(20, 192 if extra == "gated" else 96)
     cos, sin = rope_rows(20, 16, 0)
     options = {"plain": {}, "normed": dict(bias=torch.randn(32), norm=torch.rand(96) + 0.5, eps=1e-6),
@@ -254,7 +254,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, extra):
 
     def call(at):
         rope = (cos[at], sin[at], 1) if extra == "rotated" else None
-        return kernels_cpu.w4a8_linear(x[at], packed, bits, rope=rope, **options)
+        return native.w4a8_linear(x[at], packed, bits, rope=rope, **options)
     together = call(slice(0, 20))
     for i in (0, 7, 19):
         assert torch.equal(call(slice(i, i + 1)), together[i:i + 1])
@@ -268,7 +268,7 @@ def test_rows_quantized_alike_each_get_the_result_of_their_own(bits, extra):
     """A call multiplies equal rows once (a particle's copies after resampling): every row, first or repeated, gets
     the bits it gets alone, and its own rotation and bias after."""
     _, codes, scale, low = weights(32, 96, bits)
-    packed = kernels_cpu.pack(codes, scale, low, bits)
+    packed = native.pack(codes, scale, low, bits)
     distinct = torch.randn(4, 192 if extra == "gated" else 96)
     order = torch.tensor([0, 1, 0, 2, 1, 0, 3, 0, 2])  # repeats before and after other rows
     x = distinct[order]
@@ -276,11 +276,11 @@ def test_rows_quantized_alike_each_get_the_result_of_their_own(bits, extra):
     _, codes6, scale6, low6 = weights(16, 96, 6, seed=1)
     options = {"plain": {}, "normed": dict(bias=torch.randn(32), norm=torch.rand(96) + 0.5, eps=1e-6),
                "gated": dict(gated=True), "rotated": {},
-               "tail": dict(bias=torch.randn(48), tail=(kernels_cpu.pack(codes6, scale6, low6, 6), 6))}[extra]
+               "tail": dict(bias=torch.randn(48), tail=(native.pack(codes6, scale6, low6, 6), 6))}[extra]
 
     def call(at):
         rope = (cos[at], sin[at], 1) if extra == "rotated" else None
-        return kernels_cpu.w4a8_linear(x[at], packed, bits, rope=rope, **options)
+        return native.w4a8_linear(x[at], packed, bits, rope=rope, **options)
     together = call(slice(0, len(order)))
     for i in range(len(order)):
         assert torch.equal(call(slice(i, i + 1)), together[i:i + 1])
@@ -302,7 +302,7 @@ def test_the_compiled_sampler_draws_by_the_exact_inverse_cdf(temperature):
     u = torch.rand(48, generator=g)
     u[:2] = torch.tensor([0.0, 1.0])  # the first token of nonzero probability; past every sum (as u x total may
     # round): the last one
-    tokens, logprobs = kernels_cpu.sample(logits, torch.full((48,), temperature), u)
+    tokens, logprobs = native.sample(logits, torch.full((48,), temperature), u)
     if temperature == 0:
         assert torch.equal(tokens, logits.argmax(-1)) and not logprobs.any()
         return
@@ -315,7 +315,7 @@ def test_the_compiled_sampler_draws_by_the_exact_inverse_cdf(temperature):
     torch.testing.assert_close(logprobs.double(), exact.gather(1, tokens[:, None])[:, 0], atol=1e-4, rtol=1e-4)
     picked = torch.randint(0, 5000, (48,), generator=g)
     want = exact.gather(1, picked[:, None])[:, 0].float()
-    torch.testing.assert_close(kernels_cpu.token_logprobs(logits, picked, torch.full((48,), temperature)), want,
+    torch.testing.assert_close(native.token_logprobs(logits, picked, torch.full((48,), temperature)), want,
                                atol=1e-4, rtol=1e-4)
 
 
@@ -323,18 +323,18 @@ def test_the_compiled_sampler_draws_by_the_exact_inverse_cdf(temperature):
 def test_a_row_of_no_probability_draws_its_last_token():
     logits = torch.full((2, 600), float("nan"))
     logits[1] = float("-inf")
-    tokens, logprobs = kernels_cpu.sample(logits, torch.ones(2), torch.full((2,), 0.5))
+    tokens, logprobs = native.sample(logits, torch.ones(2), torch.full((2,), 0.5))
     assert tokens.tolist() == [599, 599] and logprobs.isnan().all()
 
 
 def test_pack_refuses_a_shape_the_kernel_cannot_tile():
     codes = torch.zeros(24, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="16k x 32k"):
-        kernels_cpu.pack(codes, torch.ones(24, 2), torch.zeros(24, 2), 4)
+        native.pack(codes, torch.ones(24, 2), torch.zeros(24, 2), 4)
 
 
 def isa_flags():
-    """-march choices this CPU can run, each compiling one of kernels_cpu.c's paths (the portable one always)."""
+    """-march choices this CPU can run, each compiling one of native.c's paths (the portable one always)."""
     flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     marches = {"portable": ["-march=x86-64"] if "sse2" in flags else ["-O0"]}
     if {"avx2", "fma", "f16c"} <= flags:
@@ -348,47 +348,47 @@ def isa_flags():
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", sorted(isa_flags()))
 def test_every_path_of_the_source_matches_the_reference(isa, tmp_path, monkeypatch):
-    monkeypatch.setenv(kernels_cpu.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path))
     march = isa_flags()[isa]
     flags = ["-O3", *march, "-fopenmp", "-shared", "-fPIC"]
     if march == ["-O0"]:
         flags = ["-O0", "-fopenmp", "-shared", "-fPIC"]
-    lib = kernels_cpu.load(kernels_cpu.build(kernels_cpu.compiler(), flags))
+    lib = native.load(native.build(native.compiler(), flags))
     assert lib.isa().decode() == isa
-    monkeypatch.setitem(kernels_cpu._library, "lib", lib)
+    monkeypatch.setitem(native._library, "lib", lib)
     for bits in (4, 6, 8):
         _, codes, scale, low = weights(32, 128, bits)
-        packed = kernels_cpu.pack(codes, scale, low, bits)
+        packed = native.pack(codes, scale, low, bits)
         for rows in (1, 3, 4, 7):
             x = torch.randn(rows, 128)
-            want = kernels_cpu.w4a8_linear_ref(x, codes, scale, low)
-            torch.testing.assert_close(kernels_cpu.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
+            want = native.w4a8_linear_ref(x, codes, scale, low)
+            torch.testing.assert_close(native.w4a8_linear(x, packed, bits), want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
 @pytest.mark.slow
 def test_the_build_is_kept_and_read_back(tmp_path, monkeypatch):
-    monkeypatch.setenv(kernels_cpu.CACHE_ENV, str(tmp_path))
-    first = kernels_cpu.build(kernels_cpu.compiler())
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path))
+    first = native.build(native.compiler())
     made = os.stat(first).st_mtime_ns
-    assert kernels_cpu.build(kernels_cpu.compiler()) == first
+    assert native.build(native.compiler()) == first
     assert os.stat(first).st_mtime_ns == made
     assert os.listdir(tmp_path) == [os.path.basename(first)]  # no temporary left beside it
 
 
 def test_no_compiler_is_one_line_and_no_library(tmp_path):
-    code = "import kernels_cpu; lib, why = kernels_cpu.library(); print(lib, why)"
-    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), kernels_cpu.CACHE_ENV: str(tmp_path)}
+    code = "from cpu import native; lib, why = native.library(); print(lib, why)"
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), store.CACHE_ENV: str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(kernels_cpu.SOURCE))
+                         cwd=os.path.dirname(os.path.dirname(native.SOURCE)))
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("None ")
     assert len(run.stdout.strip().splitlines()) == 1
 
 
 def test_without_the_kernel_w4a8_is_int4_with_one_line(monkeypatch, caplog):
-    monkeypatch.setitem(kernels_cpu._library, "lib", None)
-    monkeypatch.setitem(kernels_cpu._library, "why", "the w4a8 kernel cannot be built here (no C compiler found)")
+    monkeypatch.setitem(native._library, "lib", None)
+    monkeypatch.setitem(native._library, "why", "the w4a8 kernel cannot be built here (no C compiler found)")
     assert formats.usable("w4a8") == "int4"
     assert formats.usable("int8") == "int8"
     assert [r.getMessage() for r in caplog.records] == [
@@ -423,5 +423,5 @@ def test_particle_attention_matches_the_reference_per_request(N, T, tree):
     for prefix_len in (torch.tensor([40, 3999], dtype=torch.int32), torch.tensor([0, 3999], dtype=torch.int32)):
         args = (q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, D ** -0.5, sees)
         want = kernels.particle_attention_ref(*args)
-        torch.testing.assert_close(kernels_cpu.particle_attention(*args, large=large), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(native.particle_attention(*args, large=large), want, rtol=1e-5, atol=1e-5)
     assert calls == [(1, N, T, Hq, D)] * 2  # request 1 only

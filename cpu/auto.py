@@ -1,44 +1,23 @@
-"""--weights auto: this machine's identity (its CPU, read once), the timing of one forward's matmuls in each weight
+"""--weights auto: the timing of one forward's matmuls in each weight
 format (formats.py), the formats and the smc and sd cycle shapes chosen from those timings, and the choices kept on
 disk once per machine and pair of models, so that a fixed seed gives the same tokens in every process."""
 import collections
 import copy
 import dataclasses
-import functools
-import hashlib
 import json
 import math
 import os
-import platform
 import sys
-import tempfile
 import timeit
 
 import torch
 
 import formats
 import kernels
-import kernels_cpu
 import model
-from kernels_cpu import CACHE_ENV, cache_folder  # one folder for what the engine keeps: auto's choices, the kernel
+from cpu import native, store
 
 # ---------------------------------------------------------------- this machine
-@functools.cache
-def cpu():
-    """-> {"name": this CPU's model name, "flags": [its feature flags, as /proc/cpuinfo lists them]}, the first
-    core's, read once (/proc/cpuinfo; platform's name and no flags where there is none)."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                field, _, value = line.partition(":")
-                info.setdefault(field.strip(), value.strip())  # the first core's
-    except OSError:
-        pass
-    name = info.get("model name") or platform.processor() or platform.machine()
-    return {"name": name, "flags": (info.get("flags") or info.get("Features", "")).split()}
-
-
 def cache_bytes():
     """This CPU's last-level cache (sysfs), 32 MiB where that does not say."""
     try:
@@ -66,7 +45,7 @@ def file_format(opened):
     four = sum(n for name, n in sizes.items() if get(name, (0, 0, 1), "format") == "int4")
     if 2 * four <= sum(sizes.values()):
         return "bf16"
-    if kernels_cpu.library()[0] is None:
+    if native.library()[0] is None:
         return "int4"
     return "w4a8"
 
@@ -80,54 +59,27 @@ def clear_winner(costs, home):
 
 
 # ---------------------------------------------------------------- auto's choices, kept once per machine
-UNREADABLE = (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError)  # a kept file's problems
-
-
-def digest(text):
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cpu_identity():
-    """-> {"cpu": this CPU's model name, "flags": a digest of its feature flags}: what auto's kept choices depend on."""
-    info = cpu()
-    return {"cpu": info["name"], "flags": digest(" ".join(info["flags"]))}
-
-
-def file_identity(path):
-    """-> {"path": path's real path, "files": [[name, bytes, mtime in ns]]}: a .gguf file's, or a directory's weights,
-    config and tokenizer files'; any change to them gives another identity."""
-    path = os.path.realpath(path)
-    folder = os.path.dirname(path)
-    names = [os.path.basename(path)]
-    if os.path.isdir(path):
-        folder = path
-        names = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json", ".gguf")))
-    files = []
-    for name in names:
-        stat = os.stat(os.path.join(folder, name))
-        files.append([name, stat.st_size, stat.st_mtime_ns])
-    return {"path": path, "files": files}
 
 
 def machine_key(paths, draft_config):
     """What decides auto's choices: this CPU, its threads, torch's version, the code that times and chooses (the C
     kernels' too), and the models (paths: [target, draft] files; a draft without a file by its Config), as JSON reads
     it back."""
-    sources = [m.__file__ for m in (sys.modules[__name__], formats, kernels, kernels_cpu)] + [kernels_cpu.SOURCE]
+    sources = [m.__file__ for m in (sys.modules[__name__], formats, kernels, native)] + [native.SOURCE]
     code = "".join(open(path).read() for path in sources)
     draft = None
     if paths[1]:
-        draft = file_identity(paths[1])
+        draft = store.file_identity(paths[1])
     elif draft_config:
         draft = dataclasses.asdict(draft_config)
-    key = cpu_identity() | {"threads": torch.get_num_threads(), "torch": torch.__version__, "code": digest(code),
-                            "target": file_identity(paths[0]), "draft": draft}
+    key = store.cpu_identity() | {"threads": torch.get_num_threads(), "torch": torch.__version__, "code": store.digest(code),
+                            "target": store.file_identity(paths[0]), "draft": draft}
     return json.loads(json.dumps(key))
 
 
 def read_kept(path, key):
     """-> ({decision: (choice, line)}, {timings' key: seconds}) kept in path for key; empty where there is no file.
-    A file that is not JSON, not whole, or another key's raises one of UNREADABLE."""
+    A file that is not JSON, not whole, or another key's raises one of store.UNREADABLE."""
     try:
         with open(path) as f:
             kept = json.load(f)
@@ -142,20 +94,6 @@ def read_kept(path, key):
         choices[decision] = (choice, str(line))
     timings = {tuple(t[:5]): float(t[5]) for t in kept["timings"]}
     return choices, timings
-
-
-def write_atomically(path, data):
-    """data as JSON in path through a temporary file renamed over it: a reader finds the old file or the new, whole."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".auto-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 class Measurement:
@@ -197,7 +135,7 @@ class Measurement:
         self.said = set()  # the one-time lines said: "measuring", "read back", "not kept"
         if paths[0]:
             self.key = machine_key(paths, draft_config)
-            self.path = os.path.join(cache_folder(), f"auto-{digest(json.dumps(self.key, sort_keys=True))}.json")
+            self.path = os.path.join(store.cache_folder(), f"auto-{store.digest(json.dumps(self.key, sort_keys=True))}.json")
         if self.path and not remeasure:
             self.read_file()
 
@@ -210,7 +148,7 @@ class Measurement:
         """The choices and timings self.path keeps, if it is readable (else one line: measured again)."""
         try:
             self.kept, timings = read_kept(self.path, self.key)
-        except UNREADABLE as error:
+        except store.UNREADABLE as error:
             self.say_once("unreadable", f"weights auto: {self.path} is unreadable ({error}); measuring again")
             return
         self.timings.update(timings)
@@ -235,12 +173,13 @@ class Measurement:
         self.measured[decision] = (choice, line)
         try:
             on_disk, _ = read_kept(self.path, self.key)
-        except UNREADABLE:  # said when read; replaced now
+        except store.UNREADABLE:  # said when read; replaced now
             on_disk = {}
         timings = [[*key, seconds] for key, seconds in self.timings.items()]
         kept = {"key": self.key, "choices": on_disk | self.measured, "timings": timings}
         try:
-            write_atomically(self.path, kept)
+            with store.atomically(self.path) as temporary, open(temporary, "w") as f:
+                json.dump(kept, f, indent=1)
         except OSError as error:
             self.say_once("not kept", f"weights auto: cannot keep the choices in {self.path} ({error}); the next run "
                           "measures again")
@@ -317,7 +256,7 @@ class Measurement:
         4-bit file (each holds its blocks as they are; elsewhere they change the model more: on request only, as
         w8a8, whose rounded activations change it as much); for the draft, those and int4 and w4a8, since its format
         changes only the proposals). w4a8 where its kernel builds here."""
-        four = tuple(f for f in FOUR_BITS if f != "w4a8" or kernels_cpu.library()[0] is not None)
+        four = tuple(f for f in FOUR_BITS if f != "w4a8" or native.library()[0] is not None)
         tried = ("bf16", "float32", "int8")
         if self.home in FOUR_BITS:
             tried += four

@@ -9,18 +9,16 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 
 import torch
 
-import auto
 import formats
 import loading
 import model
-from kernels_cpu import cache_folder
+from cpu import store
 
 # the code that makes the tensors, and this file, which keeps them and builds the model from them
-CODE = ("model.py", "formats.py", "loading.py", "kernels.py", "kernels_cpu.py", "kernels_cpu.c", "weight_cache.py")
+CODE = ("model.py", "formats.py", "loading.py", "kernels.py", "cpu/native.py", "cpu/native.c", "cpu/weight_cache.py")
 HEAD_BYTES = 2**20  # of each model file hashed: a file rewritten in place with its old size and time is still caught
 ALIGN = 64  # bytes: every tensor starts on a cache line, as torch's own allocations do
 SPARE_BYTES = 2**28  # left free on the disk beyond a file written
@@ -53,7 +51,7 @@ def head_digest(identity):
 
 def code_digest():
     h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project's folder
     for name in CODE:
         with open(os.path.join(here, name), "rb") as f:
             h.update(f.read())
@@ -62,10 +60,10 @@ def code_digest():
 
 def cache_key(path, c, fmt, wider):
     """-> what the tensors kept for model file path (Config c) in weight format fmt depend on, as JSON reads it back."""
-    identity = auto.file_identity(path)
+    identity = store.file_identity(path)
     key = {"model": identity | {"head": head_digest(identity)}, "config": dataclasses.asdict(c), "format": fmt,
            "wider": wider, "dtype": str(formats.FORMATS[fmt]), "tp": [0, 1], "torch": torch.__version__,
-           "cpu": auto.cpu_identity(), "code": code_digest()}
+           "cpu": store.cpu_identity(), "code": code_digest()}
     return json.loads(json.dumps(key))
 
 
@@ -73,7 +71,7 @@ def cache_path(path, fmt, role):
     """-> the file that keeps model file path's weights in format fmt as the engine's role ("target", "draft"): one
     per triple, so a changed model file replaces its entry."""
     name = json.dumps([os.path.realpath(path), fmt, role])
-    return os.path.join(cache_folder(), "weights", f"weights-{auto.digest(name)}.safetensors")
+    return os.path.join(store.cache_folder(), "weights", f"weights-{store.digest(name)}.safetensors")
 
 
 # ---------------------------------------------------------------- writing
@@ -131,20 +129,14 @@ def write_file(path, tensors, metadata):
     free = shutil.disk_usage(folder).free
     if free < len(header) + data + SPARE_BYTES:
         raise OSError(f"{free / 1e9:.1f} GB free, {(len(header) + data) / 1e9:.1f} GB needed")
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".weights-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            for name, entry in json.loads(header).items():
-                if name.startswith("pad."):
-                    f.write(bytes(entry["shape"][0]))
-                elif name != "__metadata__":
-                    f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    with store.atomically(path) as temporary, open(temporary, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for name, entry in json.loads(header).items():
+            if name.startswith("pad."):
+                f.write(bytes(entry["shape"][0]))
+            elif name != "__metadata__":
+                f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def keep(transformer, path, key, say):
@@ -242,9 +234,6 @@ def read_back(path, key, c, fmt):
 
 
 # ---------------------------------------------------------------- the engine's entry
-UNREADABLE = (OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError, AttributeError, struct.error)
-
-
 def first_line(e):
     """An exception's message as one short line (torch's run over several)."""
     lines = str(e).splitlines() or [type(e).__name__]
@@ -264,7 +253,7 @@ def build(path, opened, role, fmt, wider, say):
             return transformer
         except Stale as e:
             say(f"{where} is stale ({e}): converting again, replacing it")
-        except UNREADABLE as e:
+        except store.UNREADABLE as e:
             say(f"{where} is unreadable or truncated ({first_line(e)}): loading {path} as usual, replacing it")
     transformer = loading.build(opened.config, opened.get, "cpu", weights=fmt, wider=wider)
     keep(transformer, where, key, say)
