@@ -27,9 +27,12 @@ import kernels
 import loading
 import model
 import peers
+import platforms
 import quality
 import scheduler
 from cpu import auto, native, store
+from cpu import backend as cpu_backend
+from cpu import formats as cpu_formats
 
 CODE_PROMPT = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; return them sorted by start.
@@ -128,7 +131,8 @@ def random_model(shape, device, dtype, seed, world=1, weights=None):
                           rope_theta=500000.0, max_seq_len=8192)
     if weights:
         dtype = formats.weight_format(weights, device)
-    m = model.Transformer(model.shard_config(config, world), device, dtype)
+    platform = platforms.for_device(device)
+    m = model.Transformer(model.shard_config(config, world), device, dtype, platform.backend)
     generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -136,7 +140,7 @@ def random_model(shape, device, dtype, seed, world=1, weights=None):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=generator)
-    formats.convert_weights(m, weights)
+    platform.convert_weights(m, weights)
     return m
 
 
@@ -938,7 +942,7 @@ def format_report(target, prompts, names, new_tokens, device):
     samples = {}
     slots = min(QUALITY_SLOTS, len(prompts))
     ids = None
-    reference = loading.load(target, device, weights="float32")[0]  # also the float32 format's model
+    reference = platforms.load(target, device, weights="float32")[0]  # also the float32 format's model
     for name in dict.fromkeys(["bf16", *names]):  # bf16 first: the greedy reference
         source = target
         if name == "float32":
@@ -973,22 +977,23 @@ def format_report(target, prompts, names, new_tokens, device):
 
 
 def weight_costs(names, rows, shape=(17920, 1536), passes=5):
-    """{format: {rows: ps per weight}} of model.linear in each format over copies of one [out, in] matrix (the 1.5B's
+    """{format: {rows: ps per weight}} of the CPU backend's linear in each format over copies of one [out, in] matrix (the 1.5B's
     gate/up) filling twice the last-level cache, so every pass reads them from memory; the best of `passes` passes,
     the row counts taking turns within each: a machine's drift moves them alike, not their ratios."""
     out = {}
+    linear = cpu_backend.Backend().linear
     for name in names:
         w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(formats.FORMATS[name])
-        first = formats.converted(w, name)
+        first = cpu_formats.converted(w, name)
         per_copy = sum(t.numel() * t.element_size() for t in first.parameters()) if isinstance(
             first, torch.nn.Module) else w.numel() * w.element_size()
-        ws = [first] + [copy.deepcopy(first) if isinstance(first, torch.nn.Module) else formats.converted(w, name)
+        ws = [first] + [copy.deepcopy(first) if isinstance(first, torch.nn.Module) else cpu_formats.converted(w, name)
                         for _ in range(max(1, int(2 * auto.cache_bytes() // per_copy)))]
         xs = {r: torch.randn(r, shape[1], dtype=formats.FORMATS[name]) for r in rows}
         seconds = {r: math.inf for r in rows}
         for _ in range(passes):
             for r in rows:
-                took = timeit.timeit(lambda: [model.linear(xs[r], each) for each in ws], number=1)
+                took = timeit.timeit(lambda: [linear(xs[r], each) for each in ws], number=1)
                 seconds[r] = min(seconds[r], took)
         out[name] = {r: 1e12 * seconds[r] / (len(ws) * w.numel()) for r in rows}
     return out

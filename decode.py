@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-import kernels
 import model
 import racer
 
@@ -30,6 +29,11 @@ class Models:
     @property
     def device(self):
         return self.target.device
+
+    @property
+    def backend(self):
+        """What runs the cycle's kernels: the target's (the engine built both models with one)."""
+        return self.target.backend
 
 
 
@@ -180,10 +184,10 @@ def entropy_of(d):
     return -(d * d.clamp(min=1e-30).log()).sum(-1)
 
 
-def bernoulli(p, rng):
+def bernoulli(m, p, rng):
     """True with probability p [R, M], drawn on the device from each request's rng: a two-way categorical."""
     logits = torch.stack([p.log(), (-p).log1p()], -1)  # [R, M, 2]
-    return (kernels.sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
+    return (m.backend.sample(logits.flatten(0, 1), 1.0, rng)[0] == 0).view(p.shape)
 
 
 def smc_increments(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
@@ -274,7 +278,7 @@ def ar_cycle(m, st, shape):
     """One target step on the pending token."""
     x0 = pending(st)[1]  # [R, N]
     logits = restricted(m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0], st, shape)  # [R, V]
-    token = kernels.sample(logits, st.temp_t, st.rng)[0]  # [R]
+    token = m.backend.sample(logits, st.temp_t, st.rng)[0]  # [R]
     append(m, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
 
 
@@ -287,7 +291,7 @@ def draft_block(m, st, shape):
     for k in range(shape.draft_len):
         out = m.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
         st.dcache.suffix_len += x.shape[-1]
-        t, logq = kernels.sample(out.flatten(0, 1), st.temp_d, st.rng)  # [R * N]
+        t, logq = m.backend.sample(out.flatten(0, 1), st.temp_d, st.rng)  # [R * N]
         x = t.view(R, N, 1)
         st.drafted[..., k] = t.view(R, N)
         st.logq[..., k] = logq.view(R, N)
@@ -343,7 +347,7 @@ def sd_cycle(m, st, shape):
                 residual = torch.where(triggered[:, None], pk, residual)
             total = residual.sum(-1, keepdim=True)
             r = torch.where(viable[:, i, None] & (total > 0), residual / total, r)  # r == q: nothing to fix
-        accept = bernoulli(torch.stack(ratios, -1), st.rng)  # [R, N]: the first one counts
+        accept = bernoulli(m, torch.stack(ratios, -1), st.rng)  # [R, N]: the first one counts
         won = c.gather(1, accept.int().argmax(-1, keepdim=True))[:, 0]  # [R]
         stop = going & ~accept.any(-1)
         fix = torch.where(stop[:, None], r, fix)
@@ -356,7 +360,7 @@ def sd_cycle(m, st, shape):
         viable &= ~going[:, None] | (c == won[:, None])
     winner = viable.int().argmax(-1)  # [R]
     fix = torch.where(going[:, None], p[rows, winner, K], fix)  # all K accepted: the bonus
-    last = kernels.sample(fix.log(), 1.0, st.rng)[0]  # [R]
+    last = m.backend.sample(fix.log(), 1.0, st.rng)[0]  # [R]
     accepted = torch.cat([out, last[:, None]], 1)  # [R, K+1]
     tokens = torch.where(torch.arange(K + 1, device=device) < n[:, None], accepted, last[:, None])  # then filler
     if N > 1:  # the rows this cycle wrote, from the winner (the rows before are every particle's already)
@@ -389,7 +393,7 @@ def racer_cycle(m, st, shape):
     base = st.tcache.suffix_len.clone()
     logits = m.target.step(ids(m, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
     logits = restricted(logits, st, shape)  # [R, T, V]
-    y = kernels.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
+    y = m.backend.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
     follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
     on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
     d = torch.arange(K + 1, device=device)
@@ -398,7 +402,7 @@ def racer_cycle(m, st, shape):
     last = y.gather(1, path.gather(1, n[:, None]))[:, 0]  # [R] the last node's draw
     accepted = torch.cat([nodes.gather(1, path[:, 1:]), last[:, None]], 1)  # [R, K+1]
     tokens = torch.where(d < n[:, None], accepted, last[:, None])
-    kernels.compact(st.tcache, base, path)
+    m.backend.compact(st.tcache, base, path)
     top = logits.topk(racer.CUES)  # their probabilities without a softmax over the vocabulary
     st.cues.copy_(top.indices)
     st.cue_p.copy_((top.values - logits.logsumexp(-1, keepdim=True)).exp())
@@ -415,27 +419,27 @@ def smc_cycle(m, st, shape):
     R, N = st.finished.shape
     t = st.drafted  # [R, N, K]
     logits = verify(m, st, t, shape)  # [R, N, K+1, V]
-    logp = kernels.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
+    logp = m.backend.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
     bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, shape.power)
-    b = kernels.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
+    b = m.backend.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
     x0 = pending(st)[1]
     increments, tokens = smc_increments(x0, t, b, shape.power * logp, st.logq, st.finished, m.is_eos, m.pad,
                                         log_bonus)
     st.logw += increments
     append(m, st, tokens, torch.full_like(st.gen_len, K + 1))
-    resample(st, shape)
+    resample(m, st, shape)
 
 
-def resample(st, shape):
+def resample(m, st, shape):
     """Systematic resampling of each slot whose ESS < threshold * N: each particle's suffix K/V (target and
     draft), history and finished flag become its ancestor's; the log-normaliser takes the mean weight and the
     weights restart at 0. A population with no positive weight, or a NaN one, is degenerate: resampling it would
     be a uniform draw that hides the failure, so the request ends. A slot whose unsettled text exceeds its lag
     (st.lag, 0: none) collapses onto one particle drawn in proportion to its weight (each particle's expected
     copies are still N x its weight: unbiased), so that text keeps streaming where the weights never degenerate."""
-    ancestors, ess, resampled, degenerate = kernels.resample(st.logw, shape.ess_threshold, st.rng)
+    ancestors, ess, resampled, degenerate = m.backend.resample(st.logw, shape.ess_threshold, st.rng)
     lagging = st.live & (st.lag > 0) & (st.gen_len - st.flags[:, 1] > st.lag) & ~resampled  # [R]
-    one = kernels.sample(st.logw, 1.0, st.rng)[0].clamp(max=shape.particles - 1)  # [R] a particle drawn by weight
+    one = m.backend.sample(st.logw, 1.0, st.rng)[0].clamp(max=shape.particles - 1)  # [R] a particle drawn by weight
     ancestors = torch.where(lagging[:, None], one[:, None], ancestors)  # [R, N]
     resampled = resampled | lagging
     st.degenerate |= degenerate & st.live
@@ -445,8 +449,8 @@ def resample(st, shape):
     st.logw.masked_fill_(resampled[:, None], 0.0)
     for cache in (st.tcache, st.dcache):
         for kv in (cache.suffix_k, cache.suffix_v):
-            kernels.gather_suffix(kv, ancestors, cache.suffix_len)
-    kernels.gather_suffix(st.hist, ancestors, st.gen_len + 1)
+            m.backend.gather_suffix(kv, ancestors, cache.suffix_len)
+    m.backend.gather_suffix(st.hist, ancestors, st.gen_len + 1)
     st.finished.copy_(st.finished.gather(1, ancestors))
     st.resamples += resampled
     st.collapses += lagging
@@ -496,7 +500,7 @@ def prefill_slot(m, st, shape, r, req):
     st.log_z[r] = log_first[0, 0]  # the first token's normaliser, the same for every particle
     if shape.restrict:
         logits = restrict(logits, st.temp_t[r:r + 1], st.top_k[r:r + 1], st.top_p[r:r + 1])
-    x0 = kernels.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
+    x0 = m.backend.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
     if shape.method != "smc":  # only smc's particles part at once
         x0 = x0[:1].expand(N)
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
@@ -536,10 +540,10 @@ def empty_slot(st, r):
     st.logw[r] = 0
 
 
-def pick(st, r, select):
+def pick(m, st, r, select):
     """Slot r's returned particle: one drawn in proportion to its weight ("sample"), or the heaviest."""
     if select == "sample":
-        return int(kernels.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
+        return int(m.backend.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
     return int(st.logw[r].argmax())
 
 

@@ -20,10 +20,10 @@ import decode
 import formats
 import loading
 import model
+import platforms
 import racer
 import scheduler
 from scheduler import DeviceFailed, UsageError, require
-from cpu import auto, weight_cache
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
@@ -412,6 +412,20 @@ class Engine:
     engine reports (auto's measuring and choices, the files it reads); None: none is shown."""
 
     def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=(), on_line=None):
+        self.on_line = on_line
+        self.failure = None
+        # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
+        self.observers = list(observers)
+        self.open(target, draft, device)
+        self.choose_formats(weights, remeasure)
+        self.pad = self.config.vocab_size
+        self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
+        self.is_eos[self.config.eos_ids + [self.pad]] = True
+        self.ends = set(self.config.eos_ids) | {self.pad}
+
+    def open(self, target, draft, device):
+        """The models' files opened (their configs and tokenizer read, no weight yet) or the models given; the
+        device's platform (platforms.py: its backend, formats and builds); under torchrun, this rank's place."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
@@ -430,20 +444,12 @@ class Engine:
         self.world = 1
         if target_file:
             self.rank, self.world = model.init_distributed(device)
-        self.auto = weights in (None, "auto") and device.type == "cpu" and self.world == 1 and bool(target_file)
-        if self.auto:
-            self.weights = "auto"
-        elif weights in (None, "auto"):
-            self.weights = "bf16"
-        else:
-            self.weights = formats.usable(weights)
-        self.draft_weights = self.weights
-        self.chosen = {}  # method -> the (N, K) auto measured for it
-        dtype = torch.bfloat16 if self.auto else formats.weight_format(self.weights, device)
-        if target_file:
             self.config = model.shard_config(target_file.config, self.world)  # this rank's
         else:
             self.config = target.config
+            device = target.device
+        self.device = device
+        self.platform = platforms.for_device(device)
         self.draft_config = None
         if draft_file:
             self.draft_config = draft_file.config
@@ -452,26 +458,31 @@ class Engine:
         if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
             raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
                              f"{self.config.vocab_size}")
-        self.device = device
-        self.dtype = dtype
+        self.tokenizer = target_file.tokenizer if target_file else None
+
+    def choose_formats(self, weights, remeasure):
+        """The models' weight formats: weights as given, or "auto"'s (a CPU's measuring, when load() reads them), and
+        the memory they take checked before any weight is read."""
+        one_process = self.world == 1 and bool(self.opened[0])  # model files read by one process
+        self.auto = weights in (None, "auto") and self.platform.kind == "cpu" and one_process
+        if self.auto:
+            self.weights = "auto"
+        elif weights in (None, "auto"):
+            self.weights = "bf16"
+        else:
+            self.weights = self.platform.usable(weights)
+        self.draft_weights = self.weights
+        self.chosen = {}  # method -> the (N, K) auto measured for it
+        self.dtype = torch.bfloat16 if self.auto else formats.FORMATS[self.weights]
         if self.target:
-            self.device = self.target.device
             self.dtype = self.target.embed.dtype
-        self.on_line = on_line
         unread = scheduler.unread_bytes(self)
         scheduler.check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
         self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
         if self.auto:
-            self.measurement = auto.Measurement(self.opened, self.draft_config, unread,
-                                                scheduler.free_bytes(self.device), self.paths, remeasure, self.say)
-        self.tokenizer = target_file.tokenizer if target_file else None
-        self.failure = None
-        # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
-        self.observers = list(observers)
-        self.pad = self.config.vocab_size
-        self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
-        self.is_eos[self.config.eos_ids + [self.pad]] = True
-        self.ends = set(self.config.eos_ids) | {self.pad}
+            self.measurement = self.platform.measurement(self.opened, self.draft_config, unread,
+                                                         scheduler.free_bytes(self.device), self.paths, remeasure,
+                                                         self.say)
 
     def load(self, shape=None):
         """Read the weights (once) -> self; with weights "auto", first measure which format suits shape's cycles."""
@@ -493,13 +504,10 @@ class Engine:
         return self
 
     def built(self, i, fmt, wider):
-        """-> the Transformer of self.paths[i] (0 the target, its rank's shard; 1 the draft) in weight format fmt; on
-        the CPU in one process through weight_cache (read back where kept, else built and kept)."""
-        opened = self.opened[i]
-        if self.device.type == "cpu" and self.world == 1:
-            return weight_cache.build(self.paths[i], opened, ("target", "draft")[i], fmt, wider, self.say)
+        """-> the Transformer of self.paths[i] (0 the target, its rank's shard; 1 the draft) in weight format fmt, as
+        the platform builds it."""
         tp = (self.rank, self.world) if i == 0 else (0, 1)
-        return loading.build(opened.config, opened.get, self.device, self.dtype, tp, fmt, wider)
+        return self.platform.build(self.paths[i], self.opened[i], ("target", "draft")[i], fmt, wider, tp, self.say)
 
     def drafts(self):
         """What drafts for this engine: "model", "racer", or None (no draft: ar only)."""
@@ -540,6 +548,11 @@ class Engine:
     def models(self):
         """What decode's cycles read of this engine (after load())."""
         return decode.Models(self.target, self.draft, self.is_eos, self.pad)
+
+    @property
+    def backend(self):
+        """What runs the models' kernels (after load()): the target's, chosen when it was built."""
+        return self.target.backend
 
     @contextlib.contextmanager
     def watching(self, observer):

@@ -1,15 +1,12 @@
 """Triton kernels, each beside the few-line PyTorch reference that documents it: attention over particles, sampling,
-resampling, the suffix gather, and the int8 / int4 / w8a8 matmuls. The methods' own rules live in decode.py."""
+resampling, the suffix gather, the int8 / int4 matmuls; and the Backend, what a model and its cycles call, which
+runs them. The methods' own rules live in decode.py; the CPU's own kernels in the CPU wing (cpu/backend.py)."""
 import functools
-import math
 import os
-import warnings
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from cpu import native
-
 
 try:
     import triton
@@ -25,12 +22,11 @@ except ImportError:  # the references serve everywhere
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # triton reads it when a kernel is defined
 LOG2E = 1.4426950408889634
-_cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, log-sum-exp)
 MAX_SPLITS = 16  # KV splits of an attention pass at most: enough to fill a GPU
 
 
 # Triton for CUDA tensors, and for CPU ones if TRITON_INTERPRET=1 was set before import (the tests); else, or without
-# triton (no macOS wheels), the reference (attention on CPU: `particle_attention_cpu`, the same math, faster).
+# triton (no macOS wheels), the reference.
 def use_triton(t):
     """The one dispatch rule between a kernel and its reference, by the tensor t its call takes."""
     return triton is not None and (t.is_cuda or INTERPRET)
@@ -76,30 +72,13 @@ def _offset(i, stride):
 
 # ---------------------------------------------------------------- attention
 def prefill_attention(q, k, v, scale):
-    """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. CPU: in blocks of query tokens,
-    a KV group's rows of a block one matrix against the keys up to the block's end (faster there than torch's fused
-    attention). Scores in float32 (bf16 scores widen the logits' KL divergence), probabilities in q's dtype."""
+    """Causal attention over one prompt. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D], by torch's fused attention (4-D,
+    KV heads repeated: only such inputs reach its flash / efficient / cuDNN kernels)."""
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    if q.device.type != "cpu":  # 4-D, KV heads repeated: only such inputs reach the flash / efficient / cuDNN kernels
-        k, v = (x[:, :, None].expand(T, Hkv, G, D).reshape(T, Hq, D) for x in (k, v))
-        qkv = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, Hq, T, D]
-        return F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale)[0].transpose(0, 1)
-    block = max(1, min(128, 2**23 // (Hq * T)))  # query tokens: more spill the float32 scores out of cache
-    qg = q.view(T, Hkv, G, D).transpose(0, 1)  # [Hkv, T, G, D]
-    kf = k.transpose(0, 1).float()  # [Hkv, T, D]
-    vt = v.transpose(0, 1)  # [Hkv, T, D]
-    out = torch.empty_like(q)
-    for s in range(0, T, block):
-        e = min(s + block, T)
-        rows = qg[:, s:e].reshape(Hkv, (e - s) * G, D).float()  # ordered (token, head)
-        scores = (rows @ kf[:, :e].mT).mul_(scale)  # [Hkv, (e - s) * G, e]
-        token = torch.arange(s, e, device=q.device).repeat_interleave(G)
-        scores.masked_fill_(torch.arange(e, device=q.device) > token[:, None], float("-inf"))
-        o = scores.softmax(-1).to(q.dtype) @ vt[:, :e]  # [Hkv, (e - s) * G, D]
-        out[s:e] = o.view(Hkv, e - s, G, D).transpose(0, 1).reshape(e - s, Hq, D)
-    return out
+    G = Hq // k.shape[1]
+    k, v = (x[:, :, None].expand(T, k.shape[1], G, D).reshape(T, Hq, D) for x in (k, v))
+    qkv = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, Hq, T, D]
+    return F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale)[0].transpose(0, 1)
 
 
 def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
@@ -128,43 +107,6 @@ def particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
         p = scores.softmax(-1).to(q.dtype)
         o = p[..., :P] @ vp + p[..., P:] @ vs  # [N, Hkv, G, T, D]
         out[r] = o.permute(0, 3, 1, 2, 4).reshape(N, T, Hq, D)
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def causal_mask(T, G, S, dtype, device):
-    """The suffix pass's additive mask [T * G, S], rows ordered (token, head): new token t sees the keys up to its
-    own, S - T + t. Made once for every layer and step of a shape (read only)."""
-    token = torch.arange(T * G, device=device) // G
-    future = torch.arange(S, device=device) > S - T + token[:, None]
-    return torch.zeros(future.shape, dtype=dtype, device=device).masked_fill_(future, float("-inf"))
-
-
-def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
-    """`particle_attention_ref`'s contract, fast on CPU: two calls of torch's fused CPU attention (with each row's
-    log-sum-exp). Prefix pass: a KV group's rows of all particles as one matrix, the prompt read once. Suffix pass: each
-    particle against its own suffix, causal or by the tree. Prefix mass share: sigmoid(lse_prefix - lse_suffix)."""
-    R, N, T, Hq, D = q.shape
-    Hkv = prefix_k.shape[1]
-    G = Hq // Hkv
-    out = torch.empty_like(q)
-    for r, (P, S) in enumerate(zip(prefix_len.tolist(), suffix_len.tolist())):
-        S += T
-        qr = q[r].view(N, T, Hkv, G, D)
-        mask = None  # one new token a particle (a step) sees every key
-        if tree is not None:  # the committed keys seen by all, the new ones where the tree says
-            future = F.pad(~tree[r, torch.arange(T * G, device=q.device) // G], (S - T, 0))
-            mask = torch.zeros(future.shape, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
-        elif T > 1:
-            mask = causal_mask(T, G, S, q.dtype, q.device)
-        o, lse = _cpu_attention(qr.transpose(1, 2).reshape(N, Hkv, T * G, D), suffix_k[r, :, :, :S],
-                                suffix_v[r, :, :, :S], attn_mask=mask, scale=scale)  # [N, Hkv, T * G, D], [.., T * G]
-        if P:  # the fused op crashes on no keys: a one-token prompt leaves the draft's prefix empty
-            rows = qr.permute(2, 0, 1, 3, 4).reshape(1, Hkv, N * T * G, D)  # every particle's, per KV group
-            op, lp = _cpu_attention(rows, prefix_k[r:r + 1, :, :P], prefix_v[r:r + 1, :, :P], scale=scale)
-            op, lp = op.view(Hkv, N, T * G, D).transpose(0, 1), lp.view(Hkv, N, T * G, 1).transpose(0, 1)
-            o = torch.lerp(o.float(), op.float(), torch.sigmoid(lp - lse[..., None]))
-        out[r] = o.view(N, Hkv, T, G, D).transpose(1, 2).reshape(N, T, Hq, D)
     return out
 
 
@@ -329,8 +271,7 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     """`particle_attention_ref`'s contract. Triton: a prefix and a per-particle suffix pass write a partial softmax per
     KV split, merged by log-sum-exp. The grid depends on shapes only, lengths and tree on device: CUDA-graph safe."""
     if not use_triton(q):
-        fn = particle_attention_cpu if q.device.type == "cpu" else particle_attention_ref
-        return fn(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree)
+        return particle_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree)
     R, N, T, Hq, D = q.shape
     assert tree is None or (tree.shape == (R, T, T) and tree.dtype == torch.bool)
     assert D == triton.next_power_of_2(D) and q.stride(-2) == D
@@ -471,27 +412,11 @@ def _logprob(picked, chunk_max, chunk_sum, t):
     return (picked - (chunk_max + chunk_sum.log()).logsumexp(-1)).where(t > 0, greedy)
 
 
-def compiled_rows(logits):
-    """Whether logits [B, V] are the compiled CPU sampler's to read: float32 rows in CPU memory, the code built."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and native.library()[0] is not None
-
-
-def sample_cpu(logits, temperature, rng):
-    """sample_ref's draw (the same uniforms), by the compiled code where compiled_rows, without its [B, V] temporaries."""
-    if not compiled_rows(logits):
-        return sample_ref(logits, temperature, rng)
-    B = logits.shape[0]
-    R = rng.shape[0]
-    t = _per_row(_temperatures(temperature, logits.device, R), B)  # [B]
-    u = _uniforms(rng, B // R)[:, 0]  # [B]
-    return native.sample(logits.contiguous(), t.contiguous(), u)
-
-
 def sample(logits, temperature, rng):
     """One token per row of logits [B, V], grouped by request, from softmax(logits / temperature), temperature a float
     or float32 [R] -> tokens int64 [B], log-probs float32 [B] (T = 0: greedy, 0). rng: see `make_rng`. No host sync."""
     if not use_triton(logits):
-        return sample_cpu(logits, temperature, rng)
+        return sample_ref(logits, temperature, rng)
     t = _temperatures(temperature, logits.device, rng.shape[0])  # [R]
     noise = torch.is_tensor(temperature) or temperature != 0
     chunk_max, chunk_sum, key, x, at = _vocab_chunks(logits, t, rng, noise)  # [B, C] each
@@ -502,19 +427,11 @@ def sample(logits, temperature, rng):
     return tokens, _logprob(picked, chunk_max, chunk_sum, _per_row(t, len(logits)))
 
 
-def token_logprobs_cpu(logits, tokens, temperature):
-    """token_logprobs_ref by the compiled code where compiled_rows, in one pass over each row and no temporaries."""
-    if not compiled_rows(logits):
-        return token_logprobs_ref(logits, tokens, temperature)
-    t = _per_row(_temperatures(temperature, logits.device), logits.shape[0])  # [B]
-    return native.token_logprobs(logits.contiguous(), tokens.long().contiguous(), t.contiguous())
-
-
 def token_logprobs(logits, tokens, temperature):
     """log softmax(logits [B, V] / temperature)[tokens [B]] -> float32 [B], in one pass over logits. temperature: a
     float, or float32 [R] for R requests of B // R rows each; 0 = greedy: 0 for the argmax token, -inf for others."""
     if not use_triton(logits):
-        return token_logprobs_cpu(logits, tokens, temperature)
+        return token_logprobs_ref(logits, tokens, temperature)
     t = _temperatures(temperature, logits.device)  # [R]
     chunk_max, chunk_sum = _vocab_chunks(logits, t, None, False)[:2]
     rows = _per_row(t, len(logits))  # [B]
@@ -824,51 +741,60 @@ def quantized_linear(x, q, scale):
     return y.reshape(*x.shape[:-1], -1)
 
 
-# ---------------------------------------------------------------- int8 x int8 matmuls (w8a8, CPU)
-# quantize_int8's weights times int8 activations by FBGEMM (torch.ops.quantized), int32 sums of products.
+# ---------------------------------------------------------------- the backend: what a model and its cycles call
+def rms_norm(x, w, eps):
+    """x normalised in float32, then times w in x's dtype, as Hugging Face's Llama computes it."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], w, eps)  # the same, in one operator
+    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * w
 
 
-# The input channels whose activations calibration found largest stay in float32 (LLM.int8()'s outliers): rounded,
-# they would set every step.
-W8A8_OUTLIERS = 8
-# Each activation row is scaled to [-1, 1] and rounded in steps of 2 / W8A8_LEVELS: 8 bits with AVX512-VNNI (torch's
-# CPU probe), else 7 (FBGEMM's reduce_range: AVX2's pairwise 16-bit sums of products would saturate).
-W8A8_LEVELS = 255 if torch.cpu._is_vnni_supported() else 127
+def apply_rope(x, cos, sin):
+    """x [..., T, H, D]; cos/sin [..., T, 1, D] (model.rope_tables'): x cos + rotate_half(x) sin, in three operators."""
+    xf = x.float()
+    return torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
 
 
-def quantize_w8a8(w, amax):
-    """w [out, in], amax [in] (each input channel's largest |activation| in calibration) -> (q int8 [out, in] and scale
-    float64 [out] of the weight with the outlier channels zeroed, for pack_w8a8; the outlier channels int64 [8]; their
-    float32 weight columns [out, 8])."""
-    outliers = amax.float().topk(min(W8A8_OUTLIERS, len(amax))).indices.sort().values
-    q, scale = quantize_int8(w.float().index_fill(1, outliers, 0))
-    return q, scale.double(), outliers, w.float()[:, outliers].contiguous()
+class Backend:
+    """The operations a model's forward and a cycle run, each the kernel above or its reference (`use_triton`).
+    The engine picks one per device when it is built and hands it down with the models (Transformer.backend); the CPU
+    wing's (cpu/backend.py) runs its own kernels where it has them, behind these same calls."""
 
+    def linear(self, x, w, bias=None):
+        """x [..., in] @ w.T + bias [out]; w a plain tensor, or a weight format's module that multiplies itself."""
+        if isinstance(w, torch.nn.Module):
+            return w.forward(x, bias)  # a module without hooks: its call's machinery is overhead
+        return F.linear(x, w, bias)
 
-def pack_w8a8(q, scale):
-    """q int8 [out, in], scale [out] (quantize_w8a8's) -> FBGEMM's packed int8 weight for w8a8_linear."""
-    with warnings.catch_warnings():  # torch deprecates quantized tensors, which FBGEMM's packing takes
-        warnings.simplefilter("ignore")
-        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(q), dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None)
+    def normed_linear(self, x, norm, eps, w, bias=None, rope=None):
+        """linear(rms_norm(x, norm, eps), w, bias), the output's first `heads` heads (of cos's width) rotated by rope =
+        (cos, sin, heads) as apply_rope rotates them."""
+        y = self.linear(rms_norm(x, norm, eps), w, bias)
+        if rope is None:
+            return y
+        cos, sin, heads = rope
+        y_heads = y.unflatten(-1, (-1, cos.shape[-1]))  # [..., heads, D], a view: rotated in place
+        y_heads[..., :heads, :] = apply_rope(y_heads[..., :heads, :], cos, sin)
+        return y
 
+    def gated_linear(self, x, w):
+        """linear(silu(gate) x up, w) for x = [gate | up] [..., 2 ffn] (SwiGLU)."""
+        gate, up = x.chunk(2, -1)
+        return self.linear(F.silu(gate) * up, w)
 
-def w8a8_linear_ref(x, q, scale, outliers, w_outliers):
-    """`w8a8_linear`'s math for q, scale from quantize_int8: rounded inlier activations, float32 outliers."""
-    xi = x.float().index_fill(-1, outliers, 0)  # [..., in], the outlier channels zeroed
-    xo = x.float()[..., outliers]  # [..., 8]
-    s = xi.abs().amax(-1, keepdim=True).clamp(min=1e-30)  # [..., 1]
-    step = torch.tensor(2 / W8A8_LEVELS)  # in float32, as FBGEMM divides by it
-    xq = (xi / s / step).round() * step
-    return F.linear(xq, q.float() * scale.float()[:, None]) * s + F.linear(xo, w_outliers)
+    def decoder_layers(self, blocks, x, cos, sin, cache, tree=None):
+        """x [R, N, T, dim] through every decoder layer of a step (model.Block each), their K/V written into cache at
+        suffix_len (its write_index); tree as Transformer.step takes it."""
+        attend = functools.partial(cache.attend_step, at=cache.write_index(x.shape[-2]), tree=tree,
+                                   attention=self.particle_attention)
+        for i, block in enumerate(blocks):
+            x = block(x, cos, sin, attend, i)
+        return x
 
-
-def w8a8_linear(x, packed, outliers, w_outliers):
-    """x [..., in] float32 @ w.T for w quantized by quantize_w8a8, as w8a8_linear_ref computes it."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xi = x2.index_fill(1, outliers, 0)  # [M, in]
-    s = torch.linalg.vector_norm(xi, math.inf, 1, keepdim=True).clamp_(min=1e-30)  # [M, 1]
-    # a fixed last row pins FBGEMM's range of the tensor to [-1, 1]: no row's result depends on the rows beside it
-    pin = F.pad(torch.tensor([[1.0, -1.0]]), (0, x2.shape[1] - 2))  # [1, in]
-    y = torch.ops.quantized.linear_dynamic(torch.cat([xi / s, pin]), packed, W8A8_LEVELS == 127)[:-1]
-    return torch.addmm(y * s, x2[:, outliers], w_outliers.T).reshape(*x.shape[:-1], -1)
+    prefill_attention = staticmethod(prefill_attention)
+    particle_attention = staticmethod(particle_attention)
+    sample = staticmethod(sample)
+    token_logprobs = staticmethod(token_logprobs)
+    resample = staticmethod(resample)
+    gather_suffix = staticmethod(gather_suffix)
+    compact = staticmethod(compact)

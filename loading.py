@@ -1,7 +1,7 @@
 """Loading a model: Hugging Face safetensors directories, GGUF files (the header, block dequantization, llama's rotary
 un-permutation), the tokenizer of either; Hub ids as those files (local_paths: the Hugging Face cache, else the Hub);
-open_weights checks a path and its headers before any weight is read, build and load read the weights into a
-model.Transformer in a weight format (formats.py)."""
+open_weights checks a path and its headers before any weight is read; its getter reads them when asked (making a
+model of them is formats.py's)."""
 import json
 import math
 import mmap
@@ -15,7 +15,6 @@ from functools import partial
 
 import torch
 
-import formats
 import kernels
 import model
 from model import LoadError
@@ -94,76 +93,6 @@ def checked_getter(c, tensors, where):
         size = shapes[name][dim] // n
         return tensors[name][1]((slice(None),) * dim + (slice(k * size, (k + 1) * size),), dtype)
     return get
-
-
-@torch.no_grad()
-def fill_weights(transformer, get, rank=0, fmt=None, wider=True):
-    """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
-    fused q/k/v and gate/up weights: no tensor is held twice in full. A tensor-parallel rank reads only its chunks
-    (model.layout's); a terminal shows a progress bar. With fmt int4 or w4a8, a matmul weight in 4-bit blocks in the
-    file (get's "format") becomes that format's as it is, one in more bits wide (formats.held_wide; wider=False: cut
-    to 4 too): the returned {name: bits}, for formats.convert_weights."""
-    from tqdm import tqdm
-    c = transformer.config
-    total = sum(p.numel() for p in transformer.parameters())  # a tied head is the embedding: counted once
-    held = {}
-    if fmt in ("int4", "w4a8") and wider:
-        held = formats.held_wide(c, get)
-    with tqdm(total=total, desc="loading weights", unit="", unit_scale=True, leave=False, disable=None) as bar:
-        for param, tensors, dim in model.layout(c):
-            dst = transformer.get_parameter(param)
-            part = (0, 0, 1) if dim is None else (dim, rank, c.tp)
-            as_they_are = None
-            if fmt in ("int4", "w4a8") and param.endswith(formats.MATMULS):
-                names = [name for name, _ in tensors]
-                as_they_are = file_blocks(get, fmt, names, part, held.get(param), wider, dst)
-            if as_they_are is not None:
-                owner, _, attr = param.rpartition(".")
-                formats.replace(transformer.get_submodule(owner), attr, as_they_are)
-                bar.update(dst.numel())
-                continue
-            at = 0
-            for name, _ in tensors:
-                t = get(name, part, dst.dtype)
-                dst[at:at + len(t)] = t
-                at += len(t)
-                bar.update(t.numel())
-    return held
-
-
-def file_blocks(get, fmt, names, part, wide, wider, dst):
-    """Format fmt's Quantized of matmul weight dst (its shape, device and dtype) whose tensors (names, in order) the
-    file holds in blocks fmt keeps as they are, else None: 4-bit blocks (int4, w4a8); with wider, for w4a8, 6-bit
-    ones (wide: held_wide's 6 for them) and 4-bit then 6-bit ones (q/k/v whose v a Q4_K_M file holds in Q6_K: the
-    wider rows its tail, where the kernel's panels of 16 divide both)."""
-    kinds = [get(name, part, "format") for name in names]
-    fours = kinds.count("int4")
-    if fours == len(kinds):
-        q, scale_low = zip(*(get(name, part, "int4") for name in names))
-        return formats.quantized(fmt, dst, four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_low, 1)))
-    if fmt != "w4a8" or not wider or kinds != ["int4"] * fours + ["int6"] * (len(kinds) - fours):
-        return None
-    codes, scale = zip(*(get(name, part, "int6") for name in names[fours:]))
-    codes = torch.cat(codes).to(torch.uint8)
-    scale = torch.cat(scale)
-    if fours == 0 and wide == 6:  # Q6_K's codes and scales as they are
-        return formats.quantized(fmt, dst, (codes, scale, -32 * scale), bits=6)
-    if fours == 0 or len(codes) % 16:
-        return None
-    q, scale_low = zip(*(get(name, part, "int4") for name in names[:fours]))
-    if sum(map(len, q)) % 16:
-        return None
-    return formats.w4a8_in_two(four_bit_blocks(fmt, torch.cat(q), torch.cat(scale_low, 1)), (codes, scale, -32 * scale))
-
-
-def four_bit_blocks(fmt, q, scale_low):
-    """A file's 4-bit blocks, get's "int4" (q [out, in], scale_low [in / 32, out, 2]: w = q x scale + low), as format
-    fmt's Quantized takes them: int4's (q, scale_zero: w = (q - 8) x scale + zero); w4a8's (codes, scale, low) as
-    they are, the file's own values (a K block's d x sc and dmin x m), which its packing keeps exactly."""
-    scale, low = scale_low.unbind(-1)  # [in / 32, out]
-    if fmt == "int4":
-        return q, torch.stack([scale, low + 8 * scale], -1)
-    return q.to(torch.uint8), scale.T, low.T
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -746,7 +675,7 @@ def download(d):
                         f"it), {PATH_FORM}") from None
 
 
-# ---------------------------------------------------------------- opening and loading
+# ---------------------------------------------------------------- opening
 class Opened(typing.NamedTuple):
     """A model file opened, its weights not yet read."""
     config: model.Config
@@ -764,24 +693,3 @@ def open_weights(path):
     if path.endswith(".gguf"):
         return Opened(*open_gguf(path))
     raise LoadError(f"{path}: not a model directory or a .gguf file")
-
-
-def build(c, get, device="cpu", dtype=None, tp=(0, 1), weights=None, wider=True):
-    """-> Transformer with every weight from get(name) in memory on `device`, its matmul weights in format `weights`
-    (formats.FORMATS; None: dtype's, bf16 unless dtype is torch.float32) and its activations in that format's dtype;
-    with tp = (rank, world), the rank's tensor-parallel shard of it (model.shard_config), reading only the rank's
-    chunks. wider=False: int4 even where a GGUF file has more bits (a draft's: its format changes only the
-    proposals)."""
-    weights = weights or ("float32" if dtype == torch.float32 else "bf16")
-    rank, world = tp
-    transformer = model.Transformer(model.shard_config(c, world), device, formats.weight_format(weights, device))
-    held = fill_weights(transformer, get, rank, weights, wider)
-    formats.convert_weights(transformer, weights, held)
-    return transformer
-
-
-def load(path, device="cpu", dtype=None, tp=(0, 1), weights=None):
-    """-> (Transformer, Tokenizer) with every weight (of rank tp[0] of tp[1]) in memory on `device` (build's)."""
-    formats.weight_format(weights or "bf16", device)
-    c, get, tok = open_weights(path)
-    return build(c, get, device, dtype, tp, weights), tok

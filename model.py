@@ -1,6 +1,7 @@
 """A Llama-family decoder (llama, qwen2, mistral) from scratch: its Config and the checks of one, tensor-parallel
 sharding, rotary embeddings, the static prefix/suffix KV cache, the Transformer, and its tensors by their Hugging
-Face names. Reading weights is loading.py's; holding them in a weight format formats.py's."""
+Face names. Reading weights is loading.py's; holding them in a weight format formats.py's; running its operations
+the Backend's it is built with (kernels.py's, or the CPU wing's)."""
 import dataclasses
 import datetime
 import math
@@ -11,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from cpu import native
 
 
 class LoadError(Exception):
@@ -134,7 +134,7 @@ def shard_config(c, world):
 # ---------------------------------------------------------------- rotary embeddings
 def rope_tables(c, device):
     """cos, sin [max_seq_len, head_dim] in float32, half-split (Hugging Face) layout, sin's first half negated: the
-    sign of rotate_half(x) = cat(-x2, x1) folded in, so that apply_rope rotates with a roll."""
+    sign of rotate_half(x) = cat(-x2, x1) folded in, so that kernels.apply_rope rotates with a roll."""
     inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
     scaling = c.rope_scaling or {}
     if scaling.get("rope_type") == "linear":
@@ -149,12 +149,6 @@ def rope_tables(c, device):
     angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float64), inv)  # [T, D / 2]
     sin = torch.cat([-angles.sin(), angles.sin()], -1)  # [T, D]
     return angles.repeat(1, 2).cos().float().to(device), sin.float().to(device)
-
-
-def apply_rope(x, cos, sin):
-    """x [..., T, H, D]; cos/sin [..., T, 1, D] (rope_tables'): x cos + rotate_half(x) sin, in three operators."""
-    xf = x.float()
-    return torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -172,19 +166,17 @@ class KVCache:
         self.suffix_v = torch.zeros(shape_s, device=device, dtype=dtype)
         self.prefix_len = torch.zeros(requests, dtype=torch.int32, device=device)
         self.suffix_len = torch.zeros(requests, dtype=torch.int32, device=device)
-        on_cpu = torch.device(device).type == "cpu" and dtype == torch.float32
-        self.compiled = on_cpu and native.library()[0] is not None  # native's attention for small steps
 
     @staticmethod
     def nbytes(c, particles, prefix_cap, suffix_cap, dtype, requests=1):
         per_token = 2 * c.n_layers * c.n_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
         return requests * per_token * (prefix_cap + particles * suffix_cap)
 
-    def attend_prefill(self, layer, q, k, v, scale, r):
-        """q [T, Hq, D], k/v [T, Hkv, D] at positions 0..T-1 of request r's prompt."""
+    def attend_prefill(self, layer, q, k, v, scale, r, attention):
+        """q [T, Hq, D], k/v [T, Hkv, D] at positions 0..T-1 of request r's prompt; attention: the backend's."""
         self.prefix_k[layer, r, :, :len(q)] = k.transpose(0, 1)
         self.prefix_v[layer, r, :, :len(q)] = v.transpose(0, 1)
-        return kernels.prefill_attention(q, k, v, scale)
+        return attention(q, k, v, scale)
 
     def write_index(self, T):
         """-> int64 [R, N, Hkv, T, D]: where a step's T new keys and values go in a layer's suffix, read by
@@ -193,65 +185,21 @@ class KVCache:
         at = self.suffix_len.long()[:, None] + torch.arange(T, device=self.suffix_len.device)  # [R, T]
         return at[:, None, None, :, None].expand(R, N, H, T, D)
 
-    def attend_step(self, layer, q, k, v, scale, at, tree=None):
+    def attend_step(self, layer, q, k, v, scale, at, tree, attention):
         """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1 (at: their
-        write_index); tree bool [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]."""
+        write_index); tree bool [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]; attention:
+        the backend's particle attention."""
         self.suffix_k[layer].scatter_(3, at, k.transpose(2, 3))
         self.suffix_v[layer].scatter_(3, at, v.transpose(2, 3))
-        args = (q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
-                self.prefix_len, self.suffix_len, scale, tree)
-        if self.compiled:
-            return native.particle_attention(*args, large=kernels.particle_attention_cpu)
-        return kernels.particle_attention(*args)
+        return attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
+                         self.prefix_len, self.suffix_len, scale, tree)
 
 
 # ---------------------------------------------------------------- transformer
-def linear(x, w, bias=None):
-    """x [..., in] @ w.T + bias [out]. w: a plain or oneDNN-packed tensor (formats.converted), or a module of formats.py
-    (Quantized, Probe) that multiplies itself. bf16 that oneDNN cannot pack costs F.linear as much a row at any row
-    count (no bf16 arithmetic): at 64 rows or more, float32 is faster."""
-    if isinstance(w, torch.nn.Module):
-        return w.forward(x, bias)  # a module without hooks: its call's machinery is overhead
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    if w.is_cpu and w.dtype == torch.bfloat16 and x.numel() >= 64 * x.shape[-1]:
-        wide_bias = None if bias is None else bias.float()
-        return F.linear(x.float(), w.float(), wide_bias).to(x.dtype)
-    return F.linear(x, w, bias)
-
-
-def normed_linear(x, norm, eps, w, bias=None, rope=None):
-    """linear(rms_norm(x, norm, eps), w, bias), the output's first `heads` heads (of cos's width) rotated by rope =
-    (cos, sin, heads) as apply_rope rotates them: w4a8 normalises and rotates in its kernel's call."""
-    if getattr(w, "fmt", None) == "w4a8":
-        return w.normed(x, norm, eps, bias, rope)
-    y = linear(rms_norm(x, norm, eps), w, bias)
-    if rope is None:
-        return y
-    cos, sin, heads = rope
-    y_heads = y.unflatten(-1, (-1, cos.shape[-1]))  # [..., heads, D], a view: rotated in place
-    y_heads[..., :heads, :] = apply_rope(y_heads[..., :heads, :], cos, sin)
-    return y
-
-
-def gated_linear(x, w):
-    """linear(silu(gate) x up, w) for x = [gate | up] [..., 2 ffn] (SwiGLU): w4a8 gates the rows in its kernel's
-    pass over them."""
-    if getattr(w, "fmt", None) == "w4a8":
-        return w.gated(x)
-    gate, up = x.chunk(2, -1)
-    return linear(F.silu(gate) * up, w)
-
-
-def rms_norm(x, w, eps):
-    """x normalised in float32, then times w in x's dtype, as Hugging Face's Llama computes it."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], w, eps)  # the same, in one operator
-    return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * w
-
-
 class Block(torch.nn.Module):
-    def __init__(self, c, empty):  # empty(*shape): an uninitialised parameter
+    """A decoder layer: attention and the SwiGLU FFN, each after its RMSNorm, each added to the residual stream."""
+
+    def __init__(self, c, empty, backend):  # empty(*shape): an uninitialised parameter
         super().__init__()
         qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim  # wqkv: q, k and v fused, one matmul reads them all
         self.attn_norm = empty(c.dim)
@@ -262,50 +210,45 @@ class Block(torch.nn.Module):
         self.w13 = empty(2 * c.ffn_dim, c.dim)  # gate and up projections fused
         self.w2 = empty(c.dim, c.ffn_dim)
         self.c = c
+        self.backend = backend
+
+    def forward(self, x, cos, sin, attend, layer):
+        """x [..., T, dim] -> the layer's output; attend(layer, q, k, v, scale) is the cache's."""
+        x = x + self.all_reduce(self.attention(x, cos, sin, attend, layer))
+        return x + self.all_reduce(self.ffn(x))
 
     def attention(self, x, cos, sin, attend, layer):
-        """x [..., T, dim] -> [..., T, dim], this rank's heads' share; attend(layer, q, k, v, scale) is the cache's."""
+        """x [..., T, dim] -> [..., T, dim], this rank's heads' share."""
         c = self.c
         rope = (cos, sin, c.n_heads + c.n_kv_heads)  # q and k rotated, v as it is
-        qkv = normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv, rope).unflatten(-1, (-1, c.head_dim))
-        q, k, v = qkv.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)  # [..., T, Hq | Hkv | Hkv, D]
-        return linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
+        qkv = self.backend.normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv, rope)
+        q, k, v = qkv.unflatten(-1, (-1, c.head_dim)).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)
+        return self.backend.linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
 
     def ffn(self, x):
         """x [..., dim] -> [..., dim], this rank's FFN columns' share."""
-        return gated_linear(normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13), self.w2)
+        up = self.backend.normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13)  # [..., 2 ffn]: gate | up
+        return self.backend.gated_linear(up, self.w2)
 
-    def one_call(self):
-        """-> native.Layer of this block, for a step of it in one call (native.decoder_layers), where its four
-        matmuls are w4a8; else None. Made once for these weights: the Layer holds their addresses."""
-        weights = (self.wqkv, self.wo, self.w13, self.w2)
-        if any(getattr(w, "fmt", None) != "w4a8" for w in weights):
-            return None
-        tensors = (self.attn_norm, self.ffn_norm, self.bqkv)
-        key = (*weights, *(None if t is None else t.data_ptr() for t in tensors))
-        kept = self.__dict__.get("kept_layer")
-        if kept is None or kept[0] != key:
-            self.kept_layer = (key, self.layer_struct())
-        return self.kept_layer[1]
-
-    def layer_struct(self):
-        """-> native.Layer: this block's w4a8 weights, norms, bias and shapes, by address."""
-        c = self.c
-        return native.Layer(qkv=self.wqkv.matmul(c.dim, self.bqkv), wo=self.wo.matmul(c.n_heads * c.head_dim),
-                                 w13=self.w13.matmul(c.dim), w2=self.w2.matmul(c.ffn_dim),
-                                 attn_norm=self.attn_norm.data_ptr(), ffn_norm=self.ffn_norm.data_ptr(), eps=c.norm_eps,
-                                 scale=c.head_dim ** -0.5, Hq=c.n_heads, Hkv=c.n_kv_heads, D=c.head_dim)
+    def all_reduce(self, x):
+        """The sum of every rank's partial output of a row-parallel matmul (wo, w2), the same on every rank."""
+        if self.c.tp > 1:
+            torch.distributed.all_reduce(x)
+        return x
 
 
 class Transformer(torch.nn.Module):
-    def __init__(self, c, device="cpu", dtype=torch.bfloat16):
+    """backend: what runs its operations (kernels.Backend, or the CPU wing's), chosen once by whoever builds it."""
+
+    def __init__(self, c, device="cpu", dtype=torch.bfloat16, backend=None):
         super().__init__()
         self.config = c
+        self.backend = backend or kernels.Backend()
 
         def empty(*shape):
             return torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
         self.embed = empty(c.vocab_size, c.dim)
-        self.layers = torch.nn.ModuleList(Block(c, empty) for _ in range(c.n_layers))
+        self.layers = torch.nn.ModuleList(Block(c, empty, self.backend) for _ in range(c.n_layers))
         self.norm = empty(c.dim)
         self.lm_head = self.embed if c.tie_embeddings else empty(c.vocab_size, c.dim)
         cos, sin = rope_tables(c, device)
@@ -321,30 +264,13 @@ class Transformer(torch.nn.Module):
 
     def weight_bytes(self):
         """Bytes one full forward reads from weights (a tensor-parallel rank's: its shard's), all but the embedding
-        table's (a few rows read) unless that is also the head: the memory-bandwidth roofline's numerator. A module
-        may hold bytes outside its parameters (packed_bytes: w8a8's FBGEMM-packed int8)."""
-        packed = sum(getattr(m, "packed_bytes", 0) for m in self.modules())
+        table's (a few rows read) unless that is also the head: the memory-bandwidth roofline's numerator."""
         read = [p for p in self.parameters() if p is not self.embed or p is self.lm_head]
-        return packed + sum(p.numel() * p.element_size() for p in read)
-
-    def _hidden(self, x, cos, sin, attend, on_layer=None):
-        """The last layer's output, before the final norm (_logits' to apply)."""
-        for i, b in enumerate(self.layers):
-            x = x + self._all_reduce(b.attention(x, cos, sin, attend, i))
-            x = x + self._all_reduce(b.ffn(x))
-            if on_layer:
-                on_layer(i + 1, len(self.layers))
-        return x
-
-    def _all_reduce(self, x):
-        """The sum of every rank's partial output of a row-parallel matmul (wo, w2), the same on every rank."""
-        if self.config.tp > 1:
-            torch.distributed.all_reduce(x)
-        return x
+        return sum(p.numel() * p.element_size() for p in read)
 
     def _logits(self, h):
-        """h [..., dim], _hidden's -> float32 logits [..., V], after the final norm."""
-        return normed_linear(h, self.norm, self.config.norm_eps, self.lm_head).float()
+        """h [..., dim], the last layer's output -> float32 logits [..., V], after the final norm."""
+        return self.backend.normed_linear(h, self.norm, self.config.norm_eps, self.lm_head).float()
 
     @torch.inference_mode()
     def prefill(self, tokens, cache, r=0, logits="last", on_layer=None):
@@ -353,9 +279,14 @@ class Transformer(torch.nn.Module):
         on_layer(done, layers): called before the first layer (done 0) and after each, a long prompt's progress."""
         cos = self.cos[:len(tokens), None]  # [T, 1, D]
         sin = self.sin[:len(tokens), None]
+        attend = partial(cache.attend_prefill, r=r, attention=self.backend.prefill_attention)
+        h = self.embed[tokens]  # [T, dim]
         if on_layer:
             on_layer(0, len(self.layers))
-        h = self._hidden(self.embed[tokens], cos, sin, partial(cache.attend_prefill, r=r), on_layer)  # [T, dim]
+        for i, block in enumerate(self.layers):
+            h = block.forward(h, cos, sin, attend, i)
+            if on_layer:
+                on_layer(i + 1, len(self.layers))
         cache.prefix_len[r] = len(tokens)
         cache.suffix_len[r] = 0
         if logits is None:
@@ -373,29 +304,8 @@ class Transformer(torch.nn.Module):
         per_particle = (-1, tokens.shape[1], -1, -1, -1)  # a row of them for each row of x, as w4a8's call reads them
         cos = self.cos[pos][:, None, :, None].expand(per_particle).contiguous()  # [R, N, T, 1, D]
         sin = self.sin[pos][:, None, :, None].expand(per_particle).contiguous()
-        h = self.embed[tokens]  # [R, N, T, dim]
-        layers = self._one_call_layers(cache, tokens.shape)
-        if layers:
-            caches = (cache.prefix_k, cache.prefix_v, cache.suffix_k, cache.suffix_v, cache.prefix_len, cache.suffix_len)
-            h = native.decoder_layers(h, layers, cos, sin, *caches, tree)
-        else:
-            h = self._hidden(h, cos, sin, partial(cache.attend_step, at=cache.write_index(tokens.shape[-1]), tree=tree))
+        h = self.backend.decoder_layers(self.layers, self.embed[tokens], cos, sin, cache, tree)  # [R, N, T, dim]
         return self._logits(h[:, :, -1] if last_only else h)
-
-    def _one_call_layers(self, cache, shape):
-        """-> every block's Layer where a step of `shape` [R, N, T] runs each layer in one call of cpu.native (its
-        weights w4a8, its attention the compiled kernel's, one rank), else None: the same arithmetic either way."""
-        c = self.config
-        _, N, T = shape
-        if c.tp > 1 or not cache.compiled:
-            return None
-        layers = [b.one_call() for b in self.layers]
-        if any(layer is None for layer in layers):
-            return None
-        keys = int((cache.prefix_len + cache.suffix_len).max()) + T  # read back only here: w4a8 runs on CPUs alone
-        if not native.small(N * T * c.n_heads // c.n_kv_heads, keys):
-            return None
-        return layers
 
 
 # ---------------------------------------------------------------- its tensors by Hugging Face name

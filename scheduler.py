@@ -178,7 +178,7 @@ class Batch:
 
     def returned(self, r, req):
         """Slot r's returned particle's tokens."""
-        req.particle = decode.pick(self.st, r, req.settings.select)
+        req.particle = decode.pick(self.models, self.st, r, req.settings.select)
         length = min(int(self.st.gen_len[r]), req.settings.max_new_tokens)
         return self.st.hist[r, req.particle, 1:1 + length].tolist()
 

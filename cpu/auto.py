@@ -15,6 +15,8 @@ import torch
 import formats
 import kernels
 import model
+from cpu import backend as cpu_backend
+from cpu import formats as cpu_formats
 from cpu import native, store
 
 # ---------------------------------------------------------------- this machine
@@ -65,7 +67,8 @@ def machine_key(paths, draft_config):
     """What decides auto's choices: this CPU, its threads, torch's version, the code that times and chooses (the C
     kernels' too), and the models (paths: [target, draft] files; a draft without a file by its Config), as JSON reads
     it back."""
-    sources = [m.__file__ for m in (sys.modules[__name__], formats, kernels, native)] + [native.SOURCE]
+    modules = (sys.modules[__name__], formats, kernels, cpu_formats, cpu_backend, native)
+    sources = [m.__file__ for m in modules] + [native.SOURCE]
     code = "".join(open(path).read() for path in sources)
     draft = None
     if paths[1]:
@@ -126,7 +129,7 @@ class Measurement:
         self.draft_config = draft_config
         self.unread_bytes = unread_bytes
         self.free_bytes = free_bytes
-        self.timings = {}  # (out, in, format, threads, rows) -> seconds of one call of model.linear
+        self.timings = {}  # (out, in, format, threads, rows) -> seconds of one call of the CPU backend's linear
         self.remeasure = remeasure
         self.path = None  # the file that keeps the choices: one per machine and pair of models
         self.kept = {}  # decision -> (choice, line) read from that file
@@ -185,7 +188,7 @@ class Measurement:
                           "measures again")
 
     def timed_calls(self, shape, fmt, rows, wide=0):
-        """-> {rows: seconds of one call of model.linear on a weight of shape [out, in] in format fmt (wide: as it holds
+        """-> {rows: seconds of one call of the CPU backend's linear on a weight of shape [out, in] in format fmt (wide: as it holds
         a file's wider blocks of that many bits)}: the best of two passes over copies of it, back to back, that fill 1.5
         times the CPU's
         last-level cache, so that each pass reads every copy from memory (at most 256 copies: matrices that small are
@@ -197,17 +200,18 @@ class Measurement:
         if todo:
             values = torch.linspace(-0.05, 0.05, shape[1], dtype=formats.FORMATS[fmt])  # they alter no timing
             w = values.repeat(shape[0], 1)
-            first = formats.converted(w, fmt, wide=wide)
+            first = cpu_formats.converted(w, fmt, wide=wide)
             per_weight = BYTES[fmt]
             if wide:  # w4a8's codes of `wide` bits and their scales
                 per_weight = (wide + 0.6) / 8
             copies = min(255, int(1.5 * cache_bytes() // (w.numel() * per_weight)))
+            linear = cpu_backend.Backend().linear
             ws = [first]
             for _ in range(copies):  # oneDNN's packed tensors cannot be copied: packed again
-                ws.append(copy.deepcopy(first) if isinstance(first, formats.Quantized) else formats.converted(w, fmt))
+                ws.append(copy.deepcopy(first) if isinstance(first, torch.nn.Module) else cpu_formats.converted(w, fmt))
             for r in todo:
                 x = torch.randn(r, shape[1], dtype=formats.FORMATS[fmt])
-                passes = timeit.repeat(lambda: [model.linear(x, w) for w in ws], repeat=2, number=1)
+                passes = timeit.repeat(lambda: [linear(x, w) for w in ws], repeat=2, number=1)
                 self.timings[key + (r,)] = min(passes) / len(ws)
         return {r: self.timings[key + (r,)] for r in rows}
 

@@ -326,7 +326,7 @@ def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rop
     bits): more rows of w after packed's, in other bits (a fused q/k/v whose v a file holds wider). norm [in]: x's
     rows RMS-normalised first, times norm (F.rms_norm(x, (in,), norm, eps)). gated: x is [..., 2 in], gate then up,
     and the input silu(gate) x up (SwiGLU's). rope (cos, sin, heads): the output's first `heads` heads rotated after
-    the bias (model.apply_rope's), cos and sin one [D] row per row of x. outliers (at, w_at): as the reference's, of
+    the bias (kernels.apply_rope's), cos and sin one [D] row per row of x. outliers (at, w_at): as the reference's, of
     the prepared input (after the norm or the gate). All in the same call."""
     if gated and norm is not None:
         raise ValueError("w4a8_linear gates or normalises its input, not both")

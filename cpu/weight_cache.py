@@ -1,4 +1,4 @@
-"""The weight cache: what loading.build makes of a model file on the CPU, kept in the cache folder's weights/ as one
+"""The weight cache: what the CPU platform converts a model file into, kept in the cache folder's weights/ as one
 safetensors file per (model file, weight format, role) with its key and recipes, and mapped back at the next start.
 Mapped, not copied into RAM: measured end to end, it starts sooner and decodes as fast (unread embedding rows stay on
 disk). Any doubt gives a line and a normal load, never a wrong weight. CPU only, one process: CUDA and tensor-parallel
@@ -13,12 +13,13 @@ import struct
 import torch
 
 import formats
-import loading
 import model
+from cpu import formats as cpu_formats
 from cpu import store
 
 # the code that makes the tensors, and this file, which keeps them and builds the model from them
-CODE = ("model.py", "formats.py", "loading.py", "kernels.py", "cpu/native.py", "cpu/native.c", "cpu/weight_cache.py")
+CODE = ("model.py", "formats.py", "loading.py", "kernels.py", "cpu/formats.py", "cpu/native.py", "cpu/native.c",
+        "cpu/weight_cache.py")
 HEAD_BYTES = 2**20  # of each model file hashed: a file rewritten in place with its old size and time is still caught
 ALIGN = 64  # bytes: every tensor starts on a cache line, as torch's own allocations do
 SPARE_BYTES = 2**28  # left free on the disk beyond a file written
@@ -77,15 +78,19 @@ def cache_path(path, fmt, role):
 # ---------------------------------------------------------------- writing
 def kept_tensors(transformer):
     """-> ({name: tensor} the transformer is rebuilt from, {matmul name: recipe}): each matmul weight "plain",
-    "onednn" (kept plain, packed again), "tied" (the embedding itself) or "quantized" (formats.Quantized's tensors)."""
+    "onednn" (kept plain, packed again), "tied" (the embedding itself), "quantized" (formats.Quantized's tensors) or
+    "w4a8" (cpu/formats.W4A8's)."""
     tensors = {}
     recipes = {}
     for name, m, attr in formats.matmuls(transformer):
         w = getattr(m, attr)
         if isinstance(w, formats.Quantized):
             parts = w.tensors()
-            recipes[name] = {"kind": "quantized", "fmt": w.fmt, "bits": w.bits, "tail_bits": w.tail_bits,
-                             "tensors": sorted(parts)}
+            recipes[name] = {"kind": "quantized", "fmt": w.fmt, "tensors": sorted(parts)}
+            tensors |= {f"{name}.{part}": t for part, t in parts.items()}
+        elif isinstance(w, cpu_formats.W4A8):
+            parts = w.tensors()
+            recipes[name] = {"kind": "w4a8", "bits": w.bits, "tail_bits": w.tail_bits, "tensors": sorted(parts)}
             tensors |= {f"{name}.{part}": t for part, t in parts.items()}
         elif w is transformer.embed:
             recipes[name] = {"kind": "tied"}
@@ -196,18 +201,20 @@ def restored(recipe, name, tensors, transformer):
     kind = recipe["kind"]
     if kind == "tied":
         return transformer.embed
+    parts = {part: tensors[f"{name}.{part}"] for part in recipe.get("tensors", ())}
     if kind == "quantized":
-        parts = {part: tensors[f"{name}.{part}"] for part in recipe["tensors"]}
-        return formats.Quantized(recipe["fmt"], parts, recipe["bits"], recipe["tail_bits"])
+        return formats.Quantized(recipe["fmt"], parts)
+    if kind == "w4a8":
+        return cpu_formats.W4A8(parts, recipe["bits"], recipe["tail_bits"])
     if kind == "onednn":
-        return formats.packed(tensors[name])
+        return cpu_formats.packed(tensors[name])
     return torch.nn.Parameter(tensors[name], requires_grad=False)
 
 
-def rebuilt(c, fmt, tensors, recipes):
+def rebuilt(c, fmt, tensors, recipes, backend):
     """-> the Transformer of Config c in format fmt with its parameters from tensors and its matmul weights from
     recipes; a parameter missing or of another shape or dtype raises Damaged."""
-    transformer = model.Transformer(c, "cpu", formats.FORMATS[fmt])  # torch.empty: no memory touched
+    transformer = model.Transformer(c, "cpu", formats.FORMATS[fmt], backend)  # torch.empty: no memory touched
     for name, p in list(transformer.named_parameters()):
         if name in recipes:
             continue
@@ -221,7 +228,7 @@ def rebuilt(c, fmt, tensors, recipes):
     return transformer
 
 
-def read_back(path, key, c, fmt):
+def read_back(path, key, c, fmt, backend):
     """-> the Transformer kept in path for key; Stale where it is another key's, Damaged (or a parse error) where it
     is not whole."""
     whole = mapped(path)
@@ -230,7 +237,7 @@ def read_back(path, key, c, fmt):
     if kept != key:
         raise Stale(changes(kept, key))
     tensors = {name: view(whole, start, entry) for name, entry in header.items() if not name.startswith("pad.")}
-    return rebuilt(c, fmt, tensors, json.loads(metadata["recipes"]))
+    return rebuilt(c, fmt, tensors, json.loads(metadata["recipes"]), backend)
 
 
 # ---------------------------------------------------------------- the engine's entry
@@ -240,21 +247,22 @@ def first_line(e):
     return lines[0][:120]
 
 
-def build(path, opened, role, fmt, wider, say):
-    """-> loading.build's Transformer of model file path (opened: its loading.Opened) on the CPU in weight format fmt
-    (formats.FORMATS'), read back from the cache where kept for this very file, format, torch, CPU and code, else
-    built and kept; role ("target", "draft") names the entry. say(line): read back, stale, damaged, kept, not kept."""
+def build(path, opened, role, fmt, wider, say, platform):
+    """-> platform.convert's Transformer of model file path (opened: its loading.Opened) on the CPU in weight format
+    fmt (formats.FORMATS'), read back from the cache where kept for this very file, format, torch, CPU and code, else
+    converted and kept; role ("target", "draft") names the entry. say(line): read back, stale, damaged, kept, not
+    kept. platform: platforms.Cpu, whose backend runs the model."""
     where = cache_path(path, fmt, role)
     key = cache_key(path, opened.config, fmt, wider)
     if os.path.exists(where):
         try:
-            transformer = read_back(where, key, opened.config, fmt)
+            transformer = read_back(where, key, opened.config, fmt, platform.backend)
             say(f"weights read back from {where}")
             return transformer
         except Stale as e:
             say(f"{where} is stale ({e}): converting again, replacing it")
         except store.UNREADABLE as e:
             say(f"{where} is unreadable or truncated ({first_line(e)}): loading {path} as usual, replacing it")
-    transformer = loading.build(opened.config, opened.get, "cpu", weights=fmt, wider=wider)
+    transformer = platform.convert(opened.config, opened.get, weights=fmt, wider=wider)
     keep(transformer, where, key, say)
     return transformer

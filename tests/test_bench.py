@@ -461,7 +461,7 @@ def test_each_format_against_bf16_and_the_unquantized_target(tmp_path):
     assert out["bf16"]["first_difference"] == [len(t) for t in out["bf16"]["greedy"]] and out["bf16"]["identical"] == 3
     assert out["float32"]["kl"] == pytest.approx(0, abs=1e-5) and out["float32"]["prompt_kl_mean"] < 1e-6
     assert all(f["prompt_kl_mean"] > 1e-6 and len(f["prompt_kl"]) == 3 for fmt, f in out.items() if fmt != "float32")
-    unquantized = bench.loading.load(str(tmp_path), weights="float32")[0]
+    unquantized = bench.platforms.load(str(tmp_path), weights="float32")[0]
     for fmt, f in out.items():
         assert all(len(t) == tokens for t in f["samples"]) and f["tokens_per_s"] > 0
         want = [bench.target_logprobs(unquantized, p, [t])[0] for p, t in zip(prompts, f["samples"])]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import engine
+import formats
 import loading
 import model
 import server
@@ -37,7 +38,7 @@ def test_context_and_memory_are_checked_before_auto_measures(pair, monkeypatch, 
     """weights auto measures formats and shapes; what the models' configs decide is refused before that, in one
     line, whatever shape auto would have chosen."""
     monkeypatch.setattr(auto.Measurement, "timed_calls", never("a format was timed"))
-    monkeypatch.setattr(loading, "build", never("the weights were read"))
+    monkeypatch.setattr(formats, "fill_weights", never("the weights were read"))
     with pytest.raises(SystemExit) as exit:
         engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", "--weights", "auto", *args])
     assert str(exit.value.code).startswith("error: ") and message in str(exit.value.code)

@@ -1,11 +1,12 @@
-"""The CPU attention paths against plain references: particle_attention_cpu (torch's fused CPU attention, prefix
-and suffix merged by log-sum-exp) with GQA groupings, several particle / token / prompt / suffix sizes and
-per-request lengths; prefill_attention's blocked CPU path across block boundaries."""
+"""The CPU backend's attention paths (cpu/backend.py) against plain references: particle_attention_cpu (torch's
+fused CPU attention, prefix and suffix merged by log-sum-exp) with GQA groupings, several particle / token /
+prompt / suffix sizes and per-request lengths; prefill_attention's blocked CPU path across block boundaries."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernels
+from cpu import backend as cpu_backend
 
 
 def inputs(R, N, T, Hq, Hkv, D, prefix_len, suffix_len, dtype, seed=0):
@@ -36,7 +37,7 @@ CASES = [  # R, N, T, Hq, Hkv, D, prefix_len per request, suffix_len per request
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_reference(case, dtype):
     args = inputs(*case, dtype=dtype)
-    out = kernels.particle_attention_cpu(*args)
+    out = cpu_backend.particle_attention_cpu(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
     exact = kernels.particle_attention_ref(*(a.float() if a.is_floating_point() else a for a in args[:7]), args[7])
     if dtype == torch.float32:
@@ -50,17 +51,20 @@ def test_the_new_tokens_see_the_rows_before_them_only():
     """Changing the suffix at a new token's own row changes that token's output and those after it, never those
     before it: the causal block of the T new tokens."""
     q, pk, pv, sk, sv, plen, slen, scale = inputs(1, 2, 4, 4, 2, 16, [10], [3], torch.float32)
-    before = kernels.particle_attention_cpu(q, pk, pv, sk, sv, plen, slen, scale)
+    before = cpu_backend.particle_attention_cpu(q, pk, pv, sk, sv, plen, slen, scale)
     sv[0, 1, :, 3 + 2] += 1.0  # particle 1, new token 2
-    after = kernels.particle_attention_cpu(q, pk, pv, sk, sv, plen, slen, scale)
+    after = cpu_backend.particle_attention_cpu(q, pk, pv, sk, sv, plen, slen, scale)
     changed = (after - before).abs().amax((-1, -2))[0]  # [N, T]
     assert changed[0].max() == 0 and changed[1, :2].max() == 0 and changed[1, 2:].min() > 0
 
 
-def test_dispatch_on_cpu_uses_it(monkeypatch):
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-    args = inputs(1, 2, 3, 4, 2, 16, [8], [2], torch.float32)
-    assert torch.equal(kernels.particle_attention(*args), kernels.particle_attention_cpu(*args))
+def test_the_cpu_backend_uses_it_where_the_compiled_kernel_does_not_serve():
+    """bf16 rows, and a request beyond native.SMALL_ATTENTION's rows x keys."""
+    backend = cpu_backend.Backend()
+    small = inputs(1, 2, 3, 4, 2, 16, [8], [2], torch.bfloat16)
+    large = inputs(1, 4, 5, 4, 2, 16, [900], [2], torch.float32)
+    for args in (small, large):
+        assert torch.equal(backend.particle_attention(*args), cpu_backend.particle_attention_cpu(*args))
 
 
 @pytest.mark.parametrize("T, Hq, Hkv, D", [(1, 4, 2, 16), (37, 12, 2, 32), (300, 4, 1, 16), (600, 8, 8, 16)])
@@ -69,7 +73,7 @@ def test_prefill_attention_matches_sdpa(T, Hq, Hkv, D, dtype):
     """300 and 600 tokens span several query blocks."""
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
-    out = kernels.prefill_attention(q, k, v, 0.3)
+    out = cpu_backend.prefill_attention(q, k, v, 0.3)
     exact = F.scaled_dot_product_attention(*(x.double().transpose(0, 1) for x in (q, k, v)), is_causal=True,
                                            scale=0.3, enable_gqa=True).transpose(0, 1)
     assert out.shape == q.shape and out.dtype == dtype

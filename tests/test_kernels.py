@@ -13,9 +13,11 @@ import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import kernels  # noqa: E402
+from cpu import backend as cpu_backend  # noqa: E402
 
 tl = kernels.tl
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU = cpu_backend.Backend()  # its compiled sampler and log-probs (references where no compiler works)
 needs_triton = pytest.mark.skipif(not kernels.use_triton(torch.empty(0, device=DEVICE)),
                                   reason="no triton, or CPU without TRITON_INTERPRET=1 set before import")
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log2(0) = -inf
@@ -164,7 +166,7 @@ def test_reference_matches_sdpa_on_one_particle():
 
 # tree attention (RACER-style draft trees verified in one pass): each implementation against the reference
 ATTENTIONS = [pytest.param(kernels.particle_attention, marks=needs_triton, id="triton"),
-              pytest.param(kernels.particle_attention_cpu, id="cpu",
+              pytest.param(cpu_backend.particle_attention_cpu, id="cpu",
                            marks=pytest.mark.skipif(DEVICE != "cpu", reason="the CPU path takes CPU tensors")),
               pytest.param(kernels.particle_attention_ref, id="ref")]
 
@@ -225,7 +227,7 @@ def test_tree_node_sees_no_sibling(attention):
 # ---------------------------------------------------------------- sampling
 
 SAMPLERS = [pytest.param(kernels.sample, marks=needs_triton, id="triton"), pytest.param(kernels.sample_ref, id="ref"),
-            pytest.param(kernels.sample_cpu, id="compiled")]  # float32 rows on the CPU: the C sampler
+            pytest.param(CPU.sample, id="compiled")]  # float32 rows on the CPU: the C sampler
 
 
 @pytest.mark.slow
@@ -304,7 +306,7 @@ def test_sample_batching_never_changes_a_requests_draws(sampler):
 
 
 LOGPROBS = [pytest.param(kernels.token_logprobs, marks=needs_triton, id="triton"),
-            pytest.param(kernels.token_logprobs_ref, id="ref"), pytest.param(kernels.token_logprobs_cpu, id="compiled")]
+            pytest.param(kernels.token_logprobs_ref, id="ref"), pytest.param(CPU.token_logprobs, id="compiled")]
 
 
 @pytest.mark.parametrize("logprobs", LOGPROBS)
@@ -598,45 +600,6 @@ def test_quantized_matmul_equals_its_reference(fmt, rows):
     assert out.shape == (2, rows, 48) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref(x, q, scale), atol=0.05, rtol=1e-2)
 
-
-
-def w8a8_case(rows, seed=0):
-    """A weight [48, 128], its calibration (channel 7's activations 100x the rest) and rows x of such activations."""
-    g = torch.Generator().manual_seed(seed)
-    w, x = torch.randn(48, 128, generator=g), torch.randn(2, rows, 128, generator=g)
-    x[..., 7] *= 100
-    amax = x.abs().flatten(0, 1).amax(0)
-    return w, amax, x
-
-
-@pytest.mark.parametrize("levels", sorted({127, kernels.W8A8_LEVELS}))  # 8 bits only where VNNI cannot saturate
-@pytest.mark.parametrize("rows", [1, 3, 9, 17, 100])
-def test_w8a8_matmul_equals_its_reference(rows, levels, monkeypatch):
-    """FBGEMM's int8 products on the packed weight = the reference's explicit rounding of each row to 7 or 8 bits, up
-    to float32 summation order; the outlier channels (the calibration's largest, channel 7 first) stay in floats."""
-    monkeypatch.setattr(kernels, "W8A8_LEVELS", levels)
-    w, amax, x = w8a8_case(rows)
-    q, scale, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
-    assert 7 in outliers and len(outliers) == kernels.W8A8_OUTLIERS and torch.equal(w_outliers, w[:, outliers])
-    packed = kernels.pack_w8a8(q, scale)
-    out = kernels.w8a8_linear(x, packed, outliers, w_outliers)
-    assert out.shape == (2, rows, 48) and out.dtype == torch.float32
-    torch.testing.assert_close(out, kernels.w8a8_linear_ref(x, q, scale, outliers, w_outliers), atol=1e-4, rtol=1e-5)
-    exact = x @ w.T  # without the outliers in floats, channel 7 would set every row's step: errors of ~100x
-    assert (out - exact).abs().max() < 0.02 * exact.abs().max()
-
-
-def test_w8a8_rows_do_not_depend_on_the_rows_beside_them():
-    """FBGEMM rounds a tensor's activations on one grid; the fixed last row pins it, so a row's result alone is its
-    result beside a row 1000x larger (and the float32 outlier term's summation order is all that can differ)."""
-    w, amax, x = w8a8_case(4, seed=1)
-    q, scale, outliers, w_outliers = kernels.quantize_w8a8(w, amax)
-    packed = kernels.pack_w8a8(q, scale)
-    x = x[0]
-    x[3] *= 1000
-    together = kernels.w8a8_linear(x, packed, outliers, w_outliers)
-    alone = torch.cat([kernels.w8a8_linear(row[None], packed, outliers, w_outliers) for row in x])
-    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-6)
 
 
 def test_quantizers_leave_a_float32_weight_unchanged():

@@ -20,7 +20,10 @@ import formats
 import kernels
 import loading
 import model
+import platforms
 from cpu import auto, native
+from cpu import backend as cpu_backend
+from cpu import formats as cpu_formats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +96,7 @@ def hf_logits(hf, ids):
 
 def test_full_forward_matches_transformers_float32(tiny):
     hf, path = tiny
-    m, _ = loading.load(path, dtype=torch.float32)
+    m, _ = platforms.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = model.KVCache(m.config, 1, 64, 8, "cpu", torch.float32)
     ours = m.prefill(torch.tensor(ids), cache, logits="all")
@@ -102,7 +105,7 @@ def test_full_forward_matches_transformers_float32(tiny):
 
 def test_cached_decoding_matches_transformers_float32(tiny):
     hf, path = tiny
-    m, _ = loading.load(path, dtype=torch.float32)
+    m, _ = platforms.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = hf_logits(hf, ids)
     cache = model.KVCache(m.config, 1, 64, 64, "cpu", torch.float32)
@@ -118,7 +121,7 @@ def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     logits do (measured here: about 3% of the logit range for both), in a prefill of 72 rows and a step of 64: at
     the row counts where a CPU without bf16 arithmetic computes in float32."""
     hf, path = tiny
-    m, _ = loading.load(path)
+    m, _ = platforms.load(path)
     assert m.embed.dtype == torch.bfloat16
     ids = torch.randint(0, 96, (72,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
@@ -143,7 +146,7 @@ def test_weight_files_are_not_left_mapped(tiny):
     resident beside the model's own copy (2.8 GB for the 1.2 GB Qwen2.5-0.5B instead of 1.6)."""
     _, path = tiny
     c, get, _ = loading.open_weights(path)
-    m = loading.build(c, get, dtype=torch.float32)
+    m = platforms.build(c, get, dtype=torch.float32)
     files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
     assert files and not any(mapped(f) for f in files) and m.embed.dtype == torch.float32
 
@@ -155,16 +158,16 @@ class TTY(io.StringIO):
 
 def test_loading_shows_progress_on_a_terminal_only(tiny, monkeypatch, capfd):
     _, path = tiny
-    loading.load(path)
+    platforms.load(path)
     assert capfd.readouterr().err == ""  # logs, and the CLI's one-line errors, stay clean
     monkeypatch.setattr(sys, "stderr", TTY())
-    loading.load(path)
+    platforms.load(path)
     assert "loading weights" in sys.stderr.getvalue()
 
 
 def test_parameter_count_and_bytes(tiny):
     hf, path = tiny
-    m, _ = loading.load(path, dtype=torch.float32)
+    m, _ = platforms.load(path, dtype=torch.float32)
     assert m.num_params() == hf.num_parameters()
     table = 0 if m.config.tie_embeddings else hf.get_input_embeddings().weight.numel()  # a forward reads rows
     assert m.weight_bytes() == 4 * (hf.num_parameters() - table)
@@ -183,7 +186,7 @@ def qwen_tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_tiny(qwen_tiny_path):
-    return loading.load(qwen_tiny_path, dtype=torch.float32)[0]
+    return platforms.load(qwen_tiny_path, dtype=torch.float32)[0]
 
 
 def test_one_at_a_time_equals_one_forward(qwen_tiny):
@@ -237,7 +240,7 @@ def dequantized_copy(path, fmt):
     load quantizes), dequantized by the kernels' references; the tied head untied, as the format's own copy."""
     c, get, _ = loading.open_weights(path)
     m = model.Transformer(c, "cpu", torch.float32)
-    loading.fill_weights(m, get)
+    formats.fill_weights(m, get)
     quantize, ref = (kernels.quantize_int8, kernels.int8_linear_ref) if fmt == "int8" else \
         (kernels.quantize_int4, kernels.int4_linear_ref)
     dq = lambda w: torch.nn.Parameter(ref(torch.eye(w.shape[1]), *quantize(w.bfloat16())).T, requires_grad=False)
@@ -258,7 +261,7 @@ def test_quantized_logits_are_their_dequantized_weights_logits(tiny, fmt):
     bf16 test's tolerance); those weights' own error, against the float32 reference, is within the quantization's
     step. A tied head is quantized as a copy of its own; the embedding stays bf16 for the lookup."""
     hf, path = tiny
-    m, _ = loading.load(path, weights=fmt)
+    m, _ = platforms.load(path, weights=fmt)
     assert isinstance(m.lm_head, formats.Quantized) and m.embed.dtype == torch.bfloat16
     assert m.num_params() == hf.num_parameters()
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -277,7 +280,7 @@ def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
     """On CUDA the quantized weights (int4 in the Triton kernel's own packing) take kernels.quantized_matmul: the
     float32 forward of the dequantized weights again, within twice the CPU test's bf16 tolerance."""
     hf, path = tiny
-    m, _ = loading.load(path, "cuda", weights=fmt)
+    m, _ = platforms.load(path, "cuda", weights=fmt)
     ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
     tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids) - ref).abs().max()
@@ -287,28 +290,19 @@ def test_quantized_logits_through_triton_on_cuda(tiny, fmt):
     assert (m.prefill(torch.tensor(ids, device="cuda"), cache, logits="all").cpu() - dq).abs().max() < 2 * tol
 
 
-def test_w8a8_calibrates_on_the_model_and_computes_near_its_float32_logits(tiny):
-    """w8a8 finds each matmul's largest input channels in one prefill of seeded tokens (leaving the float weights as
-    they were) and keeps those in floats; its logits stay near the float32 model's (its 7-bit activations cost more
-    than int8's weight rounding), and on CUDA it says to use int8."""
+def test_calibration_finds_each_matmuls_inputs_and_leaves_the_weights_as_they_were(tiny):
+    """w4a8's calibration finds each matmul's largest input channels in one prefill of seeded tokens, leaving the
+    float weights as they were."""
     hf, path = tiny
-    ref = loading.load(path, weights="float32")[0]
+    ref = platforms.load(path, weights="float32")[0]
     before = [getattr(m, attr) for _, m, attr in formats.matmuls(ref)]
-    amax = formats.calibrated(ref)
+    amax = cpu_formats.calibrated(ref)
     assert set(amax) == {name for name, _, _ in formats.matmuls(ref)}
     assert amax["layers.0.w2"].shape == (ref.config.ffn_dim,)
     assert all(getattr(m, attr) is w for (_, m, attr), w in zip(formats.matmuls(ref), before))
     assert (amax["lm_head"] > 0).all()
-    m = loading.load(path, weights="w8a8")[0]
-    w2 = m.layers[0].w2
-    assert isinstance(w2, formats.Quantized)
-    assert set(w2.outliers.tolist()) == set(amax["layers.0.w2"].topk(8).indices.tolist())
-    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(3))
-    ours, exact = (x.prefill(ids, model.KVCache(x.config, 1, 32, 8, "cpu", torch.float32), logits="all")
-                   for x in (m, ref))
-    assert (ours - exact).abs().max() < 0.05 * (exact.max() - exact.min())
-    with pytest.raises(model.LoadError, match="w8a8 weights run on the CPU only.*use int8"):
-        formats.weight_format("w8a8", "cuda")
+    with pytest.raises(model.LoadError, match="w4a8 weights run on the CPU only.*use int4"):
+        formats.weight_format("w4a8", "cuda")
 
 
 def q4_blocks(kind, rows, columns, rng, codes=(2, 14)):
@@ -404,8 +398,8 @@ def test_gguf_int4_takes_the_files_4bit_blocks_as_they_are(tmp_path, arch, tp):
     Q8_0) is held in int8, and the head of an F32 embedding quantized to int4."""
     c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", arch))
     exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
-    loading.fill_weights(exact, get, tp[0])
-    m = loading.build(c, get, tp=tp, weights="int4")
+    formats.fill_weights(exact, get, tp[0])
+    m = platforms.build(c, get, tp=tp, weights="int4")
     assert m.layers[0].wqkv.q.dtype == torch.int8 and m.lm_head.q.dtype == torch.uint8
     for name in ("wo", "w13", "w2"):
         want, w = getattr(exact.layers[0], name), getattr(m.layers[0], name)
@@ -428,8 +422,8 @@ def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     a requantization. int4 holds it in int8; a draft (wider=False) cuts it to 4 bits."""
     c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", down=down))
     exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
-    loading.fill_weights(exact, get, tp[0])
-    m = loading.build(c, get, tp=tp, weights="w4a8")
+    formats.fill_weights(exact, get, tp[0])
+    m = platforms.build(c, get, tp=tp, weights="w4a8")
     w2 = m.layers[0].w2
     assert w2.bits == 6 and m.layers[0].w13.bits == 4 and m.layers[0].wqkv.bits == 8  # v's Q8_0: 8 bits
     want = exact.layers[0].w2  # [256, 512 / tp]
@@ -444,8 +438,8 @@ def test_w4a8_takes_a_files_6_bit_blocks_as_they_are(tmp_path, tp, down):
     assert (held - gate_up).abs().max() <= 1e-6 * gate_up.abs().max()
     assert formats.held_wide(c, get) == {"layers.0.wqkv": 8, "layers.0.w2": 6}
     assert (w2.float_inputs() is None) == (tp[1] > 1)  # a rank alone cannot run calibration's forward
-    assert loading.build(c, get, tp=tp, weights="int4").layers[0].w2.q.dtype == torch.int8
-    assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].w2.bits == 4
+    assert platforms.build(c, get, tp=tp, weights="int4").layers[0].w2.q.dtype == torch.int8
+    assert platforms.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].w2.bits == 4
 
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
@@ -453,17 +447,17 @@ def test_w4a8_keeps_each_matmuls_largest_input_channels_out_of_the_rounding(tiny
     """The two channels of largest input in calibration (a prefill of random tokens), of every matmul, with the
     weight's own columns there: as the kernel multiplies by it (rows of one 1.0 are exact steps)."""
     seen = {}
-    real = formats.calibrated
+    real = cpu_formats.calibrated
 
     def recorded(transformer):
         seen.update(real(transformer))
         return seen
-    monkeypatch.setattr(formats, "calibrated", recorded)
-    m = loading.load(tiny[1], weights="w4a8")[0]
+    monkeypatch.setattr(cpu_formats, "calibrated", recorded)
+    m = platforms.load(tiny[1], weights="w4a8")[0]
     for name, owner, attr in formats.matmuls(m):
         w = getattr(owner, attr)
         at, w_at = w.float_inputs()
-        assert at.tolist() == sorted(seen[name].topk(formats.W4A8_OUTLIERS).indices.tolist()), name
+        assert at.tolist() == sorted(seen[name].topk(cpu_formats.W4A8_OUTLIERS).indices.tolist()), name
         n = len(seen[name])
         whole = native.w4a8_linear(torch.eye(n), w.packed, w.bits, tail=w.tail())  # [in, out]: w.T
         torch.testing.assert_close(w_at, whole[at.long()], rtol=1e-6, atol=1e-7)
@@ -477,14 +471,14 @@ def test_w4a8_takes_q_k_v_with_a_6_bit_v_as_4_bits_and_a_6_bit_tail(tmp_path, tp
     rounding; k's Q4_0 scales, one f16 a block of 32, within 8 bits of their superblock's largest."""
     c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", v="Q6_K"))
     exact = model.Transformer(model.shard_config(c, tp[1]), "cpu", torch.float32)
-    loading.fill_weights(exact, get, tp[0])
-    wqkv = loading.build(c, get, tp=tp, weights="w4a8").layers[0].wqkv
+    formats.fill_weights(exact, get, tp[0])
+    wqkv = platforms.build(c, get, tp=tp, weights="w4a8").layers[0].wqkv
     assert (wqkv.bits, wqkv.tail_bits) == (4, 6)
     want = exact.layers[0].wqkv  # [(256 + 128 + 128) / tp, 256]
     got = native.w4a8_linear(torch.eye(want.shape[1]), wqkv.packed, 4, tail=wqkv.tail()).T
     q, k, v = (got - want).abs().split([256 // tp[1], 128 // tp[1], 128 // tp[1]])
     assert max(q.max(), v.max()) <= 1e-6 * want.abs().max() and k.max() <= 0.01 * want.abs().max()
-    assert loading.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].wqkv.tail_bits == 0
+    assert platforms.build(c, get, tp=tp, weights="w4a8", wider=False).layers[0].wqkv.tail_bits == 0
 
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
@@ -494,7 +488,7 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
     committed ones, for a batch of two prompts of other lengths and for a token tree (a qwen2 layer with biases, a
     6-bit down projection and a 6-bit v)."""
     c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2", down="Q6_K", v="Q6_K"))
-    m = loading.build(c, get, weights="w4a8")
+    m = platforms.build(c, get, weights="w4a8")
     prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6])]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)  # two siblings
     depth = torch.tensor([0, 1, 1]).expand(2, 3)
@@ -520,7 +514,7 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
         together = run(case["shape"], case.get("tree", False))
         assert len(calls) == 2
         with monkeypatch.context() as plain:
-            plain.setattr(model.Transformer, "_one_call_layers", lambda *a: None)
+            plain.setattr(cpu_backend.Backend, "one_call_layers", lambda *a: None)
             one_by_one = run(case["shape"], case.get("tree", False))
         assert len(calls) == 2
         assert all(torch.equal(a, b) for a, b in zip(together, one_by_one)), case
@@ -530,8 +524,7 @@ def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
     lookup excluded), int8's bf16 scale a row, int4's bf16 scale and zero a group of 32, w4a8's int8 q of both a
     group and f16 d of both a row's superblock of 256 inputs and its outlier columns in float32 (their channels in
-    int32), w8a8's float32 scale a row and its 8 outlier columns in float32, and its norms and biases in the
-    activations' dtype."""
+    int32), and its norms and biases in the activations' dtype."""
     _, path = tiny
     c = loading.open_weights(path)[0]
     shapes = {n: s for n, s in model.expected_shapes(c).items() if n != "model.embed_tokens.weight"}
@@ -541,17 +534,16 @@ def test_weight_bytes_follow_the_format(tiny):
     superblocks = sum(s[0] * -(-s[1] // 256) for s in shapes.values() if len(s) == 2)
     expected = {"float32": 4 * matmul + 4 * rest, "bf16": 2 * matmul + 2 * rest,
                 "int8": matmul + 2 * rows + 2 * rest, "int4": matmul // 2 + 2 * 2 * matmul // 32 + 2 * rest,
-                "w8a8": matmul + 4 * rows + 4 * kernels.W8A8_OUTLIERS * rows + 4 * rest,
-                "w4a8": matmul // 2 + 2 * matmul // 32 + 2 * 2 * superblocks + 4 * formats.W4A8_OUTLIERS * rows
-                + 4 * formats.W4A8_OUTLIERS * (4 * c.n_layers + 1) + 4 * rest}
-    assert {fmt: loading.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
+                "w4a8": matmul // 2 + 2 * matmul // 32 + 2 * 2 * superblocks + 4 * cpu_formats.W4A8_OUTLIERS * rows
+                + 4 * cpu_formats.W4A8_OUTLIERS * (4 * c.n_layers + 1) + 4 * rest}
+    assert {fmt: platforms.load(path, weights=fmt)[0].weight_bytes() for fmt in expected} == expected
 
 
 @pytest.mark.parametrize("fmt", list(formats.FORMATS))
 def test_one_at_a_time_equals_one_forward_in_every_format(qwen_tiny_path, fmt):
     """Rows scored one at a time, in a block, or all in a prefill give the same logits: up to float32's rounding,
     and up to bf16's (8 bits, a few roundings deep: 2% of the logit range) in bf16 activations."""
-    m = loading.load(qwen_tiny_path, weights=fmt)[0]
+    m = platforms.load(qwen_tiny_path, weights=fmt)[0]
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
     cache = model.KVCache(m.config, 1, 32, 32, "cpu", m.embed.dtype)
     full = m.prefill(ids, cache, logits="all")
@@ -586,7 +578,7 @@ def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
     measured = auto.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
-    assert list(measured) == ["bf16", "float32", "int8", "w8a8"]
+    assert list(measured) == ["bf16", "float32", "int8"]
 
 
 @pytest.mark.slow
@@ -613,13 +605,13 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
 
 def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     _, path = tiny
-    for call in (lambda: loading.load(os.path.join(path, "nope"), weights="int5"),
-                 lambda: loading.build(loading.open_weights(path)[0], None, weights="fp8")):
+    for call in (lambda: platforms.load(os.path.join(path, "nope"), weights="int5"),
+                 lambda: platforms.build(loading.open_weights(path)[0], None, weights="fp8")):
         with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
-                                                   r"float32, int8, int4, w8a8, w4a8$"):
+                                                   r"float32, int8, int4, w4a8$"):
             call()
     with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
-        loading.load(path, device="meta", weights="int4")
+        platforms.load(path, device="meta", weights="int4")
 
 
 # ---------------------------------------------------------------- real weights
@@ -646,7 +638,7 @@ def smollm():
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers(smollm):
     hf, _ = smollm
-    m, tok = loading.load(smollm_gguf(), dtype=torch.float32)
+    m, tok = platforms.load(smollm_gguf(), dtype=torch.float32)
     ids = tok.encode("The three primary colors are")
     cache = model.KVCache(m.config, 1, 64, 40, "cpu", torch.float32)
     logits = m.prefill(torch.tensor(ids), cache, logits="all")
@@ -696,7 +688,7 @@ def test_converted_directory_loads_in_transformers(qwen_draft):
     weights and tokenizer, and computes the same logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     hf = AutoModelForCausalLM.from_pretrained(qwen_draft, dtype=torch.float32).eval()
-    m, tok = loading.load(qwen_draft, dtype=torch.float32)
+    m, tok = platforms.load(qwen_draft, dtype=torch.float32)
     text = "import numpy as np\n\ndef softmax(x):"
     ids = tok.encode(text)
     assert AutoTokenizer.from_pretrained(qwen_draft)(text).input_ids == ids
@@ -707,7 +699,7 @@ def test_converted_directory_loads_in_transformers(qwen_draft):
 
 @pytest.mark.slow
 def test_qwen_draft_completes_code(qwen_draft):
-    m, tok = loading.load(qwen_draft)
+    m, tok = platforms.load(qwen_draft)
     c = m.config
     assert (c.arch, c.n_layers, c.n_heads, c.n_kv_heads, c.qkv_bias) == ("qwen2", 24, 14, 2, True)
     assert 151645 in c.eos_ids and 151643 in c.eos_ids

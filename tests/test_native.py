@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 import formats
+import kernels
 import model
 from cpu import native, store
+from cpu import formats as cpu_formats
 
 needs_kernel = pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 
@@ -171,7 +173,7 @@ def nearly(got, want):
 @pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_the_norm_and_bias_in_the_call_are_rms_norm_then_the_reference_plus_bias(bits, rows):
-    """model.normed_linear's one call, nearly: float32 rounds the normalised rows in another order."""
+    """The backend's normed_linear in one call, nearly: float32 rounds the normalised rows in another order."""
     _, codes, scale, low = weights(48, 160, bits)
     packed = native.pack(codes, scale, low, bits)
     g = torch.Generator().manual_seed(rows)
@@ -197,7 +199,7 @@ def rope_rows(rows, D, seed):
 @pytest.mark.parametrize("bits", [4, 6])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_the_gate_and_the_rotation_in_the_call_are_swiglu_and_apply_rope_around_the_reference(bits, rows):
-    """model.gated_linear's one call (silu(gate) x up into w2) and the RoPE of normed_linear's (wqkv's q and k heads,
+    """The backend's gated_linear in one call (silu(gate) x up into w2) and normed_linear's RoPE (wqkv's q and k heads,
     after the bias), each against torch's operators around the reference."""
     _, codes, scale, low = weights(48, 160, bits)
     packed = native.pack(codes, scale, low, bits)
@@ -209,7 +211,7 @@ def test_the_gate_and_the_rotation_in_the_call_are_swiglu_and_apply_rope_around_
     bias = torch.randn(48, generator=g)
     cos, sin = rope_rows(rows, 16, rows)
     want = (native.w4a8_linear_ref(gate, codes, scale, low) + bias).unflatten(-1, (3, 16))
-    want[:, :2] = model.apply_rope(want[:, :2], cos[:, None], sin[:, None])  # two heads rotated, the third not
+    want[:, :2] = kernels.apply_rope(want[:, :2], cos[:, None], sin[:, None])  # two heads rotated, the third not
     assert nearly(native.w4a8_linear(gate, packed, bits, bias, rope=(cos, sin, 2)), want.flatten(1))
     with pytest.raises(ValueError, match="each of the"):
         native.w4a8_linear(torch.cat([gate, gate]), packed, bits, rope=(cos, sin, 2))
@@ -233,7 +235,7 @@ def test_a_tail_in_other_bits_is_the_rest_of_one_matrix(rows):
     want = torch.cat([native.w4a8_linear_ref(normed, codes, scale, low),
                       native.w4a8_linear_ref(normed, codes6, scale6, low6)], -1) + bias
     want = want.unflatten(-1, (3, 16))
-    want[:, :2] = model.apply_rope(want[:, :2], cos[:, None], sin[:, None])
+    want[:, :2] = kernels.apply_rope(want[:, :2], cos[:, None], sin[:, None])
     tail = (native.pack(codes6, scale6, low6, 6), 6)
     got = native.w4a8_linear(x, native.pack(codes, scale, low, 4), 4, bias, norm, 1e-6, rope=(cos, sin, 2),
                                   tail=tail)
@@ -389,8 +391,8 @@ def test_no_compiler_is_one_line_and_no_library(tmp_path):
 def test_without_the_kernel_w4a8_is_int4_with_one_line(monkeypatch, caplog):
     monkeypatch.setitem(native._library, "lib", None)
     monkeypatch.setitem(native._library, "why", "the w4a8 kernel cannot be built here (no C compiler found)")
-    assert formats.usable("w4a8") == "int4"
-    assert formats.usable("int8") == "int8"
+    assert cpu_formats.usable("w4a8") == "int4"
+    assert cpu_formats.usable("int8") == "int8"
     assert [r.getMessage() for r in caplog.records] == [
         "the w4a8 kernel cannot be built here (no C compiler found); using int4 (torch's kernel) instead of w4a8"]
 

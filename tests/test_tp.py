@@ -16,9 +16,9 @@ import engine
 import kernels
 import loading
 import model
+import platforms
 from test_engine import save
 from test_model import fetch_module
-from cpu import native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "weights", "qwen2.5-coder-0.5b-instruct")
@@ -105,8 +105,8 @@ def tiny_logits(rank, dirs):
     prompt, particles = torch.randint(0, 96, (9,), generator=g), torch.randint(0, 96, (1, 4, 5), generator=g)
     out = {}
     for arch in ("qwen2", "llama"):
-        shard = loading.load(dirs[arch], dtype=torch.float32, tp=(rank, 2))[0]
-        whole = loading.load(dirs[arch], dtype=torch.float32)[0]
+        shard = platforms.load(dirs[arch], dtype=torch.float32, tp=(rank, 2))[0]
+        whole = platforms.load(dirs[arch], dtype=torch.float32)[0]
         out[arch] = logits_of(shard, prompt, particles), logits_of(whole, prompt, particles)
         out[arch + " shard"] = [shard.config.n_heads, shard.config.n_kv_heads, shard.config.ffn_dim]
     return out
@@ -123,7 +123,7 @@ def test_tiny_logits_match_one_process(tmp_path, tiny_dirs):
 
 
 def real_prefill(rank, path, text):
-    m, tok = loading.load(path, dtype=torch.float32, tp=(rank, 2))
+    m, tok = platforms.load(path, dtype=torch.float32, tp=(rank, 2))
     ids = tok.encode(text)
     cache = model.KVCache(m.config, 1, len(ids), 1, "cpu", torch.float32)
     return m.prefill(torch.tensor(ids), cache, logits="all"), model.KVCache.nbytes(m.config, 1, 100, 0, torch.float32)
@@ -135,7 +135,7 @@ def test_qwen_logits_match_one_process(tmp_path):
     text = "import numpy as np\n\ndef softmax(x):"
     fetch_module().fetch("qwen2.5-coder-0.5b-instruct")  # once; later runs reuse it
     ranks = on_two_ranks(tmp_path, real_prefill, QWEN, text)
-    m, tok = loading.load(QWEN, dtype=torch.float32)
+    m, tok = platforms.load(QWEN, dtype=torch.float32)
     ids = torch.tensor(tok.encode(text))
     ref = m.prefill(ids, model.KVCache(m.config, 1, len(ids), 1, "cpu", torch.float32), logits="all")
     assert torch.equal(ranks[0][0], ranks[1][0])
@@ -147,10 +147,10 @@ def test_qwen_logits_match_one_process(tmp_path):
 
 
 def engine_tokens(rank, dirs, prompt):
-    draft = loading.load(dirs["draft"], dtype=torch.float32)[0]  # whole on every rank: see model.py
+    draft = platforms.load(dirs["draft"], dtype=torch.float32)[0]  # whole on every rank: see model.py
     out = []
     for tp in ((rank, 2), (0, 1)):
-        e = engine.Engine(loading.load(dirs["qwen2"], dtype=torch.float32, tp=tp)[0], draft, device="cpu")
+        e = engine.Engine(platforms.load(dirs["qwen2"], dtype=torch.float32, tp=tp)[0], draft, device="cpu")
         out.append([e.generate(prompt, method=m, max_new_tokens=12, temperature=t, seed=5, **more).tokens
                     for m, t, more in (("ar", 0, {}), ("sd", 0, {"draft_len": 3}),
                                        ("smc", 0.7, {"particles": 3, "draft_len": 2}))])
@@ -192,7 +192,7 @@ def test_safetensors_reads_only_the_ranks_chunks(tiny_dirs, monkeypatch):
     full = {name: 4 * torch.Size(shape).numel() for name, shape in model.expected_shapes(c).items()}
     for rank in range(2):
         read.clear()
-        loading.load(tiny_dirs["qwen2"], dtype=torch.float32, tp=(rank, 2))
+        platforms.load(tiny_dirs["qwen2"], dtype=torch.float32, tp=(rank, 2))
         assert read == {name: n // 2 if name.split(".")[-2] in SHARDED else n for name, n in full.items()}
 
 
@@ -217,7 +217,7 @@ def test_gguf_chunks_and_rows_read(monkeypatch):
 
 def test_ranks_not_dividing_the_kv_heads_is_one_line(tiny_dirs):
     with pytest.raises(model.LoadError) as e:
-        loading.load(tiny_dirs["qwen2"], tp=(0, 3))
+        platforms.load(tiny_dirs["qwen2"], tp=(0, 3))
     assert str(e.value) == "--nproc-per-node 3 does not divide the target's 2 KV heads; use 1 or 2"
     with pytest.raises(model.LoadError, match="^--nproc-per-node 4 does not divide the target's 6 FFN columns; "
                                               "use 1 or 2$"):
@@ -237,7 +237,7 @@ def test_one_process_initialises_nothing(monkeypatch):
 
 def test_step_depth_and_tree(monkeypatch):
     """depth = arange(T) is the chain step; other depths move the rotary positions; a tree reaches the
-    attention kernel (kernels', or on the CPU in float32 native's), and a chain passes None."""
+    attention kernel (the model's backend's), and a chain passes None."""
     m = random_model(tiny_config(), 4)
     g = torch.Generator().manual_seed(6)
     prompt, new = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 2, 3), generator=g)
@@ -250,17 +250,12 @@ def test_step_depth_and_tree(monkeypatch):
     assert torch.equal(step(depth=torch.arange(3)[None]), chain)
     assert not torch.allclose(step(depth=torch.tensor([[0, 1, 1]]))[..., 2, :], chain[..., 2, :])
     seen = []
-    attention = kernels.particle_attention
-    compiled = native.particle_attention
+    attention = m.backend.particle_attention
 
-    def spy(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None, large=None):
+    def spy(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
         seen.append(tree)
-        args = (q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
-        if large is None:
-            return attention(*args)
-        return compiled(*args, large=large)
-    monkeypatch.setattr(kernels, "particle_attention", spy)
-    monkeypatch.setattr(native, "particle_attention", spy)
+        return attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale)
+    monkeypatch.setattr(m.backend, "particle_attention", spy)
     tree = torch.ones(1, 3, 3, dtype=torch.bool).tril()
     assert torch.equal(step(tree=tree), chain)  # the kernel stand-in ignores it: this checks the plumbing
     assert all(t is tree for t in seen) and len(seen) == 2
