@@ -23,7 +23,7 @@ import model
 import platforms
 import racer
 import scheduler
-from scheduler import DeviceFailed, UsageError, require
+from errors import DeviceFailed, LoadError, UsageError, require
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
@@ -1001,7 +1001,7 @@ def main(argv=None):
             requests[0].on_done = tracer.done
             e.observers.append(tracer.phase)
         results = e.run(requests, args.slots)
-    except (model.LoadError, UsageError) as error:
+    except (LoadError, UsageError) as error:
         fail(rank, error)
     except KeyboardInterrupt:
         sys.exit(130)

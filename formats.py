@@ -4,6 +4,7 @@ its matmul weights converted. w4a8, the CPU's own format, is the CPU wing's (cpu
 Which format runs fastest on a machine is cpu/auto.py's question."""
 import torch
 
+import errors
 import kernels
 import model
 
@@ -18,12 +19,12 @@ MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")  # a block's matmul weights, th
 def weight_format(fmt, device="cpu"):
     """-> weight format fmt's activations dtype on device, or a one-line LoadError, before any weight is read."""
     if fmt not in FORMATS:
-        raise model.LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
+        raise errors.LoadError(f"weights {fmt!r} is not a weight format; use one of {', '.join(FORMATS)}")
     kind = torch.device(device).type
     if fmt[:3] == "int" and not (kind == "cpu" or kind == "cuda" and kernels.triton):
-        raise model.LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
+        raise errors.LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
     if fmt == "w4a8" and kind != "cpu":
-        raise model.LoadError(f"w4a8 weights run on the CPU only (cpu/native.c); use int4 on {device}")
+        raise errors.LoadError(f"w4a8 weights run on the CPU only (cpu/native.c); use int4 on {device}")
     return FORMATS[fmt]
 
 
@@ -52,7 +53,7 @@ def quantized(fmt, w, blocks=None):
     """-> Quantized: w [out, in] in int8 or int4, quantized and packed for its kernel. blocks: int4's (q, scale_zero)
     as read from a file (then w gives only the shape, device and dtype)."""
     if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
-        raise model.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+        raise errors.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
     if blocks is None:
         blocks = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
     q, scale = blocks

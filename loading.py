@@ -17,7 +17,7 @@ import torch
 
 import kernels
 import model
-from model import LoadError
+from errors import LoadError
 
 # ---------------------------------------------------------------- Hugging Face config.json
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}

@@ -9,17 +9,9 @@ import os
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 import kernels
-
-
-class LoadError(Exception):
-    """A one-line, user-facing problem with a model path, its config or its weights; the CLI prints it without a
-    traceback."""
-
-    def __init__(self, message):
-        super().__init__(" ".join(str(message).split()))  # one line even when a hostile file's names hold newlines
+from errors import LoadError
 
 
 # ---------------------------------------------------------------- config

@@ -13,26 +13,9 @@ import torch
 import decode
 import formats
 import model
+from errors import DeviceFailed, UsageError, require
 
 IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
-
-
-class UsageError(Exception):
-    """A one-line problem with a request, before any work; param: the option at fault."""
-
-    def __init__(self, message, param=None):
-        super().__init__(message)
-        self.param = param
-
-
-class DeviceFailed(Exception):
-    """The device runs nothing more (a CUDA error poisons the context for every later call)."""
-
-
-def require(ok, message, param=None):
-    """A UsageError naming param, the option at fault, unless ok."""
-    if not ok:
-        raise UsageError(message, param)
 
 
 # ---------------------------------------------------------------- batches

@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import engine
+import errors
 import metrics
-import model
 import scheduler
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
@@ -149,7 +149,7 @@ class Worker:
     def work(self):
         try:
             self.eng.serve(self.inbox, self.slots, self.context)
-        except engine.DeviceFailed as error:  # the engine ended every request; later ones are refused with this
+        except errors.DeviceFailed as error:  # the engine ended every request; later ones are refused with this
             self.failure = str(error)
             print(f"error: {error}", file=sys.stderr)
         except BaseException as error:
@@ -177,7 +177,7 @@ class Worker:
             self.deliver(events, result)
 
     def submit(self, prompt, stop, options, stream):
-        """-> (engine.Request, its queue); engine.UsageError for a bad request; a 503 when too many wait."""
+        """-> (engine.Request, its queue); errors.UsageError for a bad request; a 503 when too many wait."""
         if self.failure:
             raise ApiError(503, self.failure, kind="server_error")
         if len(self.live) >= self.slots + self.max_waiting:
@@ -341,7 +341,7 @@ async def prometheus(request):
 
 
 async def api_error(request, error):
-    """OpenAI's error object for an ApiError, an engine.UsageError (400) or Starlette's 404 and 405."""
+    """OpenAI's error object for an ApiError, an errors.UsageError (400) or Starlette's 404 and 405."""
     if isinstance(error, HTTPException):
         error = ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}")
     elif not isinstance(error, ApiError):  # the engine's one check names the option: here the API's name for it
@@ -375,7 +375,7 @@ def serve_http(worker, model_name, defaults, host, port):
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", completions, methods=["POST"]),
               Route("/v1/models", models), Route("/health", health), Route("/metrics", prometheus)]
-    handlers = {ApiError: api_error, engine.UsageError: api_error, HTTPException: api_error}
+    handlers = {ApiError: api_error, errors.UsageError: api_error, HTTPException: api_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.worker = worker
     app.state.model_name = model_name
@@ -423,7 +423,7 @@ def main(argv=None):
         probe = eng.prepared([probe], numbered=False)[0]  # checked before the weights; auto's shape measured
         eng.choose(eng.unchosen([{"method": method} for method in ("smc", "sd")]))  # the others' that clients ask
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
-    except (model.LoadError, engine.UsageError) as error:
+    except (errors.LoadError, errors.UsageError) as error:
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:
         stopped(" while loading")

@@ -12,6 +12,7 @@ import timeit
 
 import torch
 
+import errors
 import formats
 import kernels
 import model
@@ -238,7 +239,7 @@ class Measurement:
                     per_call[fmt] = {m: self.timed_calls(shape, fmt, rows) for m, shape in shapes.items()}
                     if held and fmt in FOUR_BITS:
                         wide_call[fmt] = {m: self.timed_calls(shapes[m], fmt, rows, wide=wide) for m in held}
-                except model.LoadError:  # int4 on sizes it cannot pack
+                except errors.LoadError:  # int4 on sizes it cannot pack
                     continue
         finally:
             torch.set_num_threads(threads_before)

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+import errors
 import formats
 import model
 from cpu import native
@@ -88,7 +89,7 @@ def w4a8(w, blocks=None, bits=4):
     """-> W4A8 of w [out, in], quantized (native.quantize) or from blocks: w4a8's (codes, scale, low) as read from a
     file (then w gives only the shape)."""
     if w.shape[0] % native.PANEL or w.shape[1] % native.GROUP:  # the kernel's tiles
-        raise model.LoadError(f"w4a8 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+        raise errors.LoadError(f"w4a8 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
     codes, scale, low = blocks or native.quantize(w, bits)
     return W4A8({"packed": native.pack(codes, scale, low, bits)}, bits)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import engine
+import errors
 import formats
 import loading
 import model
@@ -76,7 +77,7 @@ def test_an_unwritable_weights_folder_is_one_line(tmp_path, monkeypatch):
         fetch.fetch_gguf("smollm2-135m-instruct", str(folder))
     assert str(error.value) == (f"smollm2-135m-instruct is not in {folder} and cannot be written there (Permission "
                                 f"denied): make {folder} writable, or give --target and --draft, models you have")
-    assert isinstance(error.value, model.LoadError)  # the command line's one-line errors
+    assert isinstance(error.value, errors.LoadError)  # the command line's one-line errors
     folder.chmod(0o755)
 
 

