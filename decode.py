@@ -70,7 +70,7 @@ class State:
     ancestors: torch.Tensor  # [R, N] smc: each particle's ancestor at the last cycle's resampling (traces)
     drafted: torch.Tensor  # [R, N, K] the draft phase's tokens, which the verify phase reads
     logq: torch.Tensor  # [R, N, K] their log q under the draft temperature
-    q_logits: torch.Tensor | None  # [R, N, K, V] sd, easd, mdsd: the draft's logits
+    q_logits: torch.Tensor | None = None  # [R, N, K, V] sd, easd, mdsd: the draft's logits
     nodes: torch.Tensor | None = None  # [R, T] racer's tree from the host: tokens (-1: none; node 0 is x0)
     parent: torch.Tensor | None = None  # [R, T]
     depth: torch.Tensor | None = None  # [R, T]
@@ -104,20 +104,10 @@ def new_state(m, shape, R, prefix_cap, suffix_cap):
 
     i64 = torch.int64
     i32 = torch.int32
-    drafts = shape.method != "ar" and not shape.tree  # racer drafts on the host, ar not at all
     tcache = model.KVCache(m.target.config, N, prefix_cap, suffix_cap, m.device, m.target.embed.dtype, R)
     dcache = None
-    if drafts and m.draft is not None:
+    if shape.method.draft_model and m.draft is not None:
         dcache = model.KVCache(m.draft.config, N, prefix_cap, suffix_cap, m.device, m.draft.embed.dtype, R)
-    tree = {}
-    if shape.tree:
-        T = shape.tree + 1
-        tree = dict(nodes=new(R, T, dtype=i64), parent=new(R, T, dtype=i64), depth=new(R, T, dtype=i64),
-                    mask=new(R, T, T, dtype=torch.bool), cues=new(R, T, racer.CUES, dtype=i64),
-                    cue_p=new(R, T, racer.CUES))
-    q_logits = None
-    if drafts and shape.method in ("sd", "easd", "mdsd"):
-        q_logits = new(R, N, K, V)
     return State(
         tcache=tcache, dcache=dcache, rng=new(R, 2, dtype=i64), temp_d=new(R), temp_t=new(R), top_k=new(R, dtype=i64),
         top_p=new(R, value=1.0), max_new=new(R, dtype=i32), live=new(R, dtype=torch.bool),
@@ -126,7 +116,7 @@ def new_state(m, shape, R, prefix_cap, suffix_cap):
         ess_sum=new(R), accepted=new(R, dtype=i64), accepted_at=new(R, K, dtype=i64), resamples=new(R, dtype=i64),
         collapses=new(R, dtype=i64), lag=new(R, dtype=i32), triggers=new(R, dtype=i64), flags=new(R, 4, dtype=i32),
         logw_before=new(R, N), ancestors=new(R, N, dtype=i64), drafted=new(R, N, K, dtype=i64), logq=new(R, N, K),
-        q_logits=q_logits, **tree)
+        **shape.method.state(new, R, N, K, V, shape))
 
 
 # ---------------------------------------------------------------- the methods' rules (settings per request: [R])
@@ -206,7 +196,7 @@ def smc_increments(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
 
 
 def cycle(m, st, shape):
-    """One cycle of shape.method over the slots of st, then their flags for the host: its phases in turn."""
+    """One cycle of shape's method over the slots of st, then their flags for the host: its phases in turn."""
     for phase in phases(st):
         phase(m, st, shape)
 
@@ -220,10 +210,7 @@ def phases(st):
 
 def verify_cycle(m, st, shape):
     """The cycle after drafting: the target's verify and the method's rule, then the flags."""
-    if shape.tree:
-        racer_cycle(m, st, shape)
-    else:
-        RULES[shape.method](m, st, shape)
+    shape.method.rule(m, st, shape)
     if st.dcache is not None:
         st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
     publish(st)
@@ -457,9 +444,6 @@ def resample(m, st, shape):
     st.ess_sum += ess
 
 
-RULES = {"ar": ar_cycle, "sd": sd_cycle, "easd": sd_cycle, "mdsd": sd_cycle, "smc": smc_cycle}
-
-
 def record(fn):
     """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
     kernels) so that the capture records warm kernels. Each graph is captured on a stream of its own: cuBLAS keeps a
@@ -501,7 +485,7 @@ def prefill_slot(m, st, shape, r, req):
     if shape.restrict:
         logits = restrict(logits, st.temp_t[r:r + 1], st.top_k[r:r + 1], st.top_p[r:r + 1])
     x0 = m.backend.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
-    if shape.method != "smc":  # only smc's particles part at once
+    if not shape.method.weighted:  # only smc's particles part at once
         x0 = x0[:1].expand(N)
     if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
         st.dcache.prefix_len[r] = 0  # a one-token prompt leaves it empty
@@ -545,30 +529,3 @@ def pick(m, st, r, select):
     if select == "sample":
         return int(m.backend.sample(st.logw[r:r + 1], 1.0, st.rng[r:r + 1])[0][0])
     return int(st.logw[r].argmax())
-
-
-def method_stats(st, r, req):
-    """Slot r's statistics of its method: sd's acceptance (vLLM's figures), easd's rejections, smc's resampling."""
-    settings = req.settings
-    cycles = max(req.cycles, 1)
-    if settings.method in ("sd", "easd", "mdsd"):
-        accepted = int(st.accepted[r])
-        stats = {"draft_len": settings.draft_len}
-        if settings.method == "mdsd":
-            stats["particles"] = settings.particles
-        stats["accepted"] = accepted
-        stats["acceptance"] = round(accepted / (cycles * settings.draft_len), 4)  # per drafted token
-        stats["mean_acceptance_length"] = round(1 + accepted / cycles, 4)  # tokens a cycle emits
-        stats["acceptance_by_position"] = [round(a / cycles, 4) for a in st.accepted_at[r].tolist()]
-        stats["accepted_by_position"] = st.accepted_at[r].tolist()
-        if settings.method == "easd":
-            triggers = int(st.triggers[r])
-            stats["triggers"] = triggers
-            stats["trigger_rate"] = round(triggers / cycles, 4)
-        return stats
-    if settings.method == "smc":
-        final = st.logw[r].logsumexp(-1) - math.log(settings.particles)  # the weights since the last resampling
-        return {"particles": settings.particles, "particle": req.particle, "draft_len": settings.draft_len,
-                "resamples": int(st.resamples[r]), "collapses": int(st.collapses[r]),
-                "mean_ess": round(float(st.ess_sum[r]) / cycles, 3), "log_z": round(float(st.log_z[r] + final), 4)}
-    return {}

@@ -24,21 +24,11 @@ import platforms
 import racer
 import scheduler
 from errors import DeviceFailed, LoadError, UsageError, require
+from methods import METHODS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROMPT = "def quicksort(xs):\n"
-WHEN = {  # --method's help: when to choose each method
-    "smc": "approximate, for a GPU, where its particles come almost free",
-    "sd": "exact and usually fastest on a CPU",
-    "mdsd": "exact, N drafts a cycle, for a GPU",
-    "easd": "sd that draws from the target where both models are unsure",
-    "ar": "the target alone, the baseline",
-}
-METHODS = tuple(WHEN)
 EASD = (1.0, 5, 0.6)  # easd's rule: entropy (nats) both models must reach, top-m, share of the top-m they share
-# Each method's (N, K) when not given: on a CPU every verify row costs compute, a GPU reads the weights once for all.
-SHAPES = {"cpu": {"ar": (1, 1), "sd": (1, 4), "easd": (1, 4), "mdsd": (3, 2), "smc": (3, 2)},
-          "gpu": {"ar": (1, 1), "sd": (1, 4), "easd": (1, 4), "mdsd": (4, 4), "smc": (4, 4)}}
 WEIGHTS = ("auto", *formats.FORMATS)
 SLOTS = 4  # requests decoded together by a server, or by the CLI from a .jsonl file
 BATCH = 8  # the most prompts of one generate call decoded together, by default
@@ -54,7 +44,7 @@ KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "tr
 @dataclass(frozen=True)
 class Shape:
     """What the requests of one batch share, and so its key: the cycle's shape."""
-    method: str
+    method: object  # methods.py's object
     particles: int
     draft_len: int
     ess_threshold: float
@@ -81,22 +71,23 @@ def option(default, help, **keywords):
     return field(default=default, metadata={"help": help, **keywords})
 
 
-def defaults_on(method, index):
-    """method's default N (index 0) or K (1) on a CPU and on a GPU, in words."""
-    return f"{SHAPES['cpu'][method][index]} on a CPU, {SHAPES['gpu'][method][index]} on a GPU"
+def defaults_on(name, index):
+    """The named method's default N (index 0) or K (1) on a CPU and on a GPU, in words."""
+    shapes = METHODS[name].shapes
+    return f"{shapes['cpu'][index]} on a CPU, {shapes['gpu'][index]} on a GPU"
 
 
 @dataclass(frozen=True)
 class Settings:
     """A request's options, the one source of their defaults, types and choices (the CLI's and the server's flags
     derive from these fields); `resolve` fills the defaults that depend on the device, `check` is the one check."""
-    method: str = option("smc", "; ".join(f"{method}: {when}" for method, when in WHEN.items()), choices=METHODS)
+    method: str = option("smc", "; ".join(f"{name}: {m.when}" for name, m in METHODS.items()), choices=tuple(METHODS))
     max_new_tokens: int = option(64, "the most tokens to generate")
     temperature: float = option(0.7, "draft and target temperature; 0 = greedy")
     draft_temperature: float | None = option(None, "the draft's temperature (default: --temperature)")
     target_temperature: float | None = option(None, "the target's temperature (default: --temperature)")
     particles: int | None = option(None, f"smc: particles N; mdsd: drafts N (default: {defaults_on('smc', 0)})")
-    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {SHAPES['cpu']['sd'][1]}; smc, "
+    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {defaults_on('sd', 1)}; smc, "
                                          f"mdsd {defaults_on('smc', 1)})")
     ess_threshold: float = option(0.5, "smc: resample when ESS < this * N")
     # A lag streams smc's text even where its weights never degenerate and so never resample.
@@ -124,13 +115,19 @@ class Settings:
         except TypeError as error:
             raise UsageError(str(error).replace("Settings.__init__() ", "")) from None
 
+    @property
+    def kind(self):
+        """The method's object (methods.py): its name looked up here, once."""
+        return METHODS[self.method]
+
     def resolve(self, device, chosen=None):
-        """Every default filled; chosen {method: (N, K)} (auto's measured shapes) before SHAPES."""
-        kind = "cpu" if torch.device(device).type == "cpu" else "gpu"
-        particles, draft_len = (chosen or {}).get(self.method) or SHAPES[kind][self.method]
-        if self.method in ("smc", "mdsd") and self.particles is not None:
+        """Every default filled; chosen {method: (N, K)} (auto's measured shapes) before the method's defaults."""
+        kind = self.kind
+        home = "cpu" if torch.device(device).type == "cpu" else "gpu"
+        particles, draft_len = (chosen or {}).get(self.method) or kind.shapes[home]
+        if kind.particles and self.particles is not None:
             particles = self.particles
-        if self.method != "ar" and self.draft_len is not None:
+        if kind.drafts and self.draft_len is not None:
             draft_len = self.draft_len
         draft_temperature = self.temperature if self.draft_temperature is None else self.draft_temperature
         target_temperature = self.temperature if self.target_temperature is None else self.target_temperature
@@ -156,14 +153,11 @@ class Settings:
                 require(value in choices, f"unknown {f.name} {value!r} (choose from {', '.join(choices)})", f.name)
 
     def check_values(self, vocab, draft):
-        """The ranges, and the options that go together, of these resolved settings."""
-        method = self.method
-        greedy = 0 in (self.draft_temperature, self.target_temperature)
+        """The ranges, and the options that go together, of these resolved settings; then the method's own."""
+        kind = self.kind
         entropy, top, share = self.easd
-        require(method == "ar" or draft, f"method {method} needs a draft model (--draft)", "method")
+        require(not kind.drafts or draft, f"method {self.method} needs a draft model (--draft)", "method")
         require(min(self.draft_temperature, self.target_temperature) >= 0, "temperatures must be >= 0", "temperature")
-        require(method != "smc" or not greedy, "smc needs temperatures > 0 (greedy has no importance weights); use "
-                "--method sd or --method ar", "temperature")
         require(self.particles >= 1, f"particles must be at least 1, got {self.particles}", "particles")
         require(self.draft_len >= 1, f"draft-len must be at least 1, got {self.draft_len}", "draft_len")
         require(0 <= self.ess_threshold <= 1, f"ess-threshold must lie in [0, 1], got {self.ess_threshold}",
@@ -174,17 +168,16 @@ class Settings:
         require(0 <= self.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {self.top_k}", "top_k")
         require(0 < self.top_p <= 1, f"top-p must lie in (0, 1], got {self.top_p}", "top_p")
         require(0 <= self.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {self.seed}", "seed")
-        require(method != "smc" or not self.restricts(), "smc cannot honour top-k/top-p (its draft proposes tokens the "
-                "restricted target forbids); use --method sd or --method ar with them", "top_k")
-        require(self.power > 0 and (self.power == 1 or method == "smc"), "power must be > 0 and is smc's (sd and ar "
-                f"sample the target itself), got {self.power}", "power")
+        require(self.power > 0, f"power must be > 0 and is smc's (sd and ar sample the target itself), got "
+                f"{self.power}", "power")
+        kind.check(self)
         require(0 <= self.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {self.tree}", "tree")
         require(entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in [1, {vocab}] "
                 f"(the vocabulary) and SHARE in [0, 1], got {entropy},{top},{share}", "easd")
-        require(draft != "racer" or method in ("sd", "ar"), f"{method} needs a draft model's distribution, and racer "
+        require(draft != "racer" or kind.on_racer(), f"{self.method} needs a draft model's distribution, and racer "
                 "drafts are deterministic tokens; use --method sd with --draft racer", "method")
         require(not self.tree or draft == "racer", "tree drafts come from racer: use --tree with --draft racer", "tree")
-        require(not self.overlap or draft == "model" and method != "ar", "overlap runs a draft model's drafting beside "
+        require(not self.overlap or draft == "model" and kind.drafts, "overlap runs a draft model's drafting beside "
                 "the target's verifying: use it with a draft model and any method but ar", "overlap")
 
     def restricts(self):
@@ -192,19 +185,13 @@ class Settings:
         return bool(self.top_k or self.top_p < 1)
 
     def shape(self, racer_drafts=False):
-        """The batch key of these resolved settings."""
-        ess_threshold = 0.0
-        if self.method == "smc":
-            ess_threshold = self.ess_threshold
-        easd = None
-        if self.method == "easd":
-            easd = tuple(self.easd)
-        tree = 0
-        if racer_drafts and self.method == "sd":
-            tree = self.tree or self.draft_len
-        return Shape(method=self.method, particles=self.particles, draft_len=self.draft_len,
-                     ess_threshold=ess_threshold, power=self.power, easd=easd, restrict=self.restricts(), tree=tree,
-                     cuda_graphs=self.cuda_graphs, overlap=self.overlap)
+        """The batch key of these resolved settings: racer_drafts, the method that runs on racer's drafts."""
+        kind = self.kind
+        if racer_drafts:
+            kind = kind.on_racer()
+        return Shape(method=kind, particles=self.particles, draft_len=self.draft_len, power=self.power,
+                     restrict=self.restricts(), cuda_graphs=self.cuda_graphs, overlap=self.overlap,
+                     **kind.shape_fields(self))
 
 
 SETTINGS = {f.name for f in fields(Settings)}  # a request's options that are Settings'
@@ -364,7 +351,7 @@ def capacity(e, prompt_len, settings, shape, context=None):
     """The context's checks -> the suffix a request needs: its budget and a draft block of lookahead."""
     lookahead = 0  # what a cycle writes past the new tokens
     configs = [e.config]
-    if settings.method != "ar":
+    if settings.kind.drafts:
         lookahead = max(shape.tree, settings.draft_len)
         configs.append(e.draft_config)
     context = min([c.max_seq_len for c in configs if c is not None] + [context or math.inf])
@@ -521,28 +508,31 @@ class Engine:
         if self.on_line:
             self.on_line(line)
 
-    def choose(self, methods):
-        """weights auto: the (N, K) of each of methods (smc, sd) that requests resolve to where they leave it open,
+    def choose(self, names):
+        """weights auto: the (N, K) of each named method (smc, sd) that requests resolve to where they leave it open,
         measured once on this machine (kept; each said, with a note where ar or sd is predicted faster)."""
-        for method in methods:
-            self.chosen[method], line = self.measurement.choose_shape(method, self.weights, self.draft_weights)
+        for name in names:
+            kind = METHODS[name]
+            self.chosen[name], line = self.measurement.choose_shape(kind, self.weights, self.draft_weights)
             self.say(line)
-            _, note = self.measurement.speed_note(method, self.chosen[method], self.weights, self.draft_weights)
+            _, note = self.measurement.speed_note(kind, self.chosen[name], self.weights, self.draft_weights)
             if note:
                 self.say(note)
 
     def unchosen(self, items):
-        """The methods of items ({"prompt", options...}) whose (N, K) auto is still to choose: smc's and sd's, where
-        an item leaves them open."""
-        methods = set()
+        """The names of the methods of items ({"prompt", options...}) whose (N, K) auto is still to choose (smc's and
+        sd's: those with auto_cells), where an item leaves them open."""
+        names = set()
         if not (self.auto and self.draft_config):
-            return methods
+            return names
         for item in items:
-            method = item.get("method", Settings.method)
-            given = item.get("draft_len") is not None and (item.get("particles") is not None or method == "sd")
-            if method in ("smc", "sd") and not given and method not in self.chosen:
-                methods.add(method)
-        return methods
+            kind = METHODS.get(item.get("method", Settings.method))
+            if kind is None or not kind.auto_cells:  # an unknown method is the check's to name
+                continue
+            given = item.get("draft_len") is not None and (item.get("particles") is not None or not kind.particles)
+            if not given and kind.name not in self.chosen:
+                names.add(kind.name)
+        return names
 
     @property
     def models(self):
@@ -771,16 +761,9 @@ def apply_chat(tokenizer, messages):
                                                            bos_token="", eos_token="")
 
 
-SUMMARY = {"easd": ", {triggers} easd rejections", "mdsd": ", {particles} drafts a cycle",
-           "smc": ", {cycles} cycles, {resamples} resamples, mean ESS {mean_ess:.2f}/{particles}, log Z {log_z:.3f}"}
-
-
 def summary(stats):
     """The CLI's closing line: new tokens, speed and the method's statistics."""
-    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s"
-    if "acceptance" in stats:
-        line += ", {cycles} cycles, acceptance {acceptance:.2f}"
-    line += SUMMARY.get(stats["method"], "")
+    line = "[{method}: {new_tokens} new tokens, {tokens_per_s:.1f} tok/s" + METHODS[stats["method"]].summary
     if stats["stop"] == "interrupted":
         line += ", interrupted"
     return line.format(**stats) + "]"

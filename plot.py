@@ -52,7 +52,7 @@ class Tracer:
         """-> [N] the tokens each particle appended in the last cycle, in the numbering before resampling: a
         particle's new tokens are its ancestor's (None for a particle that left no descendant)."""
         after = st.hist[r, :, 1 + self.length:1 + length].tolist()  # [N, kept]
-        if method != "smc":
+        if not method.weighted:  # only smc's particles resample
             return after
         tokens = [None] * len(after)
         for particle, ancestor in enumerate(st.ancestors[r].tolist()):
@@ -70,7 +70,7 @@ class Tracer:
                   "settled": int(st.flags[r, 1]), "length": length}
         kept = length - self.length
         self.length = length
-        if method == "smc":
+        if method.weighted:
             ess_sum = float(st.ess_sum[r])
             resamples = int(st.resamples[r])
             record |= {"logw_before": st.logw_before[r].tolist(), "logw_after": st.logw[r].tolist(),
@@ -80,7 +80,7 @@ class Tracer:
             self.resamples = resamples
         if batch.shape.tree:  # racer: the tree's node tokens (-1: none) and their parents, node 0 the root
             record |= {"tree": st.nodes[r, 1:].tolist(), "parents": st.parent[r, 1:].tolist(), "accepted": kept - 1}
-        elif method in ("sd", "easd"):
+        elif method.draft_model and not method.particles:  # sd and easd: one draft a cycle
             record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": kept - 1}
         if "verify_cycle" in self.ms:  # an eager cycle, phase by phase
             draft = self.ms.get("draft_block", 0.0)

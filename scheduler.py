@@ -75,9 +75,7 @@ class Batch:
         decode.empty_slot(self.st, r)
 
     def cycle(self):
-        if self.shape.tree:  # racer: each busy slot's draft tree from its request's Retrieval (host work)
-            trees = [req and req.drafter.draft(self.shape.draft_len, self.shape.tree) for req in self.requests]
-            decode.plant(self.st, trees)
+        self.shape.method.before_cycle(self.st, self.requests, self.shape)
         for phase in self.phases:
             self.run_phase(phase)
         self.cycled()
@@ -119,9 +117,7 @@ class Batch:
         lo = min(unread(req) for _, req in busy)
         hi = max(flags[r][3] for r, _ in busy)
         rows = self.st.hist[:, 0, 1 + lo:1 + hi].tolist()  # [R, hi - lo] particle 0's: settled tokens are everyone's
-        cues = None
-        if self.shape.tree:
-            cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)]
+        cues = self.shape.method.cues(self.st)
         for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:
@@ -147,7 +143,7 @@ class Batch:
             tokens = req.settled
         else:
             tokens = self.returned(r, req)
-        req.finish(tokens, req.stats(tokens, why) | decode.method_stats(self.st, r, req))
+        req.finish(tokens, req.stats(tokens, why) | self.shape.method.stats(self.st, r, req))
         self.leave(r)
 
     def stop_particles(self, r, req, length):
@@ -433,7 +429,7 @@ def batch_bytes(e, shape, slots, caps):
     (`cycle_bytes`). On CUDA graphs every graph keeps that in a private pool of its own: one for a batch, four for
     MineDraft's pair (a draft and a verify graph for each half)."""
     draft_dtype = e.draft.embed.dtype if e.draft else formats.FORMATS.get(e.draft_weights, e.dtype)
-    drafted = e.draft_config and shape.method != "ar"
+    drafted = e.draft_config and shape.method.draft_model
     models = [(e.config, e.dtype)] + ([(e.draft_config, draft_dtype)] if drafted else [])
     need = sum(model.KVCache.nbytes(c, shape.particles, *caps, dtype, slots) for c, dtype in models)
     if not decode.graphs(shape, e.device):
@@ -446,7 +442,7 @@ def batch_bytes(e, shape, slots, caps):
 def cycle_bytes(e, shape, slots):
     """A cycle's working memory over `slots` slots: its float32 logits [R, N, K+1, V] with a few copies, and where
     requests restrict (top-k, top-p) what `restrict` sorts: their float32 values and int64 indices."""
-    logits = slots * shape.particles * (max(shape.draft_len, shape.tree) + 1) * e.config.vocab_size
+    logits = slots * max(shape.method.rows(shape), shape.particles * (shape.draft_len + 1)) * e.config.vocab_size
     return 4 * logits * 4 + shape.restrict * logits * (4 + 8)
 
 

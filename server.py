@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 import engine
 import errors
+import methods
 import metrics
 import scheduler
 
@@ -104,11 +105,12 @@ def options_of(body, chat, defaults):
         options["seed"] = random.randrange(2 ** 31)  # no seed given: a fresh sample, as OpenAI's
     settings = engine.Settings.of(options)
     settings.check_types()
-    if "method" not in body and settings.method == "smc" and (settings.temperature == 0 or settings.restricts()):
-        options["method"] = "sd"  # smc has no greedy or truncated form; sd samples the target exactly
-    if options["method"] == "ar":  # the server's overlap and racer trees are for the methods that draft
+    if "method" not in body and settings.kind.weighted and (settings.temperature == 0 or settings.restricts()):
+        options["method"] = methods.SD.name  # smc has no greedy or truncated form; sd samples the target exactly
+    kind = engine.Settings.of(options).kind
+    if not kind.drafts:  # the server's overlap and racer trees are for the methods that draft
         options.pop("overlap", None)
-    if options["method"] != "sd":
+    if kind.on_racer() is not methods.RACER_SD:  # racer's trees are sd's
         options.pop("tree", None)
     return options
 
@@ -421,7 +423,7 @@ def main(argv=None):
             defaults["method"] = default_method(draft)
         probe = {"prompt": [0], "context": context, "max_new_tokens": 1} | defaults
         probe = eng.prepared([probe], numbered=False)[0]  # checked before the weights; auto's shape measured
-        eng.choose(eng.unchosen([{"method": method} for method in ("smc", "sd")]))  # the others' that clients ask
+        eng.choose(eng.unchosen([{"method": name} for name in methods.METHODS]))  # the others' that clients ask
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (errors.LoadError, errors.UsageError) as error:
         sys.exit(f"error: {error}")

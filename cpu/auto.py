@@ -15,6 +15,7 @@ import torch
 import errors
 import formats
 import kernels
+import methods
 import model
 from cpu import backend as cpu_backend
 from cpu import formats as cpu_formats
@@ -34,8 +35,6 @@ def cache_bytes():
 # a weight's bytes (w4a8: its int8 q of scale and low a group of 32, their f16 d a superblock of 256)
 BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.58}
 FOUR_BITS = ("int4", "w4a8")  # the formats that hold a file's 4-bit blocks as they are, its wider ones wide
-SMC_SHAPES = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3)
-ACCEPTANCE = 0.7  # a prior for sd: the chance that the target accepts a draft token
 
 
 def file_format(opened):
@@ -287,54 +286,39 @@ class Measurement:
 
     def per_token(self, method, cells, formats):
         """-> {(N, K): ms per token of method's cycle}: the cycle's matmuls (cycle_costs), each model in its cheapest of
-        formats (a pair of lists: the target's, the draft's), over the tokens the cycle emits: smc's K + 1 always, the
-        others' (1 - a^(K+1)) / (1 - a) on average if the target accepts each draft token with chance a = ACCEPTANCE
-        (ar's cell (1, 0): one)."""
+        formats (a pair of lists: the target's, the draft's), over the tokens the cycle emits (method.emits; ar's cell
+        (1, 0): one)."""
         target, steps = self.cycle_costs(cells, *formats)
         costs = {}
         for n, k in cells:
-            emits = (1 - ACCEPTANCE ** (k + 1)) / (1 - ACCEPTANCE)
-            if method == "smc":
-                emits = k + 1
             cycle = min(ms[n, k] for ms in target.values()) + min((ms[n, k] for ms in steps.values()), default=0)
-            costs[n, k] = cycle / emits
+            costs[n, k] = cycle / method.emits(k)
         return costs
 
     def cheapest(self, method, formats):
-        """-> (smc's or sd's cell, {cell: ms per token}): of SMC_SHAPES (smc) or K = 2 .. 6 (sd), the cycle that costs
-        least per token (per_token), if clearly (clear_winner) below the CPU default's (3x2; sd 4)."""
-        if method == "smc":
-            cells = SMC_SHAPES
-            home = (3, 2)
-        else:
-            cells = [(1, k) for k in range(2, 7)]
-            home = (1, 4)
-        costs = self.per_token(method, cells, formats)
-        return clear_winner(costs, home), costs
+        """-> (smc's or sd's cell, {cell: ms per token}): of method.auto_cells, the cycle that costs least per token
+        (per_token), if clearly (clear_winner) below the method's default (auto_home)."""
+        costs = self.per_token(method, method.auto_cells, formats)
+        return clear_winner(costs, method.auto_home), costs
 
     def choose_weights(self, shape):
         """-> ((the target's format, the draft's), the line that says so): for each model the format (FORMATS) whose
-        part of shape's cycle (cycle_costs; ar: one row, racer: the tree's rows, no draft) costs least on this machine,
-        if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its format changes
-        only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is int4
-        throughout, where the target keeps a Q4_K_M file's wider blocks wide, priced so: self.held). Kept
+        part of shape's cycle (cycle_costs; the method's verify rows, no draft where no draft model drafts) costs least
+        on this machine, if clearly (clear_winner), else its file's own (file_format). The draft may also be int4: its
+        format changes only the proposals, which sd and mdsd correct exactly and smc's weights account for (and it is
+        int4 throughout, where the target keeps a Q4_K_M file's wider blocks wide, priced so: self.held). Kept
         (recall), unless the formats kept no longer fit the memory free."""
-        if shape.method == "ar":
-            rows = 1
-        elif shape.tree:
-            rows = shape.tree + 1
-        else:
-            rows = shape.particles * (shape.draft_len + 1)
-        drafted = self.draft_home is not None and shape.method != "ar" and not shape.tree
+        rows = shape.method.rows(shape)
+        drafted = self.draft_home is not None and shape.method.draft_model
         cell = (shape.particles, shape.draft_len) if drafted else (rows, 0)
-        decision = f"weights {shape.method} {cell[0]}x{cell[1]}"
+        decision = f"weights {shape.method.name} {cell[0]}x{cell[1]}"
 
         def usable(choice):
             return all(self.fits(f) for f in choice)
-        return self.recall(decision, lambda: self.measure_weights(shape.method, rows, cell, drafted), usable)
+        return self.recall(decision, lambda: self.measure_weights(shape.method.name, rows, cell, drafted), usable)
 
-    def measure_weights(self, method, rows, cell, drafted):
-        """choose_weights, measured: the cycle of cell (N, K) (K = 0: `rows` rows, no draft)."""
+    def measure_weights(self, name, rows, cell, drafted):
+        """choose_weights, measured: the named method's cycle of cell (N, K) (K = 0: `rows` rows, no draft)."""
         target, steps = self.cycle_costs([cell], *self.candidates())
         home = self.home if self.home in target else "bf16"
         chosen = clear_winner({f: ms[cell] for f, ms in target.items()}, home)
@@ -346,7 +330,7 @@ class Measurement:
             return ", ".join(f"{f} {ms[cell]:.0f}" for f, ms in costs.items())
         draft_part = f", draft {draft}" if drafted else ""
         steps_part = f"; its {cell[1]} draft steps at {cell[0]} rows: {listed(steps)}" if drafted else ""
-        line = (f"weights: {chosen}{draft_part} (measured ms per {method} cycle at {rows} rows: "
+        line = (f"weights: {chosen}{draft_part} (measured ms per {name} cycle at {rows} rows: "
                 f"{listed(target)}{steps_part})")
         return (chosen, draft), line
 
@@ -362,45 +346,40 @@ class Measurement:
         loaded weights' and draft_weights'); kept (recall). The matmuls alone: the glue outside them grows with the
         rows too, so a wider cycle gains less than predicted; and each forward has its own, so sd's K = 1, twice the
         forwards a token, is left out."""
-        decision = f"shape {method} {weights} {draft_weights}"
+        decision = f"shape {method.name} {weights} {draft_weights}"
         return self.recall(decision, lambda: self.measure_shape(method, weights, draft_weights))
 
     def measure_shape(self, method, weights, draft_weights):
         """choose_shape, measured."""
         chosen, per_token = self.cheapest(method, self.formats_of(weights, draft_weights))
-        prior = "" if method == "smc" else f", {ACCEPTANCE} of draft tokens accepted"
-        costs = ", ".join(f"{cell_name(method, c)} {ms:.0f}" for c, ms in per_token.items())
-        return chosen, (f"{method} shape: {cell_name(method, chosen)} (measured ms per token, a cycle's matmuls in its "
-                        f"cheapest formats{prior}: {costs})")
+        prior = f", {methods.ACCEPTANCE} of draft tokens accepted"
+        if method.weighted:  # smc rejects nothing
+            prior = ""
+        costs = ", ".join(f"{method.cell_name(c)} {ms:.0f}" for c, ms in per_token.items())
+        return chosen, (f"{method.name} shape: {method.cell_name(chosen)} (measured ms per token, a cycle's matmuls in "
+                        f"its cheapest formats{prior}: {costs})")
 
     def speed_note(self, method, cell, weights="auto", draft_weights="auto"):
         """smc's or sd's chosen cell -> (its predicted speed as a multiple of ar's, a note line where ar, or for smc sd
         at its own K, is predicted faster on this machine, else ""): ms per token of each (per_token), ar's and sd's
         in auto's formats; kept (recall)."""
-        decision = f"speed {method} {cell[0]}x{cell[1]} {weights} {draft_weights}"
+        decision = f"speed {method.name} {cell[0]}x{cell[1]} {weights} {draft_weights}"
         return self.recall(decision, lambda: self.measure_speed(method, cell, weights, draft_weights))
 
     def measure_speed(self, method, cell, weights, draft_weights):
         """speed_note, measured."""
         auto = self.candidates()
-        ar = self.per_token("ar", [(1, 0)], (auto[0], []))[1, 0]
+        ar = self.per_token(methods.AR, [(1, 0)], (auto[0], []))[1, 0]
         ratio = ar / self.per_token(method, [cell], self.formats_of(weights, draft_weights))[cell]
-        faster = {"ar": 1.0}
-        if method == "smc":
-            sd_cell, sd_costs = self.cheapest("sd", auto)
-            faster["sd"] = ar / sd_costs[sd_cell]
+        faster = {methods.AR: 1.0}
+        if method.weighted:  # smc against sd too
+            sd_cell, sd_costs = self.cheapest(methods.SD, auto)
+            faster[methods.SD] = ar / sd_costs[sd_cell]
         best = max(faster, key=faster.get)
         if faster[best] <= ratio:
             return round(ratio, 2), ""
-        option = f"--method {best}"
-        if best != "ar":
+        option = f"--method {best.name}"
+        if best is not methods.AR:
             option += f" ({faster[best]:.2f}x)"
-        return round(ratio, 2), (f"note: {method} {cell_name(method, cell)} is predicted to run at {ratio:.2f}x ar "
-                                 f"here (measured matmul costs); {option} is faster on this machine")
-
-
-def cell_name(method, cell):
-    """smc's (N, K) as NxK, sd's as K=K."""
-    if method == "smc":
-        return f"{cell[0]}x{cell[1]}"
-    return f"K={cell[1]}"
+        return round(ratio, 2), (f"note: {method.name} {method.cell_name(cell)} is predicted to run at {ratio:.2f}x "
+                                 f"ar here (measured matmul costs); {option} is faster on this machine")

@@ -13,6 +13,7 @@ import torch
 
 import engine
 import kernels
+import methods
 import model
 from test_engine import save
 from cpu import auto, store
@@ -166,11 +167,11 @@ def test_a_method_predicted_slower_than_ar_or_sd_says_so(path, monkeypatch, caps
     monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 1, 5))  # ar 51, smc (59 + 10) / 3, sd K=4 27
     fast.requests(["w1"], max_new_tokens=4)
     assert "note:" not in capsys.readouterr().err
-    assert fast.measurement.speed_note("smc", (3, 2))[0] == pytest.approx(2.22, abs=0.01)
+    assert fast.measurement.speed_note(methods.SMC, (3, 2))[0] == pytest.approx(2.22, abs=0.01)
     monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 5, 2))  # ar 55, smc 99 / 3, sd K=4 83 / 2.77
-    assert fast.measurement.speed_note("smc", (3, 2), "bf16", "bf16")[1] == (
+    assert fast.measurement.speed_note(methods.SMC, (3, 2), "bf16", "bf16")[1] == (
         "note: smc 3x2 is predicted to run at 1.67x ar here (measured matmul costs); --method sd (1.84x) is faster on "
         "this machine")
     again = engine.Engine(path, path, weights="auto", on_line=engine.say)  # kept: read back, not measured
     monkeypatch.setattr(again.measurement, "cycle_costs", None)
-    assert again.measurement.speed_note("smc", (3, 2))[1] == ""
+    assert again.measurement.speed_note(methods.SMC, (3, 2))[1] == ""

@@ -20,6 +20,7 @@ import errors
 import formats
 import kernels
 import loading
+import methods
 import model
 import platforms
 import racer
@@ -1343,7 +1344,7 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
                                              r"cheapest formats: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[1])
     assert (first.shape.particles, first.shape.draft_len, again.shape.particles, again.shape.draft_len) == (3, 2, 3, 3)
     loaded = engine.Engine(*pair, weights="auto")  # as if auto had loaded int4, which these shapes cannot pack
-    assert loaded.measurement.choose_shape("smc", "int4", "int4")[0] == (3, 2)  # each model timed in bf16 instead
+    assert loaded.measurement.choose_shape(methods.SMC, "int4", "int4")[0] == (3, 2)  # each model timed in bf16 instead
     picked = engine.Engine(*pair, weights="auto", on_line=engine.say)
     monkeypatch.setattr(picked.measurement, "choose_shape", lambda method, *weights: ((4, 4), "smc shape: 4x4"))
     wide, given = picked.requests([{"prompt": "w1", "method": "smc"}, {"prompt": "w1", "particles": 2}],
@@ -1372,9 +1373,9 @@ def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeyp
     assert note == "note: sd K=3 is predicted to run at 0.95x ar here (measured matmul costs); --method ar is faster " \
         "on this machine"
     monkeypatch.setattr(e.measurement, "cycle_costs", costs({k: 60 + 5 * k for k in range(2, 7)}, 50))
-    assert e.measurement.choose_shape("sd")[0] == (1, 2)
+    assert e.measurement.choose_shape(methods.SD)[0] == (1, 2)
     monkeypatch.setattr(e.measurement, "cycle_costs", costs({k: 60 for k in range(2, 7)}, 2))
-    assert e.measurement.choose_shape("sd")[0] == (1, 4)  # K = 6 is cheapest, by a millisecond: not clearly
+    assert e.measurement.choose_shape(methods.SD)[0] == (1, 4)  # K = 6 is cheapest, by a millisecond: not clearly
 
 
 CLI_ERRORS = [
@@ -1444,7 +1445,7 @@ def test_cli_options_derive_from_settings_and_say_their_defaults(capsys):
     with pytest.raises(SystemExit):
         engine.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert all(f"{method}: {when}" in text for method, when in engine.WHEN.items())
+    assert all(f"{name}: {kind.when}" in text for name, kind in methods.METHODS.items())
     assert "(default 64)" in text and "(default 0.7)" in text and "(default 16)" in text
     with pytest.raises(errors.UsageError, match=r"unknown select 'best' \(choose from sample, argmax\)"):
         engine.Settings(select="best").check()
