@@ -1,7 +1,8 @@
 """Generation: autoregressive decoding (ar), speculative sampling (sd, mdsd, easd, racer drafts) and sequential
 Monte Carlo speculative decoding (smc), for one prompt or many, from the command line or from Python.
+
 Top to bottom: Settings and their one check; Request; Engine, the API; the CLI. Batches and their rounds are
-scheduler.py's."""
+scheduler.py's, each method's own parts methods.py's."""
 import argparse
 import contextlib
 import functools
@@ -87,7 +88,7 @@ class Settings:
     draft_temperature: float | None = option(None, "the draft's temperature (default: --temperature)")
     target_temperature: float | None = option(None, "the target's temperature (default: --temperature)")
     particles: int | None = option(None, f"smc: particles N; mdsd: drafts N (default: {defaults_on('smc', 0)})")
-    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {defaults_on('sd', 1)}; smc, "
+    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {METHODS['sd'].shapes['cpu'][1]}; smc, "
                                          f"mdsd {defaults_on('smc', 1)})")
     ess_threshold: float = option(0.5, "smc: resample when ESS < this * N")
     # A lag streams smc's text even where its weights never degenerate and so never resample.
@@ -849,7 +850,7 @@ def command_line_settings():
 
 
 def parser():
-    p = argparse.ArgumentParser(description=__doc__.rsplit("\n", 1)[0])  # the docstring's first sentence
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the docstring's first paragraph
     add_models(p)
     p.add_argument("--prompt", help=f"the prompt (default {DEFAULT_PROMPT!r})")  # None: --prompt-file may be given
     p.add_argument("--prompt-file", help='read the prompt from this file instead of --prompt; a .jsonl file holds one '
