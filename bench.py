@@ -558,7 +558,7 @@ def racer_prompts(e):
 
 def racer_engine(e):
     """An engine that drafts with racer on e's target: its loaded weights and its tokenizer, nothing read again."""
-    racer_e = engine.Engine(e.target, "racer")
+    racer_e = engine.Engine.of_models(e.target, "racer")
     racer_e.tokenizer = e.tokenizer
     return racer_e
 

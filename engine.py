@@ -391,8 +391,8 @@ def reading(paths):
 
 
 class Engine:
-    """A target and an optional draft, each a path (Hugging Face directory or .gguf file) or a model.Transformer (then
-    prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
+    """A target and an optional draft, each a path (Hugging Face directory or .gguf file), or both models already built
+    (`of_models`: prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
     is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
     model's measured once on this machine and kept; remeasure: measured again). Under torchrun each rank holds its
     target shard and decodes alike (same logits and rng). observers: each told (batch, phase, seconds) of every phase
@@ -400,53 +400,78 @@ class Engine:
     engine reports (auto's measuring and choices, the files it reads); None: none is shown."""
 
     def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=(), on_line=None):
+        """An engine on model files: paths or Hub ids (draft also "racer" or None)."""
+        self.begin(observers, on_line)
+        self.open(target, draft, device)
+        self.choose_formats(weights, remeasure)
+
+    @classmethod
+    def of_models(cls, target, draft=None, observers=(), on_line=None):
+        """An engine on models already built (model.Transformer; draft also "racer" or None): no tokenizer (prompts
+        are ids), the models' own device and formats."""
+        e = cls.__new__(cls)
+        e.begin(observers, on_line)
+        e.hold(target, draft)
+        e.choose_formats(None, False)
+        return e
+
+    def begin(self, observers, on_line):
         self.on_line = on_line
         self.failure = None
         # each called (batch, phase, seconds) after every phase a batch runs (scheduler.Batch): traces, bench.py
         self.observers = list(observers)
-        self.open(target, draft, device)
-        self.choose_formats(weights, remeasure)
-        self.pad = self.config.vocab_size
-        self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
-        self.is_eos[self.config.eos_ids + [self.pad]] = True
-        self.ends = set(self.config.eos_ids) | {self.pad}
 
     def open(self, target, draft, device):
-        """The models' files opened (their configs and tokenizer read, no weight yet) or the models given; the
-        device's platform (platforms.py: its backend, formats and builds); under torchrun, this rank's place."""
+        """The models' files opened (their configs and tokenizer read, no weight yet); under torchrun, this rank's
+        place."""
+        if isinstance(target, model.Transformer) or isinstance(draft, model.Transformer):
+            raise UsageError("Engine(...) takes model files; give models already built to Engine.of_models(...)")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("CUDA is not available here; use --device cpu")
         self.racer = draft == "racer"
         if self.racer:
             draft = None
-        self.target = target if isinstance(target, model.Transformer) else None
-        self.draft = draft if isinstance(draft, model.Transformer) else None
-        # [target, draft]: the files (a Hub id's in the Hugging Face cache), None for a model or none
-        self.paths = loading.local_paths([None if isinstance(m, model.Transformer) else m for m in (target, draft)])
+        self.target = None
+        self.draft = None
+        self.paths = loading.local_paths([target, draft])  # the files (a Hub id's in the Hugging Face cache)
         # a path's loading.Opened until load() reads its weights
         self.opened = [loading.open_weights(path) if path else None for path in self.paths]
         target_file = self.opened[0]
         draft_file = self.opened[1]
+        self.rank, self.world = model.init_distributed(device)
+        self.config = model.shard_config(target_file.config, self.world)  # this rank's
+        self.tokenizer = target_file.tokenizer
+        self.place(device, None if draft_file is None else draft_file.config, draft)
+
+    def hold(self, target, draft):
+        """The models given, on their device."""
+        self.racer = draft == "racer"
+        if self.racer:
+            draft = None
+        self.target = target
+        self.draft = draft
+        self.paths = [None, None]
+        self.opened = [None, None]
         self.rank = 0
         self.world = 1
-        if target_file:
-            self.rank, self.world = model.init_distributed(device)
-            self.config = model.shard_config(target_file.config, self.world)  # this rank's
-        else:
-            self.config = target.config
-            device = target.device
+        self.config = target.config
+        self.tokenizer = None
+        self.place(target.device, None if draft is None else draft.config, draft)
+
+    def place(self, device, draft_config, draft):
+        """The device's platform (platforms.py: its backend, formats and builds); the draft's vocabulary checked; the
+        table of the tokens that end a text."""
         self.device = device
         self.platform = platforms.for_device(device)
-        self.draft_config = None
-        if draft_file:
-            self.draft_config = draft_file.config
-        elif draft is not None:
-            self.draft_config = draft.config
-        if self.draft_config and self.draft_config.vocab_size != self.config.vocab_size:
-            raise UsageError(f"{draft}: vocabulary size {self.draft_config.vocab_size} differs from the target's "
+        self.draft_config = draft_config
+        if draft_config and draft_config.vocab_size != self.config.vocab_size:
+            raise UsageError(f"{draft}: vocabulary size {draft_config.vocab_size} differs from the target's "
                              f"{self.config.vocab_size}")
-        self.tokenizer = target_file.tokenizer if target_file else None
+        self.pad = self.config.vocab_size
+        self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
+        self.is_eos[self.config.eos_ids + [self.pad]] = True
+        self.ends = set(self.config.eos_ids) | {self.pad}
 
     def choose_formats(self, weights, remeasure):
         """The models' weight formats: weights as given, or "auto"'s (a CPU's measuring, when load() reads them), and

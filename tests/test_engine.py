@@ -136,7 +136,7 @@ SAMPLES, K = 1500, 2  # continuations of 2K tokens: x0, then one cycle's t_1, t_
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_ar_and_sd_sample_the_target_distribution(method, temperature):
     target = exact(TARGET, 2 * K, temperature)
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     found = empirical(e, SAMPLES, 2 * K, method=method, temperature=temperature, draft_len=K)
     floor = noise_floor(target, SAMPLES)
     print(f"{method} T={temperature}: TV {tv(found, target):.3f}, noise floor {floor:.3f}")
@@ -149,7 +149,7 @@ def test_mdsd_samples_the_target_distribution(particles, draft_len):
     """Multi-draft speculative sampling over N particles is exact: 4 tokens are x0 and two cycles at K = 1 (the
     second after every particle took the winner's state), x0 and one whole cycle at K = 2."""
     target = exact(TARGET, 4, 1.0)
-    found = empirical(engine.Engine(TARGET, DRAFT), SAMPLES, 4, method="mdsd", particles=particles,
+    found = empirical(engine.Engine.of_models(TARGET, DRAFT), SAMPLES, 4, method="mdsd", particles=particles,
                       draft_len=draft_len, temperature=1.0)
     assert tv(found, target) < noise_floor(target, SAMPLES)
 
@@ -179,14 +179,14 @@ def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, 
     target, draft = in_format(WIDE, fmt), in_format(perturbed(WIDE, 3, 0.3), draft_fmt)
     p = exact(target, 3, 1.0)
     shape = dict(particles=3) if method == "mdsd" else {}
-    found = empirical(engine.Engine(target, draft), SAMPLES, 3, method=method, draft_len=1, temperature=1.0, **shape)
+    found = empirical(engine.Engine.of_models(target, draft), SAMPLES, 3, method=method, draft_len=1, temperature=1.0, **shape)
     assert tv(found, p) < noise_floor(p, SAMPLES)
 
 
 def test_memory_check_counts_each_cache_in_its_models_dtype():
     """The bytes a batch is checked against are its KV caches' as made (a float32 target's, an int4 draft's in bf16)
     plus the logits' allowance."""
-    e = engine.Engine(in_format(WIDE, "float32"), in_format(WIDE, "int4"))
+    e = engine.Engine.of_models(in_format(WIDE, "float32"), in_format(WIDE, "int4"))
     with torch.inference_mode():
         _, st, s = started(e, method="sd", draft_len=2, max_new_tokens=8)
     made = sum(t.nbytes for c in (st.tcache, st.dcache) for t in (c.prefix_k, c.prefix_v, c.suffix_k, c.suffix_v))
@@ -195,7 +195,7 @@ def test_memory_check_counts_each_cache_in_its_models_dtype():
 
 
 def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     for seed in range(3):
         sd = e.generate(PROMPT, method="sd", max_new_tokens=12, seed=seed, draft_len=3)
         one = e.generate(PROMPT, method="mdsd", particles=1, max_new_tokens=12, seed=seed, draft_len=3)
@@ -209,14 +209,14 @@ def test_mdsd_with_one_draft_is_sd_and_greedy_is_ar():
 def test_sd_with_a_greedy_draft_is_exact():
     """Any proposal works: a greedy draft against a sampling target is still exact."""
     target = exact(TARGET, 2 * K, 1.0)
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     found = empirical(e, SAMPLES, 2 * K, method="sd", draft_temperature=0, target_temperature=1.0, draft_len=K)
     assert tv(found, target) < noise_floor(target, SAMPLES)
 
 
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 def test_greedy_sd_equals_greedy_ar(draft_len):
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     ar = e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=40)
     sd = e.generate(PROMPT, method="sd", temperature=0, max_new_tokens=40, draft_len=draft_len)
     assert sd.tokens == ar.tokens and len(ar.tokens) == 40
@@ -231,7 +231,7 @@ def test_easd_is_sd_where_its_rule_never_fires_and_draws_from_the_target_where_i
     """easd with an entropy no distribution reaches is sd token for token; where the rule fires on every draft
     token (entropy 0, the whole vocabulary as the top set) each cycle emits one draw from the target, so the output
     follows the target's distribution exactly and every cycle counts one rejection."""
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     for seed in range(3):
         sd = e.generate(PROMPT, method="sd", max_new_tokens=12, seed=seed, draft_len=3)
         never = e.generate(PROMPT, method="easd", max_new_tokens=12, seed=seed, draft_len=3, easd=(1e9, 5, 0.6))
@@ -246,7 +246,7 @@ def test_easd_is_sd_where_its_rule_never_fires_and_draws_from_the_target_where_i
 def test_racer_drafts_keep_sd_exact():
     """--draft racer: chains from retrieval and logit cues, no draft model, verified exactly (draw y ~ p, keep the
     draft token if it is y, else emit y), so sd still samples the target exactly, and greedy sd equals ar."""
-    e = engine.Engine(TARGET, "racer")
+    e = engine.Engine.of_models(TARGET, "racer")
     found = empirical(e, SAMPLES, 2 * K, method="sd", temperature=1.0, draft_len=K)
     assert tv(found, exact(TARGET, 2 * K, 1.0)) < noise_floor(exact(TARGET, 2 * K, 1.0), SAMPLES)
     greedy = dict(temperature=0, max_new_tokens=30)
@@ -287,7 +287,7 @@ def random_trees(monkeypatch):
 def test_racer_tree_drafts_keep_sd_exact(random_trees):
     """Tree drafts verified in one forward (tree mask, position = length + depth), walked down by draws from p,
     the path's K/V compacted: the target's distribution at any tree, and greedy ar's tokens."""
-    e = engine.Engine(TARGET, "racer")
+    e = engine.Engine.of_models(TARGET, "racer")
     target = exact(TARGET, 2 * K, 1.0)
     found = empirical(e, SAMPLES, 2 * K, method="sd", temperature=1.0, draft_len=K, tree=6)
     assert tv(found, target) < noise_floor(target, SAMPLES)
@@ -301,7 +301,7 @@ def test_racer_tree_drafts_keep_sd_exact(random_trees):
 def test_racer_tree_cycles_leave_the_kv_of_the_text(random_trees):
     """After tree cycles the target's suffix K/V are those of a fresh prefill of the text (the accepted path
     moved down, the rest overwritten in later cycles); a request in a batch decodes as alone."""
-    e = engine.Engine(TARGET, "racer")
+    e = engine.Engine.of_models(TARGET, "racer")
     with torch.inference_mode():
         req = e.request(PROMPT, method="sd", max_new_tokens=20, temperature=1.0, draft_len=3, tree=9)
         b = scheduler.Batch(e.load().models, req.shape, 1, len(PROMPT), req.capacity)
@@ -326,7 +326,7 @@ def test_racer_on_the_graph_path_and_at_the_end_of_its_budget(monkeypatch, tree)
     """The CUDA-graph path (recording swapped for an eager warm-up, as above) plants each cycle's tree into the
     recorded tensors: the eager tokens. Budgets that end inside a cycle's block, trees smaller than K: the
     history and the K/V stay inside the slot."""
-    e = engine.Engine(TARGET, "racer")
+    e = engine.Engine.of_models(TARGET, "racer")
     for budget in (1, 2, 5, 9):
         options = dict(method="sd", max_new_tokens=budget, seed=2, draft_len=4, tree=tree, temperature=1.0)
         eager = e.generate(PROMPT, **options)
@@ -368,7 +368,7 @@ def test_smc_with_draft_equal_to_target():
     """Zero weight increments (the target log-prob is taken at the target temperature, 0.7 here, as the draft's
     is), hence no resampling (without a lag), and the target distribution. Several cycles: a draft missing the K/V
     of t_K and the bonus token would see another context than the target and weigh it."""
-    e = engine.Engine(TARGET, TARGET)
+    e = engine.Engine.of_models(TARGET, TARGET)
     long = e.generate(PROMPT, method="smc", particles=8, draft_len=3, max_new_tokens=30, temperature=0.7, lag=0)
     assert long.stats["resamples"] == 0 and long.stats["mean_ess"] == 8
     assert abs(long.stats["log_z"]) < 1e-4
@@ -382,7 +382,7 @@ def test_smc_lag_bounds_the_unsettled_text_and_keeps_the_distribution():
     agree, settle little before the end. A lag of L collapses the population onto one particle whenever more
     than L tokens are unsettled: all but the last L + K + 1 tokens stream, and the collapse (a particle drawn by
     its weight) keeps the target's distribution over x0 and three cycles."""
-    e = engine.Engine(TARGET, TARGET)
+    e = engine.Engine.of_models(TARGET, TARGET)
     options = dict(method="smc", particles=3, draft_len=2, temperature=1.0, max_new_tokens=30)
     free, bounded = (e.generate(PROMPT, lag=lag, **options).stats for lag in (0, 4))
     assert free["collapses"] == 0 and bounded["collapses"] > 0 and bounded["resamples"] == bounded["collapses"]
@@ -395,7 +395,7 @@ def test_smc_lag_bounds_the_unsettled_text_and_keeps_the_distribution():
 @pytest.mark.slow
 def test_smc_approaches_the_target_as_particles_grow():
     target, draft = exact(TARGET, 2 * K, 1.0), exact(DRAFT, 2 * K, 1.0)
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     distance = {n: tv(empirical(e, 2 * SAMPLES, 2 * K, method="smc", particles=n, draft_len=K, temperature=1.0,
                                 ess_threshold=1.0), target) for n in (1, 4, 16)}
     floor = noise_floor(target, 2 * SAMPLES, 0.5)
@@ -410,7 +410,7 @@ def test_smc_with_a_power_target_approaches_p_to_the_alpha():
     """--power alpha: the population targets p ** alpha over whole sequences (normalised), sharper than p."""
     p = exact(TARGET, 2 * K, 1.0)
     target = p ** 2 / (p ** 2).sum()
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     distance = {n: tv(empirical(e, SAMPLES, 2 * K, method="smc", particles=n, draft_len=K, temperature=1.0,
                                 ess_threshold=1.0, power=2.0), target) for n in (1, 4, 16)}
     print(f"\nTV to p^2: the target itself {tv(p, target):.3f}; smc " +
@@ -435,7 +435,7 @@ def started(e, **options):
 def test_draft_and_target_caches_hold_every_particle_context():
     """After cycles with resampling at every one, each particle's suffix K/V equal a fresh prefill of its own
     tokens: the target's up to x0 (pending), the draft's up to t_K (its first draft step writes t_K and b)."""
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     with torch.inference_mode():
         m, st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=3, ess_threshold=1.0)
         for _ in range(3):
@@ -476,7 +476,7 @@ def eos_prone(seed):
 
 
 def test_eos_inside_a_draft_block_ends_the_text():
-    e = engine.Engine(eos_prone(0), eos_prone(1))
+    e = engine.Engine.of_models(eos_prone(0), eos_prone(1))
     results = [e.generate(PROMPT, method="smc", particles=4, draft_len=4, max_new_tokens=40, seed=seed,
                           temperature=1.0) for seed in range(12)]
     assert any(r.stats["stop"] == "eos" for r in results)
@@ -486,7 +486,7 @@ def test_eos_inside_a_draft_block_ends_the_text():
 
 
 def test_finished_particles_stay_and_can_be_ancestors():
-    e = engine.Engine(eos_prone(0), eos_prone(1))
+    e = engine.Engine.of_models(eos_prone(0), eos_prone(1))
     with torch.inference_mode():
         m, st, s = started(e, max_new_tokens=20, temperature=1.0, particles=4, draft_len=2)
         decode.cycle(m, st, s)
@@ -500,7 +500,7 @@ def test_finished_particles_stay_and_can_be_ancestors():
 
 
 def test_same_seed_same_output_other_seeds_other_outputs():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     for method in ("ar", "sd", "smc"):
         runs = [e.generate(PROMPT, method=method, max_new_tokens=12, seed=seed).tokens for seed in (0, 0, 1, 2, 3)]
         assert runs[0] == runs[1]
@@ -510,7 +510,7 @@ def test_same_seed_same_output_other_seeds_other_outputs():
 def test_final_particle_by_argmax_and_statistics():
     """select="argmax" returns the particle of the largest weight after the last cycle (never resampled nor
     collapsed: the weights of the whole run); 20 tokens at K = 3 take 5 cycles; the ESS lies in [1, N]."""
-    e, last = engine.Engine(TARGET, DRAFT), []
+    e, last = engine.Engine.of_models(TARGET, DRAFT), []
     req = e.request(PROMPT, method="smc", particles=6, draft_len=3, max_new_tokens=20, select="argmax",
                     ess_threshold=0.0, lag=0, on_cycle=lambda b, r: last.append((b.st.logw[r].tolist(),
                                                                           b.st.hist[r, :, 1:21].tolist())))
@@ -524,7 +524,7 @@ def test_final_particle_by_argmax_and_statistics():
 
 
 def test_top_k_one_is_greedy():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     greedy = e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=15).tokens
     for method in ("ar", "sd"):
         assert e.generate(PROMPT, method=method, top_k=1, max_new_tokens=15).tokens == greedy
@@ -543,7 +543,7 @@ def test_ctrl_c_returns_what_has_settled():
     def interrupt(tokens):
         if len(tokens) >= 5:
             raise KeyboardInterrupt
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     full = e.generate(PROMPT, method="ar", max_new_tokens=20).tokens
     r = e.generate(PROMPT, method="ar", max_new_tokens=20, on_tokens=interrupt)
     assert r.stats["stop"] == "interrupted" and r.tokens == full[:5]
@@ -551,7 +551,7 @@ def test_ctrl_c_returns_what_has_settled():
 
 
 def test_on_tokens_can_stop_generation():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     full = e.generate(PROMPT, method="sd", max_new_tokens=20).tokens
     r = e.generate(PROMPT, method="sd", max_new_tokens=20, on_tokens=lambda tokens: len(tokens) >= 5)
     assert r.stats["stop"] == "stopped" and r.tokens[:5] == full[:5] and len(r.tokens) < 20
@@ -575,7 +575,7 @@ def test_streamed_counts_what_settled_before_the_last_cycle():
     independent draws do, so nearly nothing can be shown while generating; resampled at every cycle they coalesce
     (over 64 seeds: more than ten times as many tokens streamed), and never more than had been generated before the
     last cycle."""
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     assert e.generate(PROMPT, method="ar", max_new_tokens=10).stats["streamed"] == 9
     one = e.generate(PROMPT, method="smc", particles=1, draft_len=2, max_new_tokens=30).stats
     assert one["streamed"] == 1 + 3 * (one["cycles"] - 1) == 28
@@ -591,7 +591,7 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
     """From the second cycle on the target forbids every particle's draft tokens (their logits -inf, as a
     restricted target would) or its logits are NaN: the run stops ("degenerate") with only what had settled
     before, instead of resampling a weightless population uniformly and going on."""
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=1.0, seed=1)
     full = e.generate(PROMPT, **options).tokens
     verify = decode.verify
@@ -626,7 +626,7 @@ def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, bud
         recorded.append(fn.func.__name__)  # the phase the partial records
         fn()
         return fn
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     options = dict(method=method, max_new_tokens=budget, seed=2, particles=3, draft_len=3)
     eager = e.generate(PROMPT, **options)
     monkeypatch.setattr(decode, "record", record)
@@ -643,7 +643,7 @@ def test_the_draft_prefill_computes_no_logits(monkeypatch):
     prompt x vocabulary floats of memory."""
     shapes, logits = [], DRAFT._logits
     monkeypatch.setattr(DRAFT, "_logits", lambda h: shapes.append(tuple(h.shape[:-1])) or logits(h))
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     for method in ("sd", "smc"):
         e.generate(PROMPT, method=method, max_new_tokens=6, particles=2, draft_len=2)
     assert shapes and all(len(shape) == 2 for shape in shapes)  # [R, N]: draft steps only
@@ -654,7 +654,7 @@ def test_many_eos_ids_use_a_table_not_isin(monkeypatch):
     gives the same stops at a cost that does not depend on how many there are."""
     eos = list(range(20, 32))
     target = tiny(0, 0.8, vocab=32, eos=eos)
-    e = engine.Engine(target, perturbed(target, 1, 0.3))
+    e = engine.Engine.of_models(target, perturbed(target, 1, 0.3))
     monkeypatch.setattr(torch, "isin", lambda *a, **k: pytest.fail("torch.isin called"))
     for method in engine.METHODS:
         results = [e.generate(PROMPT, method=method, max_new_tokens=12, seed=seed) for seed in range(4)]
@@ -670,11 +670,11 @@ def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
     reference kernels' tokens (torch's generator) and log-normaliser (the draft's argmax is not the target's:
     every weight moves), and identical particles weigh the same: no resampling even at threshold 1."""
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=6, temperature=0.02, ess_threshold=1.0)
-    reference = engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
+    reference = engine.Engine.of_models(TARGET, DRAFT).generate(PROMPT, **options)
     monkeypatch.setattr(kernels, "INTERPRET", True)
     if not kernels.use_triton(torch.empty(0)):
         pytest.skip("no triton")
-    triton = engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
+    triton = engine.Engine.of_models(TARGET, DRAFT).generate(PROMPT, **options)
     assert triton.tokens == reference.tokens and len(triton.tokens) == 6
     assert triton.stats["resamples"] == reference.stats["resamples"] == 0 and triton.stats["mean_ess"] == 4
     assert triton.stats["log_z"] == pytest.approx(reference.stats["log_z"], rel=1e-5) and triton.stats["log_z"] < -1
@@ -691,7 +691,7 @@ def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
     if not kernels.use_triton(torch.empty(0)):
         pytest.skip("no triton")
     target = tiny(0, 0.8, vocab=16, head_dim=16)
-    e = engine.Engine(target, perturbed(target, 1, 0.3))
+    e = engine.Engine.of_models(target, perturbed(target, 1, 0.3))
     requests = [dict(prompt=[1, 2, 3], seed=1, max_new_tokens=6), dict(prompt=[4], seed=2, max_new_tokens=3),
                 dict(prompt=[5, 6], seed=1, max_new_tokens=5)]
     options = dict(method=method, particles=2, draft_len=2, ess_threshold=1.0, temperature=1.0)
@@ -706,7 +706,7 @@ def test_racer_trees_through_the_interpreted_triton_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "INTERPRET", True)
     if not kernels.use_triton(torch.empty(0)):
         pytest.skip("no triton")
-    e = engine.Engine(tiny(0, 0.8, vocab=16, head_dim=16), "racer")
+    e = engine.Engine.of_models(tiny(0, 0.8, vocab=16, head_dim=16), "racer")
     requests = [dict(prompt=[1, 2, 3, 1, 2], seed=0, max_new_tokens=8), dict(prompt=[4, 5], seed=1, max_new_tokens=6),
                 dict(prompt=[6, 1], seed=2, max_new_tokens=7)]
     options = dict(method="sd", tree=5, draft_len=2, temperature=1.0)
@@ -720,12 +720,12 @@ def test_racer_trees_through_the_interpreted_triton_kernels(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_give_the_eager_output():
     target = tiny(0, 0.8, vocab=64, head_dim=16, device="cuda")  # tl.dot wants dimensions of 16 or more
-    e = engine.Engine(target, perturbed(target, 1, 0.3))
+    e = engine.Engine.of_models(target, perturbed(target, 1, 0.3))
     for method in ("ar", "sd", "smc"):
         graph, eager = (e.generate(PROMPT, method=method, max_new_tokens=30, seed=3, cuda_graphs=graphs)
                         for graphs in (True, False))
         assert graph.tokens == eager.tokens and graph.stats["cycles"] == eager.stats["cycles"]
-    racer = engine.Engine(target, "racer")  # tree drafts: the tree tensors planted before each replay
+    racer = engine.Engine.of_models(target, "racer")  # tree drafts: the tree tensors planted before each replay
     graph, eager = (racer.generate(PROMPT, method="sd", tree=6, draft_len=3, max_new_tokens=30, seed=3,
                                    cuda_graphs=graphs) for graphs in (True, False))
     assert graph.tokens == eager.tokens
@@ -753,7 +753,7 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
     """Each request's randomness is its own (seed and counter per slot) and its lengths are its own, so its
     output does not depend on its neighbours: alone, four at once, and two slots shared by four requests that
     join as others end (EOS ends some early)."""
-    e = engine.Engine(eos_prone(0), eos_prone(1))
+    e = engine.Engine.of_models(eos_prone(0), eos_prone(1))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = mixed_requests(method)
     requests[0]["seed"] = next(seed for seed in range(100)  # one request that ends at an EOS
@@ -770,7 +770,7 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
 @pytest.mark.parametrize("method", engine.METHODS)
 def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
     """w4a8 rounds each activation row on its own (per group of 32), so its batches keep every request's tokens."""
-    e = engine.Engine(in_format(WIDE, "w4a8"), in_format(perturbed(WIDE, 3, 0.3), "w4a8"))
+    e = engine.Engine.of_models(in_format(WIDE, "w4a8"), in_format(perturbed(WIDE, 3, 0.3), "w4a8"))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = mixed_requests(method)
     alone = [e.generate(**(options | r)).tokens for r in requests]
@@ -782,7 +782,7 @@ def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
 def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, method):
     """On a CUDA graph the cycle runs over all slots, empty ones included (recording swapped for the warm-up
     cycle, so this runs on a CPU): empty slots append nothing and disturb no one; one recording per batch."""
-    e = engine.Engine(eos_prone(0), eos_prone(1))
+    e = engine.Engine.of_models(eos_prone(0), eos_prone(1))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0, slots=3)
     eager = e.generate(mixed_requests(method), **options)
     recordings = []
@@ -797,7 +797,7 @@ def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, 
 def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, method):
     """MineDraft: two half-batches take turns (one drafts while the other verifies, on two threads), each
     request decoding as alone; a half is refilled between its verify and its next draft."""
-    e = engine.Engine(eos_prone(0), eos_prone(1))
+    e = engine.Engine.of_models(eos_prone(0), eos_prone(1))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = [r | {"top_p": 1.0} for r in mixed_requests(method)] + [dict(prompt=[3, 3], seed=5, max_new_tokens=10)]
     alone = [e.generate(**(options | r)) for r in requests]  # one shape: top-p would make a batch of its own
@@ -824,7 +824,7 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
 
 def test_requests_of_different_shapes_share_a_call():
     """Different methods (or N, K) make different batches, which take turns; each output is the one alone."""
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     requests = [dict(prompt=PROMPT, method=m, seed=3, max_new_tokens=8) for m in engine.METHODS]
     requests.append(dict(prompt=PROMPT, method="smc", particles=2, seed=3, max_new_tokens=8))
     alone = [e.generate(**r).tokens for r in requests]
@@ -833,7 +833,7 @@ def test_requests_of_different_shapes_share_a_call():
 
 def test_empty_slots_run_no_rows_on_a_cpu(monkeypatch):
     """An eager cycle runs only the slots up to the last busy one: one request in a batch of four costs one."""
-    e = engine.Engine(TARGET, DRAFT).load()
+    e = engine.Engine.of_models(TARGET, DRAFT).load()
     rows, step = [], TARGET.step
     monkeypatch.setattr(TARGET, "step", lambda tokens, *a, **k: rows.append(tokens.shape[0]) or step(tokens, *a, **k))
     requests = [e.request(PROMPT, method="sd", max_new_tokens=n) for n in (12, 3)]
@@ -842,7 +842,7 @@ def test_empty_slots_run_no_rows_on_a_cpu(monkeypatch):
 
 
 def test_a_cancelled_request_frees_its_slot():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     first = e.request(PROMPT, method="ar", max_new_tokens=30, on_tokens=lambda t: len(t) >= 4 and first.cancel())
     second = e.request(PROMPT, method="ar", max_new_tokens=10, seed=4)
     e.run([first, second], slots=1)
@@ -853,7 +853,7 @@ def test_a_cancelled_request_frees_its_slot():
 def test_serve_takes_requests_from_a_queue_until_none():
     import queue
     import threading
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     worker = threading.Thread(target=e.serve, args=(inbox, 2))
     worker.start()
@@ -870,7 +870,7 @@ def test_serve_takes_requests_from_a_queue_until_none():
 
 def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     import queue
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     verify, calls = decode.verify, []
 
     def failing(m, st, t, s):
@@ -899,7 +899,7 @@ def test_a_failed_device_ends_everything_and_says_why(monkeypatch):
     """A failure after which the device runs nothing (a CUDA error is sticky) ends every request, running and
     waiting, with its reason, and serving stops with DeviceFailed; engine.failure says why (the server's 503)."""
     import queue
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     monkeypatch.setattr(decode, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
     monkeypatch.setattr(e, "device_ok", lambda: False)
     inbox, done = queue.Queue(), []
@@ -914,7 +914,7 @@ def test_a_failed_device_ends_everything_and_says_why(monkeypatch):
 
 def test_a_failing_admit_leaves_its_slot_empty(monkeypatch):
     """A prefill that fails after writing the slot's prefix length leaves the slot as it was: empty."""
-    e = engine.Engine(TARGET, DRAFT).load()
+    e = engine.Engine.of_models(TARGET, DRAFT).load()
     prefill = TARGET.prefill
 
     def half_done(tokens, cache, r=0, **k):
@@ -930,7 +930,7 @@ def test_a_failing_admit_leaves_its_slot_empty(monkeypatch):
 
 
 def test_one_dict_prompt_is_one_request():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     r = e.generate({"prompt": PROMPT, "seed": 3, "max_new_tokens": 7}, method="sd")
     assert r.tokens == e.generate(PROMPT, method="sd", seed=3, max_new_tokens=7).tokens
 
@@ -956,7 +956,7 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
         m.setattr(torch.cuda, "memory_reserved", lambda device: 5 << 30)
         m.setattr(torch.cuda, "memory_allocated", lambda device: 2 << 30)
         assert scheduler.free_bytes(torch.device("cuda")) == 4 << 30
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
     loop = e.serving(inbox, 2, (8, 16))
@@ -975,7 +975,7 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
 def test_idle_batches_are_dropped():
     """A batch with no request for idle_s is dropped: a long-running server keeps no cache per shape seen."""
     import queue
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     inbox, done, batches = queue.Queue(), [], []
     sched = scheduler.Scheduler(e.load(), 2, (8, 32), False, idle_s=0.0)
     for method in ("sd", "smc", "ar"):
@@ -1009,7 +1009,7 @@ def test_smc_particles_end_at_a_stop_string(tmp_path):
 
 def test_a_request_larger_than_a_slot_is_refused():
     import queue
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     big, small = (e.request(PROMPT, method="ar", max_new_tokens=n, on_done=done.append) for n in (30, 10))
     inbox.put(big)
@@ -1023,7 +1023,7 @@ def test_a_request_larger_than_a_slot_is_refused():
 
 def test_a_failing_prefill_ends_its_request_and_serving_goes_on(monkeypatch):
     import queue
-    e = engine.Engine(TARGET, DRAFT).load()
+    e = engine.Engine.of_models(TARGET, DRAFT).load()
     prefill, done = TARGET.prefill, []
     monkeypatch.setattr(TARGET, "prefill", lambda tokens, *a, **k: (_ for _ in ()).throw(RuntimeError("no memory"))
                         if len(tokens) == 5 else prefill(tokens, *a, **k))
@@ -1099,7 +1099,7 @@ def test_an_observer_runs_the_same_cycle_functions(monkeypatch, tmp_path, method
     names = ["cycle", "draft_block", "verify_cycle", "ar_cycle", "sd_cycle", "smc_cycle", "prefill_slot", "publish"]
     calls = calls_of(monkeypatch, names)
     options = dict(method=method, particles=3, draft_len=2, max_new_tokens=12, temperature=1.0, seed=3)
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     plain = e.generate(PROMPT, **options)
     plain_calls = list(calls)
     calls.clear()
@@ -1125,8 +1125,8 @@ def test_a_trace_changes_nothing_and_agrees_with_the_statistics(tmp_path):
     particle and ancestors reproduce the run's statistics and its tokens."""
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, temperature=1.0, ess_threshold=0.9,
                    seed=5)
-    plain = engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
-    result, start, cycles, end = traced(engine.Engine(TARGET, DRAFT), tmp_path, **options)
+    plain = engine.Engine.of_models(TARGET, DRAFT).generate(PROMPT, **options)
+    result, start, cycles, end = traced(engine.Engine.of_models(TARGET, DRAFT), tmp_path, **options)
     stats = result.stats
     assert result.tokens == plain.tokens and end["tokens"] == result.tokens and end["stats"] == stats
     assert start["particles"] == 4 and len(cycles) == stats["cycles"]
@@ -1145,14 +1145,14 @@ def test_a_trace_changes_nothing_and_agrees_with_the_statistics(tmp_path):
 
 
 def test_an_sd_trace_holds_drafted_and_accepted_tokens(tmp_path):
-    result, _, cycles, _ = traced(engine.Engine(TARGET, DRAFT), tmp_path, method="sd", max_new_tokens=20, seed=1)
+    result, _, cycles, _ = traced(engine.Engine.of_models(TARGET, DRAFT), tmp_path, method="sd", max_new_tokens=20, seed=1)
     assert sum(c["accepted"] for c in cycles) == result.stats["accepted"]
     for c in cycles:
         assert c["tokens"][0][:c["accepted"]] == c["drafted"][:c["accepted"]] and len(c["drafted"]) == 4
 
 
 def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees):
-    result, _, cycles, _ = traced(engine.Engine(TARGET, "racer"), tmp_path, method="sd", max_new_tokens=20, seed=1,
+    result, _, cycles, _ = traced(engine.Engine.of_models(TARGET, "racer"), tmp_path, method="sd", max_new_tokens=20, seed=1,
                                   draft_len=3, tree=8)
     assert sum(c["accepted"] for c in cycles) == result.stats["accepted"] > 0
     for c in cycles:
@@ -1188,11 +1188,11 @@ def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees)
 ])
 def test_bad_requests_are_one_line_errors(options, message):
     with pytest.raises(errors.UsageError, match=message):
-        engine.Engine(TARGET, DRAFT).generate(PROMPT, **options)
+        engine.Engine.of_models(TARGET, DRAFT).generate(PROMPT, **options)
 
 
 def test_bad_prompts_and_models():
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     with pytest.raises(errors.UsageError, match="the prompt is 64 tokens, longer than the context of 64"):
         e.generate([1] * 64)
     with pytest.raises(errors.UsageError, match="the prompt is empty"):
@@ -1200,9 +1200,9 @@ def test_bad_prompts_and_models():
     with pytest.raises(errors.UsageError, match="no tokenizer"):
         e.generate("hello")
     with pytest.raises(errors.UsageError, match="needs a draft model"):
-        engine.Engine(TARGET).generate(PROMPT, method="sd")
+        engine.Engine.of_models(TARGET).generate(PROMPT, method="sd")
     with pytest.raises(errors.UsageError, match="vocabulary size 12 differs from the target's 8"):
-        engine.Engine(TARGET, tiny(1, vocab=12))
+        engine.Engine.of_models(TARGET, tiny(1, vocab=12))
 
 
 def test_chat_template():
@@ -1455,7 +1455,7 @@ def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
     """If one half's phase raises, the other half's phase, running beside it, ends before the error is raised:
     nothing is left running on the batch's tensors."""
     import time
-    e = engine.Engine(TARGET, DRAFT)
+    e = engine.Engine.of_models(TARGET, DRAFT)
     draft_block, finished = decode.draft_block, []
 
     def slow_draft(*args):

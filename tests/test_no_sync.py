@@ -62,7 +62,7 @@ def test_a_recorded_phase_syncs_nothing_with_the_host(monkeypatch, method, draft
     phases = []
     monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
     monkeypatch.setattr(decode, "record", guarded(phases))
-    e = engine.Engine(TARGET, draft).load()
+    e = engine.Engine.of_models(TARGET, draft).load()
     with torch.no_grad():  # the recorded phases run as the engine runs them (a pair's halves: inference mode)
         req = e.request(PROMPT, method=method, max_new_tokens=12, temperature=1.0, draft_len=2, particles=3, **options)
         b = (scheduler.Pair if req.shape.overlap else scheduler.Batch)(e, req.shape, 2, len(PROMPT), req.capacity)
@@ -101,7 +101,7 @@ def test_each_graph_is_captured_on_a_stream_of_its_own(monkeypatch):
     captures = []
     fake_cuda(monkeypatch, captures)
     monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
-    e = engine.Engine(TARGET, DRAFT).load()
+    e = engine.Engine.of_models(TARGET, DRAFT).load()
     req = e.request(PROMPT, method="smc", max_new_tokens=8, draft_len=2, particles=3, overlap=True)
     with torch.no_grad():
         scheduler.Pair(e.models, req.shape, 2, len(PROMPT), req.capacity).close()
@@ -113,7 +113,7 @@ def test_each_graph_is_captured_on_a_stream_of_its_own(monkeypatch):
 def test_the_memory_check_counts_every_graphs_pool_and_the_sort(monkeypatch):
     """On CUDA graphs each graph holds a cycle's working memory in a private pool (a pair: four), and a request with
     top-k or top-p adds what `restrict` sorts: float32 values and int64 indices of [R, N, K+1, V]."""
-    e = engine.Engine(TARGET, DRAFT).load()
+    e = engine.Engine.of_models(TARGET, DRAFT).load()
     s = e.request(PROMPT, method="smc", max_new_tokens=8, draft_len=2, particles=3).shape
     R = 4
     caps = (len(PROMPT), 16)

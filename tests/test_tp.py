@@ -151,7 +151,7 @@ def engine_tokens(rank, dirs, prompt):
     draft = platforms.load(dirs["draft"], dtype=torch.float32)[0]  # whole on every rank: see model.py
     out = []
     for tp in ((rank, 2), (0, 1)):
-        e = engine.Engine(platforms.load(dirs["qwen2"], dtype=torch.float32, tp=tp)[0], draft, device="cpu")
+        e = engine.Engine.of_models(platforms.load(dirs["qwen2"], dtype=torch.float32, tp=tp)[0], draft)
         out.append([e.generate(prompt, method=m, max_new_tokens=12, temperature=t, seed=5, **more).tokens
                     for m, t, more in (("ar", 0, {}), ("sd", 0, {"draft_len": 3}),
                                        ("smc", 0.7, {"particles": 3, "draft_len": 2}))])
