@@ -25,7 +25,7 @@ def options(p):
     p.add_argument("--concurrency", type=common.numbers, default=common.numbers("1,2,4,8"), metavar="R,...")
     common.add_sd_draft_len(p)
     common.add_runs(p)
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    common.add_prompt_len(p)
     p.add_argument("--no-peer", action="store_true", help="without transformers' rows")
 
 

@@ -317,6 +317,10 @@ def add_sd_draft_len(p):
     p.add_argument("--sd-draft-len", type=int, default=4, help="K of sd and easd")
 
 
+def add_prompt_len(p):
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+
+
 def add_cells(p, help_text):
     p.add_argument("--smc-cells", type=grid, default=grid("3x2,4x4"), help=help_text)
 

@@ -31,7 +31,7 @@ def options(p):
     p.add_argument("--grid", type=common.grid, default=common.grid("3x2"), help="smc's (and mdsd's) N x K cells")
     common.add_sd_draft_len(p)
     common.add_runs(p, new_tokens=48)
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    common.add_prompt_len(p)
 
 
 class Seam:

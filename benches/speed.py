@@ -22,7 +22,7 @@ def options(p):
                    help="smc's (and mdsd's) N x K cells")
     common.add_sd_draft_len(p)
     common.add_runs(p)
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens with --random")
+    common.add_prompt_len(p)
 
 
 def ar_engine(pair, paths, args):
