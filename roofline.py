@@ -85,7 +85,7 @@ CELLS = (("ar", 1, 1), ("sd", 1, 4), ("mdsd", 4, 4), ("smc", 4, 4), ("smc", 8, 8
 
 
 def main(argv=None):
-    import bench  # the shapes bench.py runs with random weights
+    from benches import common  # the shapes bench.py runs with random weights
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
@@ -95,8 +95,8 @@ def main(argv=None):
     p.add_argument("--acceptance", type=float, default=0.7, help="sd's and mdsd's chance a draft token is accepted")
     args = p.parse_args(argv)
     draft_name, target_name = args.pair.split(":")
-    draft = Shape(*bench.SHAPES[draft_name])
-    target = Shape(*bench.SHAPES[target_name])
+    draft = Shape(*common.SHAPES[draft_name])
+    target = Shape(*common.SHAPES[target_name])
     context = (args.prompt_len, args.new_tokens // 2)
     print(table(draft, target, args.gpu, context, args.acceptance, CELLS))
 

@@ -775,9 +775,10 @@ static void add_share(float *x, const float *part, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += part[i];
 }
 
-/* spent[part] += the seconds since *since, by the first thread, after a barrier: every thread's work before it */
+/* spent[part] += the seconds since *since, by the first thread, after a barrier: every thread's work before it;
+ * no clock is read where spent is NULL (nobody asked for the timing) */
 static void lap(double *spent, int part, double *since) {
-    if (omp_get_thread_num() != 0) return;
+    if (spent == NULL || omp_get_thread_num() != 0) return;
     double now = omp_get_wtime();
     spent[part] += now - *since;
     *since = now;
@@ -786,8 +787,8 @@ static void lap(double *spent, int part, double *since) {
 /* model.Block's step for x [R, N, T, dim] (rows = R N T), in place, as its calls compute it one by one (the same
  * arithmetic, the same tokens): x += wo(attention(rope(qkv(norm(x))))), its K/V written at suffix_len + t of this
  * layer's cache; x += w2(swiglu(w13(norm(x)))). cos, sin [rows, D]; work: rows x (qkv out + Hq D + dim + w13 out)
- * floats; scratch: linear's, for the widest input. One parallel region. spent [3] gains the seconds of its matmuls,
- * of its K/V writes and attention, and of its residual adds. */
+ * floats; scratch: linear's, for the widest input. One parallel region. spent [3] (or NULL: untimed) gains the
+ * seconds of its matmuls, of its K/V writes and attention, and of its residual adds. */
 void decoder_layer(float *x, int64_t R, int64_t N, int64_t T, const struct layer *l, const float *cos,
                    const float *sin, const float *prefix_k, const float *prefix_v, float *suffix_k, float *suffix_v,
                    const int32_t *prefix_len, const int32_t *suffix_len, const uint8_t *tree, int64_t P_cap,
@@ -801,7 +802,7 @@ void decoder_layer(float *x, int64_t R, int64_t N, int64_t T, const struct layer
     float *ffn = part + rows * dim;             /* [rows, 2 ffn] */
     #pragma omp parallel num_threads(threads)
     {
-        double since = omp_get_wtime();
+        double since = spent ? omp_get_wtime() : 0.0;
         matmul_of(&l->qkv, x, rows, qkv, l->attn_norm, l->eps, 0, cos, sin, l->Hq + l->Hkv, D, scratch);
         lap(spent, 0, &since);
         #pragma omp for schedule(static)

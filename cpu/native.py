@@ -4,6 +4,7 @@ particle attention for a step's few rows, whose reference is kernels.particle_at
 layer's residual adds as one call a decoder layer (decoder_layers), whose reference is model.Block's calls. Their C
 source, native.c, is compiled for this CPU on first use into the user's cache folder (installing compiles
 nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention."""
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -455,14 +456,33 @@ def matmul(packed, bits, n, tail=None, bias=None, outliers=None):
 
 
 LAYER_PARTS = ("matmuls", "attention and KV writes", "residual adds")
-layer_seconds = (ctypes.c_double * len(LAYER_PARTS))()  # decoder_layers' time by part, all calls of a process
+_timings = []  # the arrays of the timing() blocks open now, the innermost last
+
+
+@contextlib.contextmanager
+def timing():
+    """Yields seconds by part (LAYER_PARTS) that decoder_layers' calls in the block add to; outside every such block
+    its C code reads no clock (bench.py parts asks, the engine does not)."""
+    seconds = (ctypes.c_double * len(LAYER_PARTS))()
+    _timings.append(seconds)
+    try:
+        yield seconds
+    finally:
+        _timings.pop()
+
+
+def layer_timing():
+    """-> the array decoder_layers adds its seconds to (the innermost timing() block's), or None: untimed."""
+    if _timings:
+        return _timings[-1]
+    return None
 
 
 def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, tree=None):
     """x [R, N, T, dim] float32 through every layer of layers (Layer each, the cache's [L, ...] in order) in place, a
     call a layer: model.Block's step, its calls' arithmetic (the same tokens), its K/V written at suffix_len + t.
     cos, sin [R, N, T, 1, D]; the caches as particle_attention takes them, with the layers first; tree as there.
-    Adds its seconds by part (LAYER_PARTS) to layer_seconds: where a step's time goes, for bench.py parts."""
+    Within a timing() block it adds its seconds by part (LAYER_PARTS) to the block's array."""
     lib = _library.get("lib") or library()[0]
     R, N, T, dim = x.shape
     rows = R * N * T
@@ -475,12 +495,13 @@ def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, 
         tree_bytes = tree.to(torch.uint8).contiguous()
     caches = (prefix_k, prefix_v, suffix_k, suffix_v)
     steps = [c.stride(0) * c.element_size() for c in caches]  # bytes from one layer's cache to the next
+    spent = layer_timing()
     for i, layer in enumerate(layers):
         at = [c.data_ptr() + i * step for c, step in zip(caches, steps)]
         lib.decoder_layer(x.data_ptr(), R, N, T, ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), *at,
                           prefix_len.data_ptr(), suffix_len.data_ptr(), pointer(tree_bytes, torch.uint8),
                           prefix_k.shape[3], suffix_k.shape[4], room.data_ptr(), room.data_ptr() + 4 * floats,
-                          layer_seconds, torch.get_num_threads())
+                          spent, torch.get_num_threads())
     return x
 
 

@@ -114,8 +114,9 @@ def test_every_option_says_its_default(make):
 
 @pytest.mark.slow
 def test_the_project_installs_as_it_stands(tmp_path):
-    """pyproject.toml names every top-level module, the CPU wing (cpu/, its C source too) and weights/fetch.py: a
-    wheel built from them holds them all, and an editable install imports the engine from elsewhere."""
+    """pyproject.toml names every top-level module, the CPU wing (cpu/, its C source too), bench.py's subcommands
+    (benches/) and weights/fetch.py: a wheel built from them holds them all, and an editable install imports the
+    engine from elsewhere."""
     source = tmp_path / "source"
     (source / "weights").mkdir(parents=True)
     modules = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
@@ -123,13 +124,15 @@ def test_the_project_installs_as_it_stands(tmp_path):
         shutil.copy(os.path.join(ROOT, name), source / name)
     shutil.copy(os.path.join(ROOT, "weights", "fetch.py"), source / "weights" / "fetch.py")
     wing = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "cpu", "*.[pc]*")))
-    shutil.copytree(os.path.join(ROOT, "cpu"), source / "cpu", ignore=shutil.ignore_patterns("__pycache__"))
+    benches = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benches", "*.py")))
+    for package in ("cpu", "benches"):
+        shutil.copytree(os.path.join(ROOT, package), source / package, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--quiet"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(tmp_path / "wheel")],
                    check=True, cwd=tmp_path)
     [wheel] = glob.glob(str(tmp_path / "wheel" / "*.whl"))
     held = sorted(name for name in zipfile.ZipFile(wheel).namelist() if name.endswith((".py", ".c")))
-    assert held == sorted(modules + wing + ["weights/fetch.py"])
+    assert held == sorted(modules + wing + benches + ["weights/fetch.py"])
     subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--prefix", str(tmp_path / "prefix"), "-e",
                     str(source)], check=True, cwd=tmp_path)
     [site] = glob.glob(str(tmp_path / "prefix" / "lib" / "python3*" / "site-packages"))

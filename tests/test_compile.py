@@ -17,15 +17,15 @@ import pytest
 import torch
 
 import kernels
-from bench import SHAPES
+from benches.common import SHAPES
 
 # Every kernel compiled for three GPU targets: minutes on a fresh cache, so the fast tier leaves it out.
 pytestmark = [pytest.mark.skipif(kernels.triton is None, reason="no triton"), pytest.mark.slow]
 # name: (backend, arch, warp size, shared memory one program may use: the opt-in maximum)
 TARGETS = {"sm_80": ("cuda", 80, 32, 166912), "sm_90": ("cuda", 90, 32, 232448), "gfx942": ("hip", "gfx942", 64, 65536)}
 NO_SPILLS = ("sm_80", "sm_90")  # where the bf16 path must not spill
-# Qwen2.5-1.5B and -0.5B (the default Coder pair's shapes), as bench.SHAPES: vocab, dim, layers, query heads,
-# kv heads, head dim, ffn dim, tied embeddings
+# Qwen2.5-1.5B and -0.5B (the default Coder pair's shapes), as benches/common.py's SHAPES: vocab, dim, layers,
+# query heads, kv heads, head dim, ffn dim, tied embeddings
 QWEN = {"qwen-1.5b": (151936, 1536, 28, 12, 2, 128, 8960, True), "qwen-0.5b": (151936, 896, 24, 14, 2, 64, 4864, True)}
 MODELS = SHAPES | QWEN
 # (target, draft, activations dtype, weight formats, slots, prompt tokens, suffix capacity): sampled, so that the

@@ -1092,7 +1092,7 @@ def test_an_observer_runs_the_same_cycle_functions(monkeypatch, tmp_path, method
     """One path: a traced run and one timed by bench.py's observer call decode's functions, in the same order, as
     a plain run, eagerly and on the CUDA-graph path (its recording swapped for its warm-up, as a CPU can run it),
     and give its tokens; the observers hear every phase."""
-    import bench
+    from benches import common
     if graphs:
         monkeypatch.setattr(decode, "record", lambda fn: fn() or fn)
         monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
@@ -1106,7 +1106,7 @@ def test_an_observer_runs_the_same_cycle_functions(monkeypatch, tmp_path, method
     result, _, cycles, _ = traced(e, tmp_path, **options)
     assert result.tokens == plain.tokens and calls == plain_calls
     calls.clear()
-    with bench.phase_times(e) as spent:
+    with common.phase_times(e) as spent:
         timed = e.generate(PROMPT, **options)
     assert timed.tokens == plain.tokens and calls == plain_calls
     cycle_phases = {"draft_block", "verify_cycle"}

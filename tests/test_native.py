@@ -427,3 +427,29 @@ def test_particle_attention_matches_the_reference_per_request(N, T, tree):
         want = kernels.particle_attention_ref(*args)
         torch.testing.assert_close(native.particle_attention(*args, large=large), want, rtol=1e-5, atol=1e-5)
     assert calls == [(1, N, T, Hq, D)] * 2  # request 1 only
+
+
+@needs_kernel
+def test_the_layer_call_reads_the_clock_only_when_asked(tmp_path, monkeypatch):
+    """decoder_layers hands its C code no timing array (NULL: no clock read) unless a native.timing() block is open;
+    inside one, its seconds by part (LAYER_PARTS) add up there, and a closed block's array gains no more."""
+    import loading
+    import platforms
+    from test_model import write_mixed_gguf
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2"))
+    m = platforms.build(c, get, weights="w4a8")
+    cache = model.KVCache(m.config, 1, 8, 8, "cpu", torch.float32)
+    m.prefill(torch.tensor([3, 1, 4]), cache)
+    lib = native.library()[0]
+    layer = lib.decoder_layer
+    spent = []
+    monkeypatch.setattr(lib, "decoder_layer", lambda *args: spent.append(args[-2]) or layer(*args))
+    m.step(torch.tensor([[[5]]]), cache)
+    assert spent == [None] * c.n_layers and native.layer_timing() is None
+    with native.timing() as seconds:
+        assert native.layer_timing() is seconds
+        m.step(torch.tensor([[[9]]]), cache)
+    assert spent[-1] is seconds and all(s > 0 for s in seconds) and len(seconds) == len(native.LAYER_PARTS)
+    timed = list(seconds)
+    m.step(torch.tensor([[[2]]]), cache)
+    assert list(seconds) == timed and spent[-1] is None

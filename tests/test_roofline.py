@@ -1,9 +1,9 @@
 """roofline.py: the paper prediction follows the roofline it teaches."""
-import bench
 import roofline
+from benches import common
 
-DRAFT = roofline.Shape(*bench.SHAPES["llama-1b"])
-TARGET = roofline.Shape(*bench.SHAPES["llama-8b"])
+DRAFT = roofline.Shape(*common.SHAPES["llama-1b"])
+TARGET = roofline.Shape(*common.SHAPES["llama-8b"])
 CONTEXT = (256, 128)
 
 
