@@ -406,13 +406,13 @@ class Engine:
         self.choose_formats(weights, remeasure)
 
     @classmethod
-    def of_models(cls, target, draft=None, observers=(), on_line=None):
+    def of_models(cls, target, draft=None, weights=None, observers=(), on_line=None):
         """An engine on models already built (model.Transformer; draft also "racer" or None): no tokenizer (prompts
-        are ids), the models' own device and formats."""
+        are ids), the models' own device and formats (weights: the name of theirs, for reports; default bf16)."""
         e = cls.__new__(cls)
         e.begin(observers, on_line)
         e.hold(target, draft)
-        e.choose_formats(None, False)
+        e.choose_formats(weights, False)
         return e
 
     def begin(self, observers, on_line):

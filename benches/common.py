@@ -128,7 +128,7 @@ def open_pair(args, device, world=1):
         dtype = getattr(torch, args.dtype)
         draft = random_model(draft_name, device, dtype, 0, 1, args.weights)  # whole on every rank
         target = random_model(target_name, device, dtype, 1, world, args.weights)
-        return engine.Engine(target, draft, device, args.weights), None
+        return engine.Engine.of_models(target, draft, args.weights), None
     paths = engine.default_pair()
     if args.target:
         paths = tuple(loading.local_paths([args.draft, args.target]))  # Hub ids as files: the peers read them too

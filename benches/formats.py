@@ -59,10 +59,10 @@ def format_report(target, prompts, names, new_tokens, device):
     ids = None
     reference = platforms.load(target, device, weights="float32")[0]  # also the float32 format's model
     for name in dict.fromkeys(["bf16", *names]):  # bf16 first: the greedy reference
-        source = target
         if name == "float32":
-            source = reference
-        e = engine.Engine(source, None, device, name).load()
+            e = engine.Engine.of_models(reference, None, name)
+        else:
+            e = engine.Engine(target, None, device, name).load()
         if ids is None:  # by bf16's engine, which has the tokenizer
             ids = [e.encode(p) for p in prompts]
         greedy = [r.tokens for r in e.generate(ids, slots=slots, method="ar", max_new_tokens=new_tokens,
