@@ -24,6 +24,7 @@ from test_engine import DRAFT, PROMPT, TARGET, save  # noqa: E402
 from test_server import DIRECT, free_port, serve, word_model  # noqa: E402
 
 CHROMIUM = shutil.which("chromium")
+WIDTH = 1400  # the browser's window, in pixels
 NO_CHROMIUM = "chromium not found: apt-get install chromium"
 reference_kernels = test_engine.reference_kernels  # autouse, as there: the interpreted Triton kernels are slow
 
@@ -97,10 +98,14 @@ def test_the_methods_a_page_offers():
 
 
 @pytest.fixture(scope="module")
-def words_server(tmp_path_factory):
+def words_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("watch")
-    pair = save(word_model(0), str(root / "target")), save(word_model(1), str(root / "draft"))
-    with serve(pair, "--slots", "2") as s:
+    return save(word_model(0), str(root / "target")), save(word_model(1), str(root / "draft"))
+
+
+@pytest.fixture(scope="module")
+def words_server(words_pair):
+    with serve(words_pair, "--slots", "2") as s:
         yield s
 
 
@@ -122,13 +127,16 @@ def events(response):
 def test_the_page_and_its_events(words_server):
     """GET / serves the page, its script and styles its own; /watch/info the methods, defaults and the copy
     bandwidth; POST /watch streams start, a record per cycle, the settled text and an end whose text is the API's
-    for the same seed; bad options get the API's one-line 400; a page that goes away cancels its request."""
+    for the same seed, beside another page's request; bad options get the API's one-line 400; a page that goes away
+    cancels its request."""
     with DIRECT.open(f"http://127.0.0.1:{words_server.port}/", timeout=10) as r:
         page = r.read().decode()
         assert "default-src 'none'" in r.headers["Content-Security-Policy"] and "<script>" in page
     status, info = words_server.get("/watch/info")
-    assert info["methods"] == server.served_methods("model") and info["copy_bandwidth_gbs"] > 0
+    assert status == 200 and info["methods"] == server.served_methods("model") and info["copy_bandwidth_gbs"] > 0
     options = {"prompt": "w5 w6 w7", "max_tokens": 12, "seed": 3, "method": "smc", "particles": 3, "draft_len": 2}
+    other, other_c = post(words_server, "/watch", options | {"max_tokens": 2000, "method": "sd"})
+    assert next(e for e in events(other) if e["kind"] == "cycle")["cycle"] == 1  # another page's, decoding on
     response, c = post(words_server, "/watch", options)
     with contextlib.closing(c):
         got = list(events(response))
@@ -142,16 +150,44 @@ def test_the_page_and_its_events(words_server):
     status, reply = words_server.post_raw("/watch", json.dumps(options | {"temperature": 0}))
     api_status, api_reply = words_server.post_raw("/v1/completions", json.dumps(options | {"temperature": 0}))
     assert status == api_status == 400 and reply == api_reply and "smc needs temperatures > 0" in str(reply)
-    response, c = post(words_server, "/watch", options | {"max_tokens": 2000, "method": "sd"})
-    with contextlib.closing(c):
-        assert next(e for e in events(response) if e["kind"] == "cycle")["cycle"] == 1
+    assert words_server.get("/health")[1]["requests"] == 1
+    other.close()  # the other page goes away
+    other_c.close()
     assert words_server.idle(5), "the page went away, its request still holds its slot"
 
 
-def test_engine_watch_needs_no_prompt(capsys):
+def test_engine_watch_needs_no_prompt():
     with pytest.raises(SystemExit) as e:
         engine.main(["--watch", "--prompt", "hello"])
     assert "--watch: prompts are typed in the page" in str(e.value)
+
+
+@pytest.mark.slow
+def test_engine_watch_serves_the_page_and_says_where(words_pair):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, os.path.join(test_engine.ROOT, "engine.py"), "--watch", str(port), "--target",
+               words_pair[0], "--draft", words_pair[1], "--device", "cpu", "--weights", "float32"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, bufsize=0)
+    try:
+        said = until(lambda: said_where(proc), 60)
+        assert said == f"watch it decode: open http://127.0.0.1:{port}/ in a browser\n"
+        with DIRECT.open(f"http://127.0.0.1:{port}/", timeout=10) as r:
+            assert r.status == 200 and "watch it decode" in r.read().decode()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def said_where(proc):
+    """The server's line with the page's address, once it has said it (other lines are passed over); its stderr is
+    unbuffered, so that what select sees waiting is all there is."""
+    while select.select([proc.stderr], [], [], 0.1)[0]:
+        line = proc.stderr.readline().decode()
+        assert line, "the server exited"
+        if line.startswith("watch it decode"):
+            return line
+    return None
 
 
 # ---------------------------------------------------------------- the page, in a browser
@@ -161,7 +197,7 @@ class Browser:
     """Headless Chromium over the DevTools protocol on a pipe (--remote-debugging-pipe: JSON messages that end in a
     NUL byte, read from its fd 3 and answered on its fd 4), attached to one page of width x height pixels."""
 
-    def __init__(self, folder, width=1400, height=1000):
+    def __init__(self, folder, width=WIDTH, height=1000):
         to_browser = os.pipe()
         from_browser = os.pipe()
 
@@ -182,6 +218,9 @@ class Browser:
         self.session = None
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.resize(width, height)
+
+    def resize(self, width, height):
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
     def call(self, method, timeout=30, **params):
@@ -226,7 +265,9 @@ class Browser:
         return False
 
     def screenshot(self, path):
+        """The whole page, as tall as it is, to a PNG file."""
         import base64
+        self.resize(WIDTH, self.evaluate("document.documentElement.scrollHeight"))
         with open(path, "wb") as f:
             f.write(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
 
@@ -274,6 +315,7 @@ SNAPSHOT = """(() => ({
     done: document.getElementById("status").dataset.done === "true",
     cycle: Number(document.getElementById("status").dataset.cycle || 0),
     error: document.getElementById("error").textContent,
+    ar: document.getElementById("ar-line").textContent,
 }))()"""
 
 
@@ -284,7 +326,7 @@ def watch_to_the_end(browser, seconds=60):
     while not (snapshots and (snapshots[-1]["done"] or snapshots[-1]["error"])):
         assert time.monotonic() < end, f"the run did not end in {seconds} s: {snapshots[-1:]}"
         snapshots.append(browser.evaluate(SNAPSHOT))
-        time.sleep(0.02)
+        time.sleep(0.05)
     return snapshots
 
 
@@ -299,32 +341,35 @@ def browser_on(url):
             browser.close()
 
 
-SMOLLM = dict(prompt="Once upon a time, in a small village,", temperature=1.0, max_tokens=40)
-SMC = dict(particles=4, draft_len=3, seed=2)  # its particles part, and the lag of 16 collapses them at least once
+SMOLLM = dict(prompt="Once upon a time, in a small village,", temperature=1.0, max_tokens=16)
+SMC = dict(particles=4, draft_len=3, seed=2)  # its particles part, and the server's lag collapses them
 
 
 @pytest.mark.slow
 def test_the_page_in_a_browser():
     """Headless Chromium on the page of a server over SmolLM2-135M (draft and target alike): an smc run started from
-    the form shows its N particle rows growing, draws a resampling and ends with the API's text for its seed; an sd
-    run (top-k 2: the target refuses what the draft proposes outside its top two) marks accepted and rejected
-    drafts."""
+    the form shows its N particle rows growing, draws a resampling and ends with the API's text for its seed, and
+    the ar button sets ar's speed beside it; an sd run (top-k 2: the target refuses what the draft proposes outside
+    its top two) marks accepted and rejected drafts."""
     if CHROMIUM is None:
         pytest.skip(NO_CHROMIUM)
     from test_model import smollm_gguf
     gguf = smollm_gguf()
-    with serve((gguf, gguf), "--slots", "2") as s, browser_on(f"http://127.0.0.1:{s.port}/") as browser:
+    lag = ("--lag", "5")  # a draft that is its target never resamples by weight: by the lag it does
+    with serve((gguf, gguf), "--slots", "2", *lag) as s, browser_on(f"http://127.0.0.1:{s.port}/") as browser:
         start_run(browser, "smc", **SMOLLM, **SMC)
         snapshots = watch_to_the_end(browser)
         last = snapshots[-1]
         assert not last["error"], last["error"]
         growing = [snap["rows"] for snap in snapshots if len(snap["rows"]) == SMC["particles"]]
-        assert len({json.dumps(rows) for rows in growing}) >= 3, "the particle rows did not grow"
+        assert len({json.dumps(rows) for rows in growing}) >= 2, "the particle rows did not grow"
         assert max(snap["moved"] for snap in snapshots) > 0, "no resampling drawn"
         api = s.client.completions.create(model="smollm", prompt=SMOLLM["prompt"], max_tokens=SMOLLM["max_tokens"],
                                           temperature=1.0, seed=SMC["seed"],
                                           extra_body={"method": "smc", "particles": 4, "draft_len": 3})
         assert last["settled"] == api.choices[0].text
+        browser.evaluate('document.getElementById("ar").click()')
+        until(lambda: "x ar" in browser.evaluate(SNAPSHOT)["ar"], 30)
         start_run(browser, "sd", **SMOLLM, draft_len=4, top_k=2, seed=1)
         last = watch_to_the_end(browser)[-1]
         assert not last["error"] and last["accepted"] > 0 and last["rejected"] > 0, last
