@@ -307,7 +307,7 @@ def start_run(browser, method, **fields):
 
 
 SNAPSHOT = """(() => ({
-    rows: [...document.querySelectorAll("#particles .particle .tail")].map((t) => t.textContent),
+    rows: [...document.querySelectorAll("#particle-rows .particle .tail")].map((t) => t.textContent),
     moved: document.querySelectorAll("#genealogy line.moved").length,
     accepted: document.querySelectorAll("#drafts .chip.accepted").length,
     rejected: document.querySelectorAll("#drafts .chip.rejected").length,
