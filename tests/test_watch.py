@@ -1,7 +1,7 @@
 """The watch page (server.py's / and POST /watch, watch.html): the records a watched request sends, on tiny random
 models in this process; the page's HTTP side on a server over them; and the page itself in headless Chromium,
-driven over the DevTools protocol against a server on the SmolLM2-135M pair. `python tests/test_watch.py PNG` takes
-the README's screenshot on the default pair."""
+driven over the DevTools protocol against a server on the SmolLM2-135M pair. The README's screenshot, on the default
+pair: python tests/test_watch.py docs/watch.png --weights w4a8 (after the PNG, server.py's flags)."""
 import contextlib
 import http.client
 import json
@@ -204,6 +204,8 @@ class Browser:
         def on_3_and_4():  # in the child: no pipe end can be fd 3 but the one put there
             os.dup2(to_browser[0], 3)
             os.dup2(from_browser[1], 4)
+            for fd in (3, 4):  # dup2 onto itself leaves a pipe end as it was made: closed at exec
+                os.set_inheritable(fd, True)
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--no-default-browser-check", "--no-proxy-server", "--disable-extensions", "--mute-audio",
                  "--remote-debugging-pipe", f"--user-data-dir={folder}", "about:blank"]
@@ -294,16 +296,21 @@ def until(check, seconds, every=0.05):
     raise AssertionError(f"not seen in {seconds} s: {check.__doc__ or check}")
 
 
-def start_run(browser, method, **fields):
-    """Fill the page's form (the method first: it enables the fields it takes) and press Start."""
+def set_form(browser, method, **fields):
+    """Fill the page's form, the method first: it enables the fields it takes."""
     sets = [f"document.getElementById({json.dumps(k)}).value = {json.dumps(str(v))};" for k, v in fields.items()]
     browser.evaluate(f"""(() => {{
         const method = document.getElementById("method");
         method.value = {json.dumps(method)};
         method.dispatchEvent(new Event("change"));
         {" ".join(sets)}
-        document.getElementById("start").click();
     }})()""")
+
+
+def start_run(browser, method, **fields):
+    """Fill the page's form and press Start."""
+    set_form(browser, method, **fields)
+    browser.evaluate('document.getElementById("start").click()')
 
 
 SNAPSHOT = """(() => ({
@@ -386,13 +393,24 @@ def screenshot(path, flags):
     try:
         until(lambda: health(port), 600, every=1)
         with browser_on(f"http://127.0.0.1:{port}/") as browser:
-            start_run(browser, "smc", prompt="def quicksort(xs):\n", particles=4, draft_len=3, seed=1,
-                      max_tokens=128, temperature=0.7)
-            until(lambda: browser.evaluate(SNAPSHOT)["cycle"] >= 14, 300, every=0.02)
+            form = dict(prompt="def quicksort(xs):\n", particles=4, draft_len=3, seed=1, max_tokens=128,
+                        temperature=0.7)
+            set_form(browser, "smc", **form)
+            browser.evaluate('document.getElementById("ar").click()')  # ar first: its speed stays beside smc's
+            until(lambda: "tok/s" in browser.evaluate(SNAPSHOT)["ar"], 300, every=0.5)
+            start_run(browser, "smc", **form)
+            until(lambda: apart(browser), 300, every=0.02)
             browser.screenshot(path)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def apart(browser):
+    """Mid-decode with the particles apart: ten cycles in, three different texts past the settled one."""
+    snapshot = browser.evaluate(SNAPSHOT)
+    assert not snapshot["done"], "the run ended before its particles parted"
+    return snapshot["cycle"] >= 10 and len({row for row in snapshot["rows"] if row.strip()}) >= 3
 
 
 def health(port):
