@@ -27,6 +27,7 @@ CHROMIUM = shutil.which("chromium")
 WIDTH = 1400  # the browser's window, in pixels
 NO_CHROMIUM = "chromium not found: apt-get install chromium"
 reference_kernels = test_engine.reference_kernels  # autouse, as there: the interpreted Triton kernels are slow
+random_trees = test_engine.random_trees
 
 
 # ---------------------------------------------------------------- the records, in this process
@@ -56,6 +57,20 @@ def test_watching_changes_no_token(method):
     else:
         assert sum(r["drafts"]["accepted"] for r in records) == result.stats["accepted"]
         assert all(len(r["drafts"]["rows"]) == (4 if method == "mdsd" else 1) for r in records)
+
+
+def test_a_racer_tree_is_marked_along_its_paths(random_trees):
+    """racer's trees (random ones, test_engine.py's) arrive as their root-to-leaf paths, the accepted tokens marked on
+    the path the target took; no draft model's bytes are read."""
+    e = engine.Engine.of_models(TARGET, "racer")
+    options = dict(method="sd", max_new_tokens=20, temperature=1.0, seed=1, draft_len=3, tree=8)
+    plain = e.generate(PROMPT, **options)
+    result, records = watched(e, **options)
+    assert result.tokens == plain.tokens and sum(r["drafts"]["accepted"] for r in records) == result.stats["accepted"]
+    for r in records:
+        path = [row for row in r["drafts"]["rows"] if [m for _, m in row][:r["drafts"]["accepted"]] ==
+                ["accepted"] * r["drafts"]["accepted"]]
+        assert path and r["bytes"]["weights"] == e.target.weight_bytes()
 
 
 def test_a_cycle_reads_each_weight_once_a_forward():
