@@ -890,7 +890,23 @@ def parser():
                    "text as it settles, then a summary)")
     p.add_argument("--trace", metavar="PATH", help="one JSON line per cycle to PATH: tokens, weights, ancestors, "
                    "phase times (default: none)")
+    p.add_argument("--watch", metavar="PORT", type=int, nargs="?", const=8000, help="serve the watch page instead, "
+                   "on 127.0.0.1:PORT (8000 if not given): type prompts there and watch each cycle (default off)")
     return p
+
+
+def watch(args):
+    """--watch: server.py on these models, at 127.0.0.1; it prints the page's address once it serves."""
+    import server
+    require(args.prompt is None and not args.prompt_file and not args.trace, "--watch: prompts are typed in the "
+            "page; drop --prompt, --prompt-file and --trace")
+    flags = ["--device", args.device, "--weights", args.weights, "--host", "127.0.0.1", "--port", str(args.watch)]
+    for name in ("target", "draft"):
+        if getattr(args, name):
+            flags += [f"--{name}", getattr(args, name)]
+    if args.remeasure:
+        flags.append("--remeasure")
+    server.main(flags)
 
 
 def prepare(args, batch, world):
@@ -988,6 +1004,11 @@ def fail(rank, message):
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.watch is not None:
+        try:
+            return watch(args)
+        except UsageError as error:
+            fail(0, error)
     batch = bool(args.prompt_file and args.prompt_file.endswith(".jsonl"))
     rank = 0
     try:

@@ -1,7 +1,9 @@
-"""Traces and pictures: the Tracer behind engine.py --trace (one JSON line per cycle, from the request's on_cycle),
-and pictures of what the particles do (from a trace) and of where the bytes go (from bench.py's JSON). The pictures
-need matplotlib, an optional requirement of this file alone (pip install matplotlib)."""
+"""Traces and pictures: each cycle's record (`Cycles`, from the request's on_cycle), which the Tracer behind
+engine.py --trace writes as a JSON line and server.py's watch page draws live; and pictures of what the particles
+do (from a trace) and of where the bytes go (from bench.py's JSON). The pictures need matplotlib, an optional
+requirement of this file alone (pip install matplotlib)."""
 import atexit
+import importlib.util
 import json
 import math
 import os
@@ -12,41 +14,37 @@ import sys
 # ---------------------------------------------------------------- traces (engine.py --trace)
 
 
-class Tracer:
-    """One JSON line per cycle of one request, written from its on_cycle callback: the tokens each particle
-    appended (before resampling; null for a particle no survivor descends from), its log weight before and after
-    resampling, the ESS, whether the request resampled and each particle's ancestor, the settled and generated
-    lengths; for sd the drafted tokens (racer: the tree's tokens and parents) and how many were accepted; and the
-    phase times, `phase` being one of the engine's observers (draft, verify with the method's rule, cycle; a CUDA
-    graph's replay: the cycle alone). A first line holds the settings, a last one the result. Lines go to PATH.tmp,
-    renamed to PATH at the end, so no half-written trace is left."""
+def start_record(request, decode):
+    """The first line of a trace (the first event of a watched request): its settings and prompt."""
+    s = request.settings
+    return {"kind": "start", "method": s.method, "particles": s.particles, "draft_len": s.draft_len,
+            "ess_threshold": s.ess_threshold, "draft_temperature": s.draft_temperature,
+            "target_temperature": s.target_temperature, "seed": s.seed, "max_new_tokens": s.max_new_tokens,
+            "prompt_tokens": len(request.ids), "prompt": decode(request.ids)}
 
-    def __init__(self, path, engine, request):
-        self.path = path
-        self.engine = engine
-        self.request = request
+
+def end_record(result):
+    return {"kind": "end", "tokens": result.tokens, "text": result.text, "stats": result.stats}
+
+
+class Cycles:
+    """The record of each cycle of one request, read from its slot after the cycle (the trace's lines, the watch
+    page's events): the tokens each particle appended (before resampling; null for a particle no survivor descends
+    from) and their text, its log weight before and after resampling, the ESS, whether the request resampled and
+    each particle's ancestor, the settled and generated lengths; for sd the drafted tokens (racer: the tree's
+    tokens and parents) and how many were accepted. It reads the State and changes nothing."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         self.cycles = 0
-        self.ms = {}
         self.length = 1  # a prefilled slot holds x0, the prefill's token
         self.ess_sum = 0.0
         self.resamples = 0
-        self.file = open(path + ".tmp", "w")
-        atexit.register(self.discard)
-        s = request.settings
-        self.write({"kind": "start", "method": s.method, "particles": s.particles, "draft_len": s.draft_len,
-                    "ess_threshold": s.ess_threshold, "draft_temperature": s.draft_temperature,
-                    "target_temperature": s.target_temperature, "seed": s.seed, "max_new_tokens": s.max_new_tokens,
-                    "prompt_tokens": len(request.ids), "prompt": self.decode(request.ids)})
 
     def decode(self, ids):
-        if ids is None or self.engine.tokenizer is None:
+        if ids is None or self.tokenizer is None:
             return None
-        return self.engine.tokenizer.decode(ids)
-
-    def phase(self, batch, name, seconds):
-        """An engine observer: the phase times of the traced request's batch, until its next cycle line."""
-        if self.request in batch.requests:
-            self.ms[name] = self.ms.get(name, 0.0) + 1e3 * seconds
+        return self.tokenizer.decode(ids)
 
     def appended(self, st, r, length, method):
         """-> [N] the tokens each particle appended in the last cycle, in the numbering before resampling: a
@@ -59,8 +57,8 @@ class Tracer:
             tokens[ancestor] = after[particle]
         return tokens
 
-    def cycle(self, batch, r):
-        """Request.on_cycle: slot r of batch after a cycle."""
+    def record(self, batch, r):
+        """Slot r of batch after a cycle -> the cycle's record."""
         st = batch.st
         method = batch.shape.method
         self.cycles += 1
@@ -82,6 +80,32 @@ class Tracer:
             record |= {"tree": st.nodes[r, 1:].tolist(), "parents": st.parent[r, 1:].tolist(), "accepted": kept - 1}
         elif method.draft_model and not method.particles:  # sd and easd: one draft a cycle
             record |= {"drafted": st.drafted[r, 0].tolist(), "accepted": kept - 1}
+        return record
+
+
+class Tracer:
+    """One JSON line per cycle of one request, written from its on_cycle callback: `Cycles`' record, and the phase
+    times, `phase` being one of the engine's observers (draft, verify with the method's rule, cycle; a CUDA graph's
+    replay: the cycle alone). A first line holds the settings, a last one the result. Lines go to PATH.tmp, renamed
+    to PATH at the end, so no half-written trace is left."""
+
+    def __init__(self, path, engine, request):
+        self.path = path
+        self.request = request
+        self.records = Cycles(engine.tokenizer)
+        self.ms = {}
+        self.file = open(path + ".tmp", "w")
+        atexit.register(self.discard)
+        self.write(start_record(request, self.records.decode))
+
+    def phase(self, batch, name, seconds):
+        """An engine observer: the phase times of the traced request's batch, until its next cycle line."""
+        if self.request in batch.requests:
+            self.ms[name] = self.ms.get(name, 0.0) + 1e3 * seconds
+
+    def cycle(self, batch, r):
+        """Request.on_cycle: slot r of batch after a cycle."""
+        record = self.records.record(batch, r)
         if "verify_cycle" in self.ms:  # an eager cycle, phase by phase
             draft = self.ms.get("draft_block", 0.0)
             verify = self.ms["verify_cycle"]
@@ -93,7 +117,7 @@ class Tracer:
 
     def done(self, result):
         """Request.on_done: the result line; the trace is complete."""
-        self.write({"kind": "end", "tokens": result.tokens, "text": result.text, "stats": result.stats})
+        self.write(end_record(result))
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
 
@@ -427,9 +451,7 @@ def main(argv=None):
     out = args.out or os.path.dirname(os.path.abspath(args.file))
     try:
         kind, data = load(args.file)
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:
             raise PlotError("the pictures need matplotlib: pip install matplotlib")
         os.makedirs(out, exist_ok=True)
         if kind == "trace":

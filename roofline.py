@@ -1,8 +1,16 @@
 """The roofline on paper: each method's ideal tokens/s on a named GPU, from the bytes and FLOPs its cycle moves.
-A prediction from published peaks, not a measurement: `python roofline.py --gpu h200`.
+A prediction from published peaks, not a measurement: `python roofline.py --gpu h200`. Beside it the measured
+side's two numbers, which server.py's watch page sets a cycle's time against: the bytes a real cycle reads from
+memory, and the machine's copy bandwidth.
 """
 import argparse
+import time
 from dataclasses import dataclass
+
+import torch
+
+import model
+import scheduler
 
 # Published peaks: HBM bandwidth and dense bf16 tensor-core throughput (no sparsity).
 GPUS = {
@@ -79,6 +87,41 @@ def table(draft, target, gpu, context, acceptance, cells):
         lines.append(f"| {method} | {particles} | {draft_len} | {tokens:.2f} | {1e3 * seconds:.2f} | {rate:.0f} | "
                      f"{rate * ar_seconds:.2f}x |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- measured: the bytes a cycle reads, the bandwidth
+
+
+def kv_bytes_per_token(m):
+    """One token's K and V in every layer of model m, in its activations' dtype."""
+    return model.KVCache.nbytes(m.config, 1, 1, 0, m.embed.dtype)
+
+
+def cycle_reads(target, draft, draft_steps, particles, prompt_len, suffix_len):
+    """-> {"weights": bytes, "kv": bytes} one request's cycle reads: every weight once a forward (a forward over
+    many rows reads each weight once) and the KV cache, the prompt once and each particle's suffix; draft_steps
+    forwards of the draft (K; none for ar and racer's drafts), then one of the target."""
+    forwards = [target] + [draft] * draft_steps
+    kv = sum(kv_bytes_per_token(m) for m in forwards) * (prompt_len + particles * suffix_len)
+    return {"weights": sum(m.weight_bytes() for m in forwards), "kv": kv}
+
+
+def copy_bandwidth(device, repeats=5):
+    """GB/s of a large tensor copy (bytes read + written), the best of a few: the machine's practical memory
+    bandwidth, measured in the same process as the decoding it is set against."""
+    elements = 2**27  # 256 MiB in bf16; twice that on a GPU
+    if device.type == "cuda":
+        elements = 2**28
+    src = torch.ones(elements, device=device, dtype=torch.bfloat16)  # written: no page reads as the zero page
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        scheduler.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        scheduler.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9
 
 
 CELLS = (("ar", 1, 1), ("sd", 1, 4), ("mdsd", 4, 4), ("smc", 4, 4), ("smc", 8, 8), ("smc", 16, 4))

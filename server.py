@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP server on the engine's batched serving loop: /v1/completions, /v1/chat/completions
-(streamed or not), /v1/models, /health and Prometheus' /metrics. One worker thread runs Engine.serve; a request's
+(streamed or not), /v1/models, /health and Prometheus' /metrics; and at / the watch page (watch.html), whose
+requests stream every cycle of their own slot from POST /watch. One worker thread runs Engine.serve; a request's
 options are Settings' fields, checked by Settings.check; a client that goes away cancels its request."""
 import argparse
 import asyncio
@@ -19,13 +20,15 @@ import uuid
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import engine
 import errors
 import methods
 import metrics
+import plot
+import roofline
 import scheduler
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
@@ -41,6 +44,9 @@ SERVED = ("method", "particles", "draft_len", "lag", "tree", "overlap")
 API_NAMES = {"max_new_tokens": "max_tokens", "draft_temperature": "temperature", "target_temperature": "temperature"}
 MAX_TOKENS = {"completion": 16, "chat": 256}  # when a request gives none: OpenAI's for completions
 STOPPED = "the serving loop stopped"
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watch.html")
+# The page's own script and styles, and requests back to this server only: nothing from the network.
+PAGE_POLICY = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
 
 
 class ApiError(Exception):
@@ -178,8 +184,9 @@ class Worker:
         for events in list(self.live):
             self.deliver(events, result)
 
-    def submit(self, prompt, stop, options, stream):
-        """-> (engine.Request, its queue); errors.UsageError for a bad request; a 503 when too many wait."""
+    def submit(self, prompt, stop, options, stream, watched=False):
+        """-> (engine.Request, its queue); errors.UsageError for a bad request; a 503 when too many wait. watched:
+        each cycle's record (a Watch's) goes in the queue too, between the text pieces."""
         if self.failure:
             raise ApiError(503, self.failure, kind="server_error")
         if len(self.live) >= self.slots + self.max_waiting:
@@ -190,8 +197,11 @@ class Worker:
             forward = functools.partial(self.post, events.put_nowait)
         clock = Clock(forward)
         on_done = functools.partial(self.post, self.deliver, events)
+        on_cycle = None
+        if watched:
+            on_cycle = Watch(self.eng.tokenizer, forward)
         req = self.eng.request(prompt, stop=stop, context=self.context, on_text=clock.text, on_done=on_done,
-                               **options)
+                               on_cycle=on_cycle, **options)
         self.live[events] = clock
         self.inbox.put(req)
         return req, events
@@ -230,14 +240,20 @@ def error_of(result):
 
 # ---------------------------------------------------------------- HTTP
 
-async def completions(request):
-    state = request.app.state
-    chat = request.url.path.endswith("/chat/completions")
+async def body_of(request):
+    """A request's JSON object."""
     try:
         body = json.loads(await request.body(), parse_constant=float_constant)
     except ValueError as error:
         raise ApiError(400, f"malformed JSON body: {error}") from None
     engine.require(isinstance(body, dict), "the body must be a JSON object")
+    return body
+
+
+async def completions(request):
+    state = request.app.state
+    chat = request.url.path.endswith("/chat/completions")
+    body = await body_of(request)
     stream = get(body, "stream", bool, False)
     include_usage = get(get(body, "stream_options", dict, {}), "include_usage", bool, False)
     prompt = prompt_of(body, chat, state.worker.eng.tokenizer)
@@ -324,6 +340,159 @@ def usage(req, result):
     return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
 
 
+# ---------------------------------------------------------------- the watch page
+
+
+class Watch:
+    """A watched request's on_cycle, on the decoding thread: plot.Cycles' record of its slot after each cycle (what a
+    trace holds), and beside it what the page draws: each particle's text past the settled tokens, the drafts this
+    cycle verified with their tokens marked, the bytes the cycle read and its time; sent on by `forward`. It reads
+    the State and changes nothing."""
+
+    def __init__(self, tokenizer, forward):
+        self.records = plot.Cycles(tokenizer)
+        self.forward = forward
+        self.last = None  # perf_counter() at the previous cycle's end
+
+    def __call__(self, batch, r):
+        req = batch.requests[r]
+        before = self.records.length
+        record = self.records.record(batch, r)
+        now = time.perf_counter()
+        if self.last is None:
+            self.last = req.start + req.prefill_seconds
+        record |= {"ms": 1e3 * (now - self.last), "seconds": now - req.start,
+                   "texts": self.unsettled(batch.st, r, req, record["settled"], before),
+                   "drafts": self.drafts(drafts_of(batch, r, record), record), "bytes": bytes_read(batch, req, before)}
+        self.last = now
+        self.forward(record)
+
+    def unsettled(self, st, r, req, settled, before):
+        """Each particle's text past its settled tokens, after resampling: [the part before this cycle, this cycle's],
+        up to its EOS."""
+        texts = []
+        cut = max(settled, before)
+        for row in st.hist[r, :, 1:1 + int(st.gen_len[r])].tolist():
+            row = engine.until_eos(row, req.ends)
+            texts.append([self.records.decode(row[settled:cut]), self.records.decode(row[cut:])])
+        return texts
+
+    def drafts(self, rows, record):
+        """The drafts as rows of [token's text, "accepted", "rejected" (the first off the path taken) or "unseen"],
+        and the token the target emitted after the accepted ones; None for a method that drafts nothing to reject."""
+        if rows is None:
+            return None
+        appended = record["tokens"][0]  # every particle's: the winner's
+        accepted = max(len(appended) - 1, 0)
+        marked = []
+        for row in rows:
+            on_path = 0
+            while on_path < min(accepted, len(row)) and row[on_path] == appended[on_path]:
+                on_path += 1
+            marks = ["accepted"] * on_path + ["rejected"] + ["unseen"] * len(row)
+            marked.append([[self.records.decode([token]), mark] for token, mark in zip(row, marks)])
+        return {"rows": marked, "accepted": accepted, "emitted": self.records.decode(appended[accepted:])}
+
+    def start_record(self, req):
+        return plot.start_record(req, self.records.decode) | {"racer": bool(req.shape.tree)}
+
+
+def drafts_of(batch, r, record):
+    """The token ids of each draft slot r's last cycle verified: sd's one, mdsd's N, racer's tree as its paths from
+    the root to each leaf; None for ar and smc (smc keeps every drafted token, weighed)."""
+    method = batch.shape.method
+    if batch.shape.tree:
+        return tree_paths(record["tree"], record["parents"])
+    if not method.draft_model or method.weighted:
+        return None
+    return batch.st.drafted[r].tolist()
+
+
+def tree_paths(tokens, parents):
+    """A racer tree's nodes 1..T (tokens, -1 none; parents, node 0 the root) -> each leaf's tokens from the root."""
+    inner = set(parents)
+    paths = []
+    for leaf in range(1, len(tokens) + 1):
+        if tokens[leaf - 1] < 0 or leaf in inner:
+            continue
+        path = []
+        node = leaf
+        while node:
+            path.insert(0, tokens[node - 1])
+            node = parents[node - 1]
+        paths.append(path)
+    return paths
+
+
+def bytes_read(batch, req, before):
+    """The bytes req's cycle read (roofline.cycle_reads) at its suffix before the cycle, as if alone in its batch."""
+    shape = batch.shape
+    draft_steps = shape.draft_len if shape.method.draft_model else 0
+    suffix = before - 1  # the pending token is in no cache yet
+    return roofline.cycle_reads(batch.models.target, batch.models.draft, draft_steps, shape.particles, len(req.ids),
+                                suffix)
+
+
+def served_methods(drafts):
+    """The methods this engine's drafts ("model", "racer" or None) let a request name."""
+    names = []
+    for name, kind in methods.METHODS.items():
+        if not kind.drafts or drafts == "model" or drafts == "racer" and kind.on_racer():
+            names.append(name)
+    return names
+
+
+async def page(request):
+    with open(PAGE, encoding="utf-8") as f:
+        return HTMLResponse(f.read(), headers={"Content-Security-Policy": PAGE_POLICY})
+
+
+async def watch_info(request):
+    """What the page shows before a request: the model, the methods served, the defaults, and the machine's copy
+    bandwidth, measured on the first call (in a thread: the loop serves on)."""
+    state = request.app.state
+    eng = state.worker.eng
+    async with state.measuring:
+        if state.bandwidth is None:
+            state.bandwidth = await asyncio.to_thread(roofline.copy_bandwidth, eng.device)
+    return JSONResponse({"model": state.model_name, "device": str(eng.device), "weights": eng.weights,
+                         "drafts": eng.drafts(), "methods": served_methods(eng.drafts()), "defaults": state.defaults,
+                         "copy_bandwidth_gbs": state.bandwidth})
+
+
+async def watch(request):
+    """The page's request: a completion's options (chat: true for the chat template), checked as the API checks
+    them; its events streamed: start, a record per cycle, text pieces as they settle, and end (or error)."""
+    state = request.app.state
+    body = await body_of(request)
+    chat = get(body, "chat", bool, False)
+    prompt = prompt_of(body, chat, state.worker.eng.tokenizer)
+    options = options_of(body, chat, state.defaults)
+    req, events = state.worker.submit(prompt, [], options, True, watched=True)
+    return StreamingResponse(watch_events(req, events), media_type="text/event-stream")
+
+
+async def watch_events(req, events):
+    """Server-sent events of the records req's Watch makes, its text pieces and its end. Starlette cancels this
+    generator when the page goes away; `finally` then cancels the request."""
+    event = None
+    try:
+        yield data(req.on_cycle.start_record(req))
+        while not isinstance(event := await events.get(), engine.Result):
+            if isinstance(event, str):
+                yield data({"kind": "text", "text": event})
+            else:
+                yield data(event)
+        failure = error_of(event)
+        if failure:
+            yield data({"kind": "error", "message": failure[1]})
+        else:
+            yield data(plot.end_record(event))
+    finally:
+        if not isinstance(event, engine.Result):
+            req.cancel()
+
+
 async def models(request):
     return JSONResponse({"object": "list", "data": [{"id": request.app.state.model_name, "object": "model",
                                                      "created": 0, "owned_by": "smcsd-mini"}]})
@@ -374,7 +543,13 @@ def serve_http(worker, model_name, defaults, host, port):
             signals.append(sig)
             worker.stop()
             super().handle_exit(sig, frame)
-    routes = [Route("/v1/completions", completions, methods=["POST"]),
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                engine.say(f"watch it decode: open http://{host}:{port}/ in a browser")
+    routes = [Route("/", page), Route("/watch", watch, methods=["POST"]), Route("/watch/info", watch_info),
+              Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", completions, methods=["POST"]),
               Route("/v1/models", models), Route("/health", health), Route("/metrics", prometheus)]
     handlers = {ApiError: api_error, errors.UsageError: api_error, HTTPException: api_error}
@@ -382,6 +557,8 @@ def serve_http(worker, model_name, defaults, host, port):
     app.state.worker = worker
     app.state.model_name = model_name
     app.state.defaults = defaults
+    app.state.bandwidth = None  # GB/s, measured once the page first asks
+    app.state.measuring = asyncio.Lock()
     Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5)).run()
     return signals
 
