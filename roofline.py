@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+import methods
 import model
 import scheduler
 
@@ -62,11 +63,12 @@ def sd_tokens(acceptance, draft_len):
 
 def predict(method, draft, target, particles, draft_len, context, gpu, acceptance):
     """-> (tokens a cycle emits, seconds a cycle takes) for one request; context = (prompt length, mean suffix)."""
-    if method == "ar":
+    kind = methods.METHODS[method]
+    if not kind.draft_model:
         return 1.0, forward_seconds(target, 1, context, 1, gpu)
     drafting = draft_len * forward_seconds(draft, particles, context, particles, gpu)
     verifying = forward_seconds(target, particles * (draft_len + 1), context, particles, gpu)
-    if method == "smc":
+    if kind.weighted:  # smc keeps every draft token
         tokens = draft_len + 1.0
     else:
         tokens = sd_tokens(acceptance, draft_len)

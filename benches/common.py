@@ -17,7 +17,6 @@ import formats
 import loading
 import model
 import platforms
-import scheduler
 from cpu import store
 
 CODE_PROMPT = '''def merge_intervals(intervals):
@@ -64,24 +63,6 @@ def machine_line(m):
     if not any(flag.startswith("avx512") for flag in m["cpu_flags"]):
         flags += " (no AVX-512)"
     return f"{cpu}: {m['cores']} cores, {m['threads']} threads, {flags}; torch {m['torch']}"
-
-
-def copy_bandwidth(device, repeats=5):
-    """GB/s of a large tensor copy (bytes read + written), the best of a few: the machine's practical
-    memory bandwidth, measured in the same process as the decoding it is set against."""
-    elements = 2**27  # 256 MiB in bf16; twice that on a GPU
-    if device.type == "cuda":
-        elements = 2**28
-    src = torch.randn(elements, device=device).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        scheduler.synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        scheduler.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.nbytes / best / 1e9
 
 
 @contextlib.contextmanager

@@ -6,8 +6,9 @@ import sys
 import time
 
 import engine
-import model
+import methods
 import peers
+import roofline
 import scheduler
 from benches import common
 
@@ -39,22 +40,17 @@ def ar_engine(pair, paths, args):
     return engine.Engine(paths[1], None, pair.device, fmt).load()
 
 
-def kv_bytes_per_token(m):
-    return model.KVCache.nbytes(m.config, 1, 1, 0, m.embed.dtype)
-
-
 def bytes_per_cycle(e, method, N, K, prompt_len, new_tokens):
-    """Bytes one cycle reads: every weight once per forward (a forward over N x T rows reads each weight
-    once), plus the KV cache: the prompt once for all particles and each particle's suffix, at its mean
-    length over the run. ar: 1 target forward; sd and smc: K draft forwards and 1 target forward."""
-    def forward(m, rows):
-        return m.weight_bytes() + kv_bytes_per_token(m) * (prompt_len + rows * new_tokens / 2)
-    if method == "ar":
-        return forward(e.target, 1)
-    return K * forward(e.draft, N) + forward(e.target, N)
+    """Bytes one cycle reads (roofline.cycle_reads), the suffix at its mean length over the run: ar 1 target
+    forward; sd and smc K draft forwards over N rows and 1 target forward."""
+    if methods.METHODS[method].draft_model:
+        reads = roofline.cycle_reads(e.target, e.draft, K, N, prompt_len, new_tokens / 2)
+    else:
+        reads = roofline.cycle_reads(e.target, None, 0, 1, prompt_len, new_tokens / 2)
+    return sum(reads.values())
 
 
-def roofline(e, row, prompt_len, new_tokens, bandwidth):
+def against_the_roof(e, row, prompt_len, new_tokens, bandwidth):
     """Achieved GB/s (bytes per cycle / cycle time) and the tokens/s the copy bandwidth would allow."""
     stats = row["stats"]
     cycles = max(stats["cycles"], 1)
@@ -119,7 +115,7 @@ def annotate(e, rows, ids_by_prompt, args, bandwidth, ar_e):
         runner = e
         if row["method"] == "ar":
             runner = ar_e
-        row |= roofline(runner, row, len(ids_by_prompt[row["prompt"]]), args.new_tokens, bandwidth)
+        row |= against_the_roof(runner, row, len(ids_by_prompt[row["prompt"]]), args.new_tokens, bandwidth)
 
 
 def profile_phases(e, ids, N, K, new_tokens):
@@ -184,7 +180,7 @@ def run(args, device, rank, world, report):
     report["models"] = common.models_section(e)
     ids_by_prompt = common.prompts(args, e)
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
-    bandwidth = common.copy_bandwidth(device)
+    bandwidth = roofline.copy_bandwidth(device)
     ar = ar_engine(e, paths, args)
     peer = None
     if paths and device.type == "cpu" and peers.gguf_of(paths[1]):
