@@ -443,6 +443,9 @@ def served_methods(drafts):
 
 
 async def page(request):
+    """The watch page; a wheel's install has none (a flat module carries no data): the repository's checkout has."""
+    if not os.path.exists(PAGE):
+        raise ApiError(404, f"{PAGE} is missing: serve from the repository's checkout (or pip install -e .)")
     with open(PAGE, encoding="utf-8") as f:
         return HTMLResponse(f.read(), headers={"Content-Security-Policy": PAGE_POLICY})
 

@@ -2,6 +2,7 @@
 models in this process; the page's HTTP side on a server over them; and the page itself in headless Chromium,
 driven over the DevTools protocol against a server on the SmolLM2-135M pair. The README's screenshot, on the default
 pair: python tests/test_watch.py docs/watch.png --weights w4a8 (after the PNG, server.py's flags)."""
+import asyncio
 import contextlib
 import http.client
 import json
@@ -169,6 +170,15 @@ def test_the_page_and_its_events(words_server):
     other.close()  # the other page goes away
     other_c.close()
     assert words_server.idle(5), "the page went away, its request still holds its slot"
+
+
+def test_a_missing_page_is_a_404_that_says_where_it_should_be(monkeypatch, tmp_path):
+    """A wheel's install carries no watch.html: / says so in one line rather than failing inside."""
+    monkeypatch.setattr(server, "PAGE", str(tmp_path / "watch.html"))
+    with pytest.raises(server.ApiError) as error:
+        asyncio.run(server.page(None))
+    assert error.value.status == 404 and str(error.value).endswith("is missing: serve from the repository's "
+                                                                   "checkout (or pip install -e .)")
 
 
 def test_engine_watch_needs_no_prompt():
