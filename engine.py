@@ -88,8 +88,8 @@ class Settings:
     draft_temperature: float | None = option(None, "the draft's temperature (default: --temperature)")
     target_temperature: float | None = option(None, "the target's temperature (default: --temperature)")
     particles: int | None = option(None, f"smc: particles N; mdsd: drafts N (default: {defaults_on('smc', 0)})")
-    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {METHODS['sd'].shapes['cpu'][1]}; smc, "
-                                         f"mdsd {defaults_on('smc', 1)})")
+    draft_len: int | None = option(None, f"draft tokens K per cycle (default: sd {METHODS['sd'].shapes['cpu'][1]}; "
+                                         f"smc, mdsd {defaults_on('smc', 1)})")
     ess_threshold: float = option(0.5, "smc: resample when ESS < this * N")
     # A lag streams smc's text even where its weights never degenerate and so never resample.
     lag: int = option(16, "smc: collapse onto one particle past this many unsettled tokens (0: never)")
@@ -392,12 +392,12 @@ def reading(paths):
 
 class Engine:
     """A target and an optional draft, each a path (Hugging Face directory or .gguf file), or both models already built
-    (`of_models`: prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a bad request
-    is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths on a CPU: each
-    model's measured once on this machine and kept; remeasure: measured again). Under torchrun each rank holds its
-    target shard and decodes alike (same logits and rng). observers: each told (batch, phase, seconds) of every phase
-    the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched. on_line(text): each line the
-    engine reports (auto's measuring and choices, the files it reads); None: none is shown."""
+    (`of_models`: prompts are ids, results have no text); draft "racer" drafts without a model. Paths open at once: a
+    bad request is refused before `load()` reads a weight. weights: formats.FORMATS' (both models) or "auto" (paths
+    on a CPU: each model's measured once on this machine and kept; remeasure: measured again). Under torchrun each
+    rank holds its target shard and decodes alike (same logits and rng). observers: each told (batch, phase, seconds)
+    of every phase the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched.
+    on_line(text): each line the engine reports (auto's measuring and choices, the files it reads); None: none."""
 
     def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=(), on_line=None):
         """An engine on model files: paths or Hub ids (draft also "racer" or None)."""

@@ -80,8 +80,8 @@ def table(draft, target, gpu, context, acceptance, cells):
     name, bandwidth, flops = GPUS[gpu]
     _, ar_seconds = predict("ar", draft, target, 1, 1, context, gpu, acceptance)
     lines = [f"Predicted on paper for {name} ({bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s bf16 dense), "
-             f"prompt {context[0]} tokens, mean generated length {context[1]}, {acceptance} of sd's draft tokens accepted "
-             "(mdsd: the same, a lower bound):",
+             f"prompt {context[0]} tokens, mean generated length {context[1]}, {acceptance} of sd's draft tokens "
+             "accepted (mdsd: the same, a lower bound):",
              "", "| method | N | K | tokens/cycle | cycle ms | tok/s | vs ar |", "|---|---|---|---|---|---|---|"]
     for method, particles, draft_len in cells:
         tokens, seconds = predict(method, draft, target, particles, draft_len, context, gpu, acceptance)

@@ -75,8 +75,8 @@ def machine_key(paths, draft_config):
         draft = store.file_identity(paths[1])
     elif draft_config:
         draft = dataclasses.asdict(draft_config)
-    key = store.cpu_identity() | {"threads": torch.get_num_threads(), "torch": torch.__version__, "code": store.digest(code),
-                            "target": store.file_identity(paths[0]), "draft": draft}
+    key = store.cpu_identity() | {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                                  "code": store.digest(code), "target": store.file_identity(paths[0]), "draft": draft}
     return json.loads(json.dumps(key))
 
 
@@ -138,7 +138,8 @@ class Measurement:
         self.said = set()  # the one-time lines said: "measuring", "read back", "not kept"
         if paths[0]:
             self.key = machine_key(paths, draft_config)
-            self.path = os.path.join(store.cache_folder(), f"auto-{store.digest(json.dumps(self.key, sort_keys=True))}.json")
+            name = f"auto-{store.digest(json.dumps(self.key, sort_keys=True))}.json"
+            self.path = os.path.join(store.cache_folder(), name)
         if self.path and not remeasure:
             self.read_file()
 
@@ -188,11 +189,10 @@ class Measurement:
                           "measures again")
 
     def timed_calls(self, shape, fmt, rows, wide=0):
-        """-> {rows: seconds of one call of the CPU backend's linear on a weight of shape [out, in] in format fmt (wide: as it holds
-        a file's wider blocks of that many bits)}: the best of two passes over copies of it, back to back, that fill 1.5
-        times the CPU's
-        last-level cache, so that each pass reads every copy from memory (at most 256 copies: matrices that small are
-        a tiny model's, whose forward hits the cache too)."""
+        """-> {rows: seconds of one call of the CPU backend's linear on a weight of shape [out, in] in format fmt
+        (wide: as it holds a file's wider blocks of that many bits)}: the best of two passes over copies of it, back to
+        back, that fill 1.5 times the CPU's last-level cache, so that each pass reads every copy from memory (at most
+        256 copies: matrices that small are a tiny model's, whose forward hits the cache too)."""
         if fmt == "int4" and wide:  # int4 holds them in int8: its timings
             return self.timed_calls(shape, "int8", rows)
         key = (*shape, fmt, wide, torch.get_num_threads())

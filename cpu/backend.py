@@ -49,8 +49,9 @@ def causal_mask(T, G, S, dtype, device):
 
 def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
     """`kernels.particle_attention_ref`'s contract, fast on CPU: two calls of torch's fused CPU attention (each row's
-    log-sum-exp too). Prefix pass: a KV group's rows of all particles as one matrix, the prompt read once. Suffix pass: each
-    particle against its own suffix, causal or by the tree. Prefix mass share: sigmoid(lse_prefix - lse_suffix)."""
+    log-sum-exp too). Prefix pass: a KV group's rows of all particles as one matrix, the prompt read once. Suffix
+    pass: each particle against its own suffix, causal or by the tree. Prefix mass share: sigmoid(lse_prefix -
+    lse_suffix)."""
     R, N, T, Hq, D = q.shape
     Hkv = prefix_k.shape[1]
     G = Hq // Hkv

@@ -27,7 +27,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # ---------------------------------------------------------------- the reference
 def quantize_rows_ref(x):
     """x [..., in] float32 -> (xq int8 [..., in], dx [..., in / 32], xs [..., in / 32]): each group of 32 of a row in
-    steps dx = its largest |x| / 127, rounded half to even; xs = dx x the sum of its codes. No row depends on another."""
+    steps dx = its largest |x| / 127, rounded half to even; xs = dx x the sum of its codes. No row depends on
+    another."""
     xg = x.float().unflatten(-1, (-1, GROUP))  # [..., in / 32, 32]
     dx = xg.abs().amax(-1) / 127
     q = torch.where(dx[..., None] > 0, xg / dx[..., None], torch.zeros_like(xg)).round()
@@ -128,7 +129,6 @@ def w4a8_linear_ref(x, codes, scale, low, outliers=None):
 def columns(packed, bits, n, at):
     """w's columns at inputs `at` (int [k]) of packed = pack(codes, scale, low, bits) for n inputs -> float32 [k, out]:
     dequantize(codes, scale, low)[:, at].T, read from the packed bytes (a group's codes, its scales and lows)."""
-    panels = packed.shape[0]
     codes_bytes = bits * PANEL * GROUP // 8  # a group's codes, then its scales' int8 q (and its lows')
     group = codes_bytes + 2 * PANEL  # native.c's group_bytes
     head = 2 * PANEL if bits == 6 else 4 * PANEL  # head_bytes: the f16 d of a superblock's scales (and lows)
@@ -258,7 +258,8 @@ def load(path):
     lib.linear.argtypes = [ptr, ctypes.c_int, i64, ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_float,
                            ctypes.c_int, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int]
     lib.particle_attention.argtypes = [ptr] * 8 + [ctypes.c_float] + [i64] * 8 + [ptr, ctypes.c_int]
-    lib.decoder_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr] + [ptr] * 7 + [i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.decoder_layer.argtypes = ([ptr, i64, i64, i64, ptr, ptr, ptr] + [ptr] * 7
+                                  + [i64, i64, ptr, ptr, ptr, ctypes.c_int])
     lib.rows_logprobs.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.isa.restype = ctypes.c_char_p
     return lib
@@ -432,8 +433,9 @@ def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix
 class Matmul(ctypes.Structure):
     """native.c's struct matmul: a w4a8 weight as w4a8_linear takes it (bias None: 0), its outliers' struct last."""
     _fields_ = [("w", ctypes.c_void_p), ("tail", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("head", ctypes.c_int64),
-                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bits", ctypes.c_int32), ("tail_bits", ctypes.c_int32),
-                ("at", ctypes.c_void_p), ("w_at", ctypes.c_void_p), ("outliers", ctypes.c_int64)]
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("bits", ctypes.c_int32),
+                ("tail_bits", ctypes.c_int32), ("at", ctypes.c_void_p), ("w_at", ctypes.c_void_p),
+                ("outliers", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

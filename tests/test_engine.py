@@ -179,7 +179,8 @@ def test_exact_methods_sample_the_target_in_every_weight_format(fmt, draft_fmt, 
     target, draft = in_format(WIDE, fmt), in_format(perturbed(WIDE, 3, 0.3), draft_fmt)
     p = exact(target, 3, 1.0)
     shape = dict(particles=3) if method == "mdsd" else {}
-    found = empirical(engine.Engine.of_models(target, draft), SAMPLES, 3, method=method, draft_len=1, temperature=1.0, **shape)
+    e = engine.Engine.of_models(target, draft)
+    found = empirical(e, SAMPLES, 3, method=method, draft_len=1, temperature=1.0, **shape)
     assert tv(found, p) < noise_floor(p, SAMPLES)
 
 
@@ -1145,14 +1146,16 @@ def test_a_trace_changes_nothing_and_agrees_with_the_statistics(tmp_path):
 
 
 def test_an_sd_trace_holds_drafted_and_accepted_tokens(tmp_path):
-    result, _, cycles, _ = traced(engine.Engine.of_models(TARGET, DRAFT), tmp_path, method="sd", max_new_tokens=20, seed=1)
+    e = engine.Engine.of_models(TARGET, DRAFT)
+    result, _, cycles, _ = traced(e, tmp_path, method="sd", max_new_tokens=20, seed=1)
     assert sum(c["accepted"] for c in cycles) == result.stats["accepted"]
     for c in cycles:
         assert c["tokens"][0][:c["accepted"]] == c["drafted"][:c["accepted"]] and len(c["drafted"]) == 4
 
 
 def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees):
-    result, _, cycles, _ = traced(engine.Engine.of_models(TARGET, "racer"), tmp_path, method="sd", max_new_tokens=20, seed=1,
+    e = engine.Engine.of_models(TARGET, "racer")
+    result, _, cycles, _ = traced(e, tmp_path, method="sd", max_new_tokens=20, seed=1,
                                   draft_len=3, tree=8)
     assert sum(c["accepted"] for c in cycles) == result.stats["accepted"] > 0
     for c in cycles:
