@@ -362,17 +362,18 @@ class Watch:
         if self.last is None:
             self.last = req.start + req.prefill_seconds
         record |= {"ms": 1e3 * (now - self.last), "seconds": now - req.start,
-                   "texts": self.unsettled(batch.st, r, req, record["settled"], before),
+                   "texts": self.unsettled(batch.st, r, req, record, before),
                    "drafts": self.drafts(drafts_of(batch, r, record), record), "bytes": bytes_read(batch, req, before)}
         self.last = now
         self.forward(record)
 
-    def unsettled(self, st, r, req, settled, before):
+    def unsettled(self, st, r, req, record, before):
         """Each particle's text past its settled tokens, after resampling: [the part before this cycle, this cycle's],
-        up to its EOS."""
+        up to its EOS (record: the cycle's, whose lengths are read once)."""
         texts = []
+        settled = record["settled"]
         cut = max(settled, before)
-        for row in st.hist[r, :, 1:1 + int(st.gen_len[r])].tolist():
+        for row in st.hist[r, :, 1:1 + record["length"]].tolist():
             row = engine.until_eos(row, req.ends)
             texts.append([self.records.decode(row[settled:cut]), self.records.decode(row[cut:])])
         return texts

@@ -407,7 +407,7 @@ def test_the_page_in_a_browser():
         assert not last["error"] and last["accepted"] > 0 and last["rejected"] > 0, last
 
 
-# ---------------------------------------------------------------- the README's screenshot
+# ---------------------------------------------------------------- a screenshot of the page mid-decode
 
 
 def screenshot(path, flags):
