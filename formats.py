@@ -12,7 +12,8 @@ import model
 # are in the dtype its kernels are fast with: torch's int8 and int4 kernels want bf16 activations, w4a8's kernel
 # rounds float32 ones to int8 itself.
 FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloat16, "int4": torch.bfloat16,
-           "w4a8": torch.float32}
+           "fp8": torch.bfloat16, "w4a8": torch.float32}
+QUANTIZED = ("int8", "int4", "fp8")  # the formats of Quantized weights
 MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")  # a block's matmul weights, then the model's head
 
 
@@ -23,13 +24,16 @@ def weight_format(fmt, device="cpu"):
     kind = torch.device(device).type
     if fmt[:3] == "int" and not (kind == "cpu" or kind == "cuda" and kernels.triton):
         raise errors.LoadError(f"{fmt} weights run on the CPU and on CUDA with Triton; use bf16 on {kind}")
+    if fmt == "fp8" and not (kind == "cpu" or kind == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+        raise errors.LoadError(f"fp8 weights run on the CPU and on CUDA of compute capability 8.9 or later (fp8 "
+                               f"tensor cores); use int4 or bf16 on {device}")
     if fmt == "w4a8" and kind != "cpu":
         raise errors.LoadError(f"w4a8 weights run on the CPU only (cpu/native.c); use int4 on {device}")
     return FORMATS[fmt]
 
 
 class Quantized(torch.nn.Module):
-    """A matmul weight [out, in] in int8 or int4: q and scale for kernels.quantized_linear (`quantized` makes them
+    """A matmul weight [out, in] in int8, int4 or fp8: q and scale for kernels.quantized_linear (`quantized` makes them
     from a plain weight; `tensors()` gives them back, as the weight cache keeps them). Parameters, so weight_bytes
     counts them."""
 
@@ -50,10 +54,15 @@ class Quantized(torch.nn.Module):
 
 
 def quantized(fmt, w, blocks=None):
-    """-> Quantized: w [out, in] in int8 or int4, quantized and packed for its kernel. blocks: int4's (q, scale_zero)
-    as read from a file (then w gives only the shape, device and dtype)."""
+    """-> Quantized: w [out, in] in int8, int4 or fp8, quantized and packed for its kernel. blocks: int4's (q,
+    scale_zero) as read from a file (then w gives only the shape, device and dtype)."""
     if fmt == "int4" and (w.shape[0] % 16 or w.shape[1] % kernels.INT4_GROUP):  # the CPU kernel's tiles
         raise errors.LoadError(f"{fmt} needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
+    if fmt == "fp8" and (w.shape[0] % 16 or w.shape[1] % 16):  # torch._scaled_mm's
+        raise errors.LoadError(f"{fmt} needs matmul weights of 16k x 16k, not {tuple(w.shape)}; use int8")
+    if fmt == "fp8":
+        q, scale = kernels.quantize_fp8(w)
+        return Quantized(fmt, {"q": q, "scale": scale})  # the scale in float32, as torch._scaled_mm takes it
     if blocks is None:
         blocks = kernels.quantize_int8(w) if fmt == "int8" else kernels.quantize_int4(w)
     q, scale = blocks
@@ -65,11 +74,11 @@ def quantized(fmt, w, blocks=None):
 
 
 def converted(w, fmt, wide=0):
-    """w [out, in] (plain, activations' dtype) in weight format fmt: int8 and int4 quantized (wide: the bits of a
-    file's wider blocks, which int4 holds in int8), bf16 and float32 as they are."""
+    """w [out, in] (plain, activations' dtype) in weight format fmt: int8, int4 and fp8 quantized (wide: the bits
+    of a file's wider blocks, which int4 holds in int8), bf16 and float32 as they are."""
     if fmt == "int4" and wide:
         fmt = "int8"
-    if fmt in ("int8", "int4"):
+    if fmt in QUANTIZED:
         return quantized(fmt, w)
     return w
 

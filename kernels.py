@@ -267,6 +267,39 @@ def _attend_splits(q, k, v, lengths, out, lse, split0, plan, scale, causal, tree
                                   TREE=tree is not None, **options)
 
 
+def merge_splits_ref(out, lse, dtype):
+    """The KV splits' partial outputs out [..., splits, D] (each normalised) merged by their log-sum-exps lse
+    [..., splits] -> [..., D] in dtype: each split's part of the mass, 0 if empty; the own token keeps one finite."""
+    share = lse.softmax(-1)
+    return (share[..., None, :] @ out)[..., 0, :].to(dtype)  # a matmul reads the partials once, makes no temporary
+
+
+@jit
+def _merge_kernel(out_ptr, lse_ptr, merged_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One query row (request, particle, token, head): its splits' partials weighted by softmax(lse), in float32."""
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + _offset(row, splits) + s, mask=s < splits, other=float("-inf"))
+    share = tl.exp(lse - tl.max(lse, 0))
+    share = share / tl.sum(share, 0)
+    parts = (_offset(row, splits) + s)[:, None] * D + d[None, :]  # [BLOCK_S, D]
+    partial = tl.load(out_ptr + parts, mask=(s < splits)[:, None], other=0.0)
+    tl.store(merged_ptr + _offset(row, D) + d, tl.sum(share[:, None] * partial, 0))
+
+
+def merge_splits(out, lse, dtype):
+    """`merge_splits_ref`'s contract, out and lse contiguous; one kernel on a GPU."""
+    if not use_triton(out):
+        return merge_splits_ref(out, lse, dtype)
+    splits = lse.shape[-1]
+    assert splits <= 2 * MAX_SPLITS and out.is_contiguous() and lse.is_contiguous()
+    merged = out.new_empty(out.shape[:-2] + out.shape[-1:], dtype=dtype)
+    _merge_kernel[(lse.numel() // splits,)](out, lse, merged, splits, D=out.shape[-1], BLOCK_S=2 * MAX_SPLITS,
+                                           num_warps=4)
+    return merged
+
+
 def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
     """`particle_attention_ref`'s contract. Triton: a prefix and a per-particle suffix pass write a partial softmax per
     KV split, merged by log-sum-exp. The grid depends on shapes only, lengths and tree on device: CUDA-graph safe."""
@@ -287,8 +320,7 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     out = q.new_empty(*lse.shape, D, dtype=torch.float32)  # [R, N, T, Hq, splits, D]
     _attend_splits(q, prefix_k, prefix_v, prefix_len, out, lse, 0, prefix, scale, False)
     _attend_splits(q, suffix_k, suffix_v, suffix_len, out, lse, prefix[0], suffix, scale, True, tree)
-    share = lse.softmax(-1)  # each split's part of the mass, 0 if empty; the own token keeps one finite
-    return (share[..., None, :] @ out)[..., 0, :].to(q.dtype)  # a matmul reads the partials once, makes no temporary
+    return merge_splits(out, lse, q.dtype)
 
 
 # ---------------------------------------------------------------- sampling
@@ -730,9 +762,12 @@ def quantized_matmul(x, q, scale):
 
 def quantized_linear(x, q, scale):
     """x [..., in] @ w.T for w quantized by quantize_int8 (q int8) or quantize_int4, in the layout of q's device: on the
-    CPU torch's, int4 q packed by torch._convert_weight_to_int4pack_for_cpu(q, 1); elsewhere quantized_matmul's."""
+    CPU torch's, int4 q packed by torch._convert_weight_to_int4pack_for_cpu(q, 1); elsewhere quantized_matmul's; or
+    by quantize_fp8 (q float8_e4m3fn), fp8_matmul's anywhere."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # the kernels take 2-D rows in order (torch's int4 one checks)
-    if q.device.type != "cpu":
+    if q.dtype == torch.float8_e4m3fn:
+        y = fp8_matmul(x2, q, scale)
+    elif q.device.type != "cpu":
         y = quantized_matmul(x2, q, scale)
     elif q.dtype == torch.int8:
         y = torch._weight_int8pack_mm(x2, q, scale)
@@ -741,12 +776,118 @@ def quantized_linear(x, q, scale):
     return y.reshape(*x.shape[:-1], -1)
 
 
-# ---------------------------------------------------------------- the backend: what a model and its cycles call
-def rms_norm(x, w, eps):
+# ---------------------------------------------------------------- fp8 matmuls
+# torch._scaled_mm multiplies two fp8 operands (tensor cores of sm_89 and later; torch's CPU kernel elsewhere): the
+# weight is quantized once per output row, the activations per row at each call.
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def quantize_fp8(w):
+    """w [out, in] -> q float8_e4m3fn [out, in], scale float32 [out]: symmetric per row, w ~ q * scale."""
+    q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    n = max(1, QUANT_BLOCK // w.shape[1])  # rows at a time
+    for i in range(0, len(w), n):
+        wf = w[i:i + n].to(torch.float32, copy=True)
+        scale[i:i + n] = (wf.abs().amax(1) / FP8_MAX).clamp(min=1e-30)  # clamp: an all-zero row
+        q[i:i + n] = wf.div_(scale[i:i + n, None])
+    return q, scale
+
+
+def fp8_linear_ref(x, q, scale):
+    """fp8_matmul's arithmetic in float32: x's rows rounded to fp8 on their own scale, times the dequantized weight."""
+    x_scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-30)  # [M, 1]
+    x8 = (x.float() / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+    return F.linear(x8, q.float() * scale[:, None]).to(x.dtype)
+
+
+def fp8_matmul(x, q, scale):
+    """x [M, in] @ (q * scale).T -> [M, out] in x's dtype by one torch._scaled_mm, x's rows scaled to fp8 first."""
+    x_scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-30)  # [M, 1]
+    x8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x8, q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
+
+
+# ---------------------------------------------------------------- the layers' glue: a kernel each
+# Between a layer's matmuls torch runs a norm as 4 kernels and RoPE as 6 over a few rows; each Triton kernel below
+# does one's work in one launch, the reference's arithmetic step for step (float32 inside, rounded where it rounds).
+GLUE_BLOCK = 1024  # elements of a row a program handles at a time: one compiled tile for every model width
+
+
+def rms_norm_ref(x, w, eps):
     """x normalised in float32, then times w in x's dtype, as Hugging Face's Llama computes it."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], w, eps)  # the same, in one operator
     return F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype) * w
+
+
+def add_rms_norm_ref(x, y, w, eps):
+    """(x + y, rms_norm_ref(x + y, w, eps)): a residual add and the norm after it."""
+    s = x + y
+    return s, rms_norm_ref(s, w, eps)
+
+
+@jit
+def _row_sum(x_row, y_row, i, dim, RESIDUAL: tl.constexpr):
+    """x[i] (+ y[i] in float32, rounded to x's dtype as torch's add rounds; the interpreter cannot add bf16)."""
+    x = tl.load(x_row + i, mask=i < dim, other=0.0)
+    if RESIDUAL:
+        y = tl.load(y_row + i, mask=i < dim, other=0.0)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@jit
+def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, stride_x, dim, eps, RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One row: with RESIDUAL x + y (rounded to x's dtype, stored in sum), its mean square in float32 over a first
+    pass, then each element normalised, rounded to x's dtype and times w (rms_norm_ref's steps) over a second."""
+    row = tl.program_id(0)
+    x_row = x_ptr + _offset(row, stride_x)
+    own = _offset(row, dim)  # y, sum and out are contiguous
+    squares = tl.zeros([BLOCK], tl.float32)
+    for i0 in range(0, dim, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        x = _row_sum(x_row, y_ptr + own, i, dim, RESIDUAL)
+        if RESIDUAL:
+            tl.store(sum_ptr + own + i, x, mask=i < dim)
+        squares += x.to(tl.float32) * x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(squares, 0) / dim + eps)
+    for i0 in range(0, dim, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        x = _row_sum(x_row, y_ptr + own, i, dim, RESIDUAL)  # added again, not read back: another thread stored it
+        normed = (x.to(tl.float32) * rstd).to(x.dtype)
+        w = tl.load(w_ptr + i, mask=i < dim, other=0.0)
+        tl.store(out_ptr + own + i, normed.to(tl.float32) * w.to(tl.float32), mask=i < dim)
+
+
+def _norm_rows(x, y, w, eps):
+    """rms_norm of x (+ y) by the kernel -> (the sum or None, the normed rows), each shaped as x."""
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, dim], a view where the rows are evenly spaced
+    assert x2.stride(-1) == 1 and w.is_contiguous()
+    out = x.new_empty(x.shape)
+    if y is None:  # out stands in for the pointers RESIDUAL = False never reads
+        _rms_norm_kernel[(len(x2),)](x2, out, w, out, out, x2.stride(0), x2.shape[1], eps, RESIDUAL=False,
+                                     BLOCK=GLUE_BLOCK, num_warps=4)
+        return None, out
+    s = x.new_empty(x.shape)
+    _rms_norm_kernel[(len(x2),)](x2, y.contiguous(), w, s, out, x2.stride(0), x2.shape[1], eps, RESIDUAL=True,
+                                 BLOCK=GLUE_BLOCK, num_warps=4)
+    return s, out
+
+
+def rms_norm(x, w, eps):
+    """`rms_norm_ref`'s contract, x [..., dim], w [dim]; one kernel on a GPU."""
+    if not use_triton(x):
+        return rms_norm_ref(x, w, eps)
+    return _norm_rows(x, None, w, eps)[1]
+
+
+def add_rms_norm(x, y, w, eps):
+    """`add_rms_norm_ref`'s contract, x and y [..., dim]; one kernel on a GPU."""
+    if not use_triton(x):
+        return add_rms_norm_ref(x, y, w, eps)
+    return _norm_rows(x, y, w, eps)
 
 
 def apply_rope(x, cos, sin):
@@ -755,6 +896,70 @@ def apply_rope(x, cos, sin):
     return torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
 
 
+def rope_ref(y, cos, sin, heads):
+    """y [..., heads_all * D] with its first `heads` heads rotated in place by apply_rope; cos/sin [..., 1, D]."""
+    y_heads = y.unflatten(-1, (-1, cos.shape[-1]))  # [..., heads_all, D], a view
+    y_heads[..., :heads, :] = apply_rope(y_heads[..., :heads, :], cos, sin)
+    return y
+
+
+@jit
+def _rope_kernel(y_ptr, cos_ptr, sin_ptr, stride_y, D, BLOCK_D: tl.constexpr):
+    """One (row, head): x cos + roll(x, D / 2) sin in float32, in place (rope_tables folds rotate_half's sign into
+    sin), x's loads before its store."""
+    row = tl.program_id(0)
+    head = y_ptr + _offset(row, stride_y) + tl.program_id(1) * D
+    d = tl.arange(0, BLOCK_D)
+    live = d < D
+    x = tl.load(head + d, mask=live, other=0.0)
+    rolled = tl.load(head + (d + D // 2) % D, mask=live, other=0.0)
+    cos = tl.load(cos_ptr + _offset(row, D) + d, mask=live, other=0.0)
+    sin = tl.load(sin_ptr + _offset(row, D) + d, mask=live, other=0.0)
+    tl.store(head + d, x.to(tl.float32) * cos + rolled.to(tl.float32) * sin, mask=live)
+
+
+def rope(y, cos, sin, heads):
+    """`rope_ref`'s contract, cos/sin a row for each row of y; one kernel on a GPU."""
+    if not use_triton(y):
+        return rope_ref(y, cos, sin, heads)
+    D = cos.shape[-1]
+    y2 = y.view(-1, y.shape[-1])  # [rows, heads_all * D]: y is the matmul's fresh output
+    assert cos.numel() == sin.numel() == len(y2) * D and cos.is_contiguous() and sin.is_contiguous()
+    _rope_kernel[(len(y2), heads)](y2, cos, sin, y2.stride(0), D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    return y
+
+
+def silu_mul_ref(x):
+    """silu(gate) x up for x = [gate | up] [..., 2 ffn] (SwiGLU), each rounded to x's dtype as torch's operators do."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+@jit
+def _silu_mul_kernel(x_ptr, out_ptr, ffn, BLOCK: tl.constexpr):
+    """A block of one row's [gate | up]: silu(gate) in float32 rounded to x's dtype, times up (silu_mul_ref's)."""
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < ffn
+    gate = tl.load(x_ptr + _offset(row, 2 * ffn) + i, mask=live, other=0.0)
+    up = tl.load(x_ptr + _offset(row, 2 * ffn) + ffn + i, mask=live, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + _offset(row, ffn) + i, act.to(tl.float32) * up.to(tl.float32), mask=live)
+
+
+def silu_mul(x):
+    """`silu_mul_ref`'s contract; one kernel on a GPU."""
+    if not use_triton(x):
+        return silu_mul_ref(x)
+    x2 = x.contiguous().view(-1, x.shape[-1])  # [rows, 2 ffn]
+    ffn = x2.shape[1] // 2
+    out = x.new_empty(*x.shape[:-1], ffn)
+    _silu_mul_kernel[(len(x2), triton.cdiv(ffn, GLUE_BLOCK))](x2, out, ffn, BLOCK=GLUE_BLOCK, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------- the backend: what a model and its cycles call
 class Backend:
     """The operations a model's forward and a cycle run, each the kernel above or its reference (`use_triton`).
     The engine picks one per device when it is built and hands it down with the models (Transformer.backend); the CPU
@@ -769,18 +974,20 @@ class Backend:
     def normed_linear(self, x, norm, eps, w, bias=None, rope=None):
         """linear(rms_norm(x, norm, eps), w, bias), the output's first `heads` heads (of cos's width) rotated by rope =
         (cos, sin, heads) as apply_rope rotates them."""
-        y = self.linear(rms_norm(x, norm, eps), w, bias)
+        y = self.linear(self.rms_norm(x, norm, eps), w, bias)
         if rope is None:
             return y
         cos, sin, heads = rope
-        y_heads = y.unflatten(-1, (-1, cos.shape[-1]))  # [..., heads, D], a view: rotated in place
-        y_heads[..., :heads, :] = apply_rope(y_heads[..., :heads, :], cos, sin)
-        return y
+        return self.rope(y, cos, sin, heads)
+
+    def residual_normed_linear(self, x, y, norm, eps, w):
+        """(x + y, linear(rms_norm(x + y, norm, eps), w)): a residual add, the norm after it, the matmul after that."""
+        s, h = self.add_rms_norm(x, y, norm, eps)
+        return s, self.linear(h, w)
 
     def gated_linear(self, x, w):
         """linear(silu(gate) x up, w) for x = [gate | up] [..., 2 ffn] (SwiGLU)."""
-        gate, up = x.chunk(2, -1)
-        return self.linear(F.silu(gate) * up, w)
+        return self.linear(self.silu_mul(x), w)
 
     def decoder_layers(self, blocks, x, cos, sin, cache, tree=None):
         """x [R, N, T, dim] through every decoder layer of a step (model.Block each), their K/V written into cache at
@@ -791,6 +998,10 @@ class Backend:
             x = block(x, cos, sin, attend, i)
         return x
 
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rope = staticmethod(rope)
+    silu_mul = staticmethod(silu_mul)
     prefill_attention = staticmethod(prefill_attention)
     particle_attention = staticmethod(particle_attention)
     sample = staticmethod(sample)

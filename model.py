@@ -206,8 +206,9 @@ class Block(torch.nn.Module):
 
     def forward(self, x, cos, sin, attend, layer):
         """x [..., T, dim] -> the layer's output; attend(layer, q, k, v, scale) is the cache's."""
-        x = x + self.all_reduce(self.attention(x, cos, sin, attend, layer))
-        return x + self.all_reduce(self.ffn(x))
+        attended = self.all_reduce(self.attention(x, cos, sin, attend, layer))
+        x, up = self.backend.residual_normed_linear(x, attended, self.ffn_norm, self.c.norm_eps, self.w13)
+        return x + self.all_reduce(self.backend.gated_linear(up, self.w2))  # up [..., 2 ffn]: gate | up
 
     def attention(self, x, cos, sin, attend, layer):
         """x [..., T, dim] -> [..., T, dim], this rank's heads' share."""
@@ -216,11 +217,6 @@ class Block(torch.nn.Module):
         qkv = self.backend.normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv, rope)
         q, k, v = qkv.unflatten(-1, (-1, c.head_dim)).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)
         return self.backend.linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
-
-    def ffn(self, x):
-        """x [..., dim] -> [..., dim], this rank's FFN columns' share."""
-        up = self.backend.normed_linear(x, self.ffn_norm, self.c.norm_eps, self.w13)  # [..., 2 ffn]: gate | up
-        return self.backend.gated_linear(up, self.w2)
 
     def all_reduce(self, x):
         """The sum of every rank's partial output of a row-parallel matmul (wo, w2), the same on every rank."""

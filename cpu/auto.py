@@ -33,7 +33,7 @@ def cache_bytes():
 
 # ---------------------------------------------------------------- the formats this machine runs fastest
 # a weight's bytes (w4a8: its int8 q of scale and low a group of 32, their f16 d a superblock of 256)
-BYTES = {"float32": 4, "bf16": 2, "int8": 1, "w8a8": 1, "int4": 0.5, "w4a8": 0.58}
+BYTES = {"float32": 4, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5, "w4a8": 0.58}
 FOUR_BITS = ("int4", "w4a8")  # the formats that hold a file's 4-bit blocks as they are, its wider ones wide
 
 
@@ -217,7 +217,7 @@ class Measurement:
 
     def measure_formats(self, c, rows, fmts=("bf16", "float32", "int8", "int4"), threads=None, held=None, wide=8):
         """-> {format: {rows: ms}}: one forward's matmuls on this CPU at each row count (1 for ar and draft steps,
-        R x N x (K + 1) for a verify), in each of fmts that can hold c's shapes (w8a8, slow to pack, only if asked).
+        R x N x (K + 1) for a verify), in each of fmts that can hold c's shapes.
         Each of a layer's matrices (q/k/v, o, gate/up, down) and an eighth of the head's rows is timed (timed_calls)
         and counted as often as a forward runs it: whole matrices streamed from memory, as a forward's are (a small
         sample read alone costs more a weight). held {matrix: how many}: those int4 holds in int8 and w4a8 in codes of
@@ -258,7 +258,7 @@ class Measurement:
     def candidates(self):
         """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 and w4a8 for a
         4-bit file (each holds its blocks as they are; elsewhere they change the model more: on request only, as
-        w8a8, whose rounded activations change it as much); for the draft, those and int4 and w4a8, since its format
+        fp8, whose rounded activations change it as much); for the draft, those and int4 and w4a8, since its format
         changes only the proposals). w4a8 where its kernel builds here."""
         four = tuple(f for f in FOUR_BITS if f != "w4a8" or native.library()[0] is not None)
         tried = ("bf16", "float32", "int8")

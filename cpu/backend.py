@@ -107,12 +107,24 @@ class Backend(kernels.Backend):
             return w.normed(x, norm, eps, bias, rope)
         return super().normed_linear(x, norm, eps, w, bias, rope)
 
+    def residual_normed_linear(self, x, y, norm, eps, w):
+        """w4a8 normalises in its kernel's call."""
+        if w4a8(w):
+            s = x + y
+            return s, w.normed(s, norm, eps)
+        return super().residual_normed_linear(x, y, norm, eps, w)
+
     def gated_linear(self, x, w):
         """w4a8 gates the rows in its kernel's pass over them."""
         if w4a8(w):
             return w.gated(x)
         return super().gated_linear(x, w)
 
+    # the glue by torch's operators: a Triton launch on a CPU tensor is the interpreter's
+    rms_norm = staticmethod(kernels.rms_norm_ref)
+    add_rms_norm = staticmethod(kernels.add_rms_norm_ref)
+    rope = staticmethod(kernels.rope_ref)
+    silu_mul = staticmethod(kernels.silu_mul_ref)
     prefill_attention = staticmethod(prefill_attention)
 
     def particle_attention(self, q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):

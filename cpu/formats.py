@@ -41,7 +41,7 @@ class W4A8(torch.nn.Module):
             setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
 
     def normed(self, x, norm, eps, bias=None, rope=None):
-        """forward(kernels.rms_norm(x, norm, eps), bias), its first heads rotated by rope = (cos, sin, heads), in
+        """forward(kernels.rms_norm_ref(x, norm, eps), bias), its first heads rotated by rope = (cos, sin, heads), in
         one call of the kernel (the backend's normed_linear)."""
         return native.w4a8_linear(x, self.packed, self.bits, bias, norm, eps, rope=rope, tail=self.tail(),
                                   outliers=self.float_inputs())

@@ -24,7 +24,7 @@ HEAD_BYTES = 2**20  # of each model file hashed: a file rewritten in place with 
 ALIGN = 64  # bytes: every tensor starts on a cache line, as torch's own allocations do
 SPARE_BYTES = 2**28  # left free on the disk beyond a file written
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-          "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
+          "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 

@@ -514,8 +514,8 @@ def test_parts_time_every_call_of_the_backend_by_name_and_a_missing_one_fails():
     assert set(parts.PARTS) == calls and set(parts.PARTS.values()) <= set(parts.PART_NAMES)
     backend = kernels.Backend()
     seam = parts.Seam()
-    with pytest.raises(AttributeError, match="no rms_norm"):
-        seam.wrap(backend, {"rms_norm": "matmuls"})
+    with pytest.raises(AttributeError, match="no layer_norm"):
+        seam.wrap(backend, {"layer_norm": "matmuls"})
     seam.wrap(backend, {"linear": "matmuls"})
     assert backend.linear(torch.ones(1, 2), torch.ones(3, 2)).tolist() == [[2.0, 2.0, 2.0]]
     [call] = seam.calls

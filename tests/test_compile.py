@@ -38,8 +38,8 @@ PAIRS = [("llama-8b", "llama-1b", torch.bfloat16, ("bf16", "int4"), 8, 4000, 512
 METHODS = [("ar", 1, 1, 0), ("sd", 1, 4, 0), ("easd", 1, 4, 0), ("mdsd", 4, 4, 0), ("smc", 4, 4, 0),
            ("racer", 1, 4, 4), ("racer", 1, 4, 16)]
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "smcsd-mini", "compile")
-KERNELS = ("_attention_split_kernel", "_vocab_chunk_kernel", "_resample_kernel", "_gather_kernel",
-           "_quantized_matmul_kernel")
+KERNELS = ("_attention_split_kernel", "_merge_kernel", "_vocab_chunk_kernel", "_resample_kernel", "_gather_kernel",
+           "_quantized_matmul_kernel", "_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel")
 
 
 # ---------------------------------------------------------------- the engine's launches, on meta tensors
@@ -63,7 +63,19 @@ def forward(c, R, N, T, caps, dtype, fmt, tree=False, head_rows=None):
     kernels.particle_attention(meta(R, N, T, Hq, D, dtype=dtype), *[meta(R, Hkv, caps[0], D, dtype=dtype)] * 2,
                                *[meta(R, N, Hkv, caps[1], D, dtype=dtype)] * 2, meta(R, dtype=torch.int32),
                                meta(R, dtype=torch.int32), D ** -0.5, meta(R, T, T, dtype=torch.bool) if tree else None)
+    glue(c, R * N * T, dtype)
     matmuls(c, R * N * T, head_rows or R * N * T, dtype, fmt)
+
+
+def glue(c, rows, dtype):
+    """A layer's norms (one after the residual add), its RoPE and its SwiGLU gate over `rows` rows."""
+    V, dim, _, Hq, Hkv, D, ffn, _ = c
+    x = meta(rows, dim, dtype=dtype)
+    norm = meta(dim, dtype=dtype)
+    kernels.rms_norm(x, norm, 1e-6)
+    kernels.add_rms_norm(x, x, norm, 1e-6)
+    kernels.rope(meta(rows, (Hq + 2 * Hkv) * D, dtype=dtype), meta(rows, D), meta(rows, D), Hq + Hkv)
+    kernels.silu_mul(meta(rows, 2 * ffn, dtype=dtype))
 
 
 def matmuls(c, rows, head_rows, dtype, fmt):
@@ -83,7 +95,9 @@ def sample(rows, V, R):
 
 
 def prefill(t, d, dtype, fmt, N, prompt):
-    """A slot's prefill: both models' matmuls over the prompt (attention: torch's), the first token's draw."""
+    """A slot's prefill: both models' glue and matmuls over the prompt (attention: torch's), the first token's draw."""
+    glue(t, prompt, dtype)
+    glue(d, prompt - 1, dtype)
     matmuls(t, prompt, 1, dtype, fmt)
     matmuls(d, prompt - 1, 1, dtype, fmt)
     sample(N, t[0], 1)

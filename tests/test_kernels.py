@@ -126,6 +126,69 @@ def test_merge_of_splits_with_empty_ones_matches_reference():
                                atol=1e-4, rtol=1e-4)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_kernel_matches_reference_with_empty_splits(dtype):
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 3, 20, 16, generator=g)  # [rows, heads, splits, D]
+    lse = torch.randn(2, 3, 20, generator=g) * 4
+    lse[..., 5:9] = float("-inf")  # empty splits
+    out[..., 5:9, :] = 0
+    out, lse = out.to(DEVICE), lse.to(DEVICE)
+    merged = kernels.merge_splits(out, lse, dtype)
+    assert merged.shape == (2, 3, 16) and merged.dtype == dtype
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, kernels.merge_splits_ref(out, lse, dtype), **tol)
+
+
+# ---------------------------------------------------------------- the layers' glue
+# bf16: a rounding or two apart (the interpreter rounds a float32 to bf16 toward zero, a GPU to nearest)
+GLUE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [48, 1100])  # below one block and across two
+def test_rms_norm_kernels_match_reference(dtype, dim):
+    """rms_norm and the residual add with it, on rows of a strided view (a step's last position) and on whole rows:
+    the sum x + y to a rounding, the norm within rounding."""
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(2, 3, 4, dim, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(2, 3, 4, dim, generator=g).to(dtype).to(DEVICE)
+    w = (1 + torch.randn(dim, generator=g) / 4).to(dtype).to(DEVICE)
+    rows = x[:, :, -1]  # [2, 3, dim], rows evenly spaced
+    torch.testing.assert_close(kernels.rms_norm(rows, w, 1e-6), kernels.rms_norm_ref(rows, w, 1e-6), **GLUE_TOL[dtype])
+    s, h = kernels.add_rms_norm(x, y, w, 1e-6)
+    s_ref, h_ref = kernels.add_rms_norm_ref(x, y, w, 1e-6)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=2**-7)
+    torch.testing.assert_close(h, h_ref, **GLUE_TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 24])  # a power of two, and a head size that is not
+def test_rope_kernel_rotates_the_first_heads_in_place_as_the_reference(dtype, D):
+    g = torch.Generator().manual_seed(D)
+    y = torch.randn(2, 3, 5 * D, generator=g).to(dtype).to(DEVICE)  # [rows..., 5 heads x D]: rotate 3, keep 2
+    angles = torch.randn(2, 3, 1, D // 2, generator=g)
+    cos = angles.cos().repeat(1, 1, 1, 2).to(DEVICE)  # [2, 3, 1, D], rope_tables' layout
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(DEVICE)
+    want = kernels.rope_ref(y.clone(), cos, sin, 3)
+    got = kernels.rope(y, cos, sin, 3)
+    assert got.data_ptr() == y.data_ptr()
+    torch.testing.assert_close(got, want, **GLUE_TOL[dtype])
+    assert torch.equal(got[..., 3 * D:], want[..., 3 * D:])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel_matches_reference(dtype):
+    x = (torch.randn(3, 2, 2 * 1100, generator=torch.Generator().manual_seed(0)) * 3).to(dtype).to(DEVICE)
+    out = kernels.silu_mul(x)
+    assert out.shape == (3, 2, 1100) and out.dtype == dtype
+    torch.testing.assert_close(out, kernels.silu_mul_ref(x), **GLUE_TOL[dtype])
+
+
 @pytest.mark.skipif(kernels.triton is None, reason="no triton")
 @pytest.mark.parametrize("smem", [166912, 101376, 232448], ids=["A100", "RTX4090", "H100"])
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -602,9 +665,26 @@ def test_quantized_matmul_equals_its_reference(fmt, rows):
 
 
 
+def test_fp8_weights_are_within_a_rounding_and_the_matmul_is_its_reference():
+    """quantize_fp8: every weight within half an e4m3 step of its row's scale (3 mantissa bits: 2**-4 relative),
+    an all-zero row zeros; fp8_matmul (torch._scaled_mm) = its float32 reference, x's rows cast on their own scale."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    w[5] = 0
+    q, scale = kernels.quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and not q[5].float().any()
+    dequantized = q.float() * scale[:, None]
+    assert ((dequantized - w.float()).abs() <= w.float().abs() * 2**-4 + scale[:, None] * 2**-9).all()
+    x = torch.randn(2, 7, 64, generator=g).bfloat16()
+    out = kernels.quantized_linear(x, q, scale)
+    assert out.shape == (2, 7, 48) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, kernels.fp8_linear_ref(x.view(14, 64), q, scale).view(2, 7, 48), atol=0.02,
+                               rtol=1e-2)
+
+
 def test_quantizers_leave_a_float32_weight_unchanged():
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
-    for quantize, _ in QUANTIZERS.values():
+    for quantize in [q for q, _ in QUANTIZERS.values()] + [kernels.quantize_fp8]:
         before = w.clone()
         quantize(w)
         assert torch.equal(w, before)

@@ -548,7 +548,11 @@ def test_one_at_a_time_equals_one_forward_in_every_format(qwen_tiny_path, fmt):
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(4))
     cache = model.KVCache(m.config, 1, 32, 32, "cpu", m.embed.dtype)
     full = m.prefill(ids, cache, logits="all")
-    tol = 1e-5 if fmt == "float32" else 0.02 * (full.max() - full.min())
+    tol = 0.02 * (full.max() - full.min())
+    if fmt == "float32":
+        tol = 1e-5
+    elif fmt == "fp8":  # 3 mantissa bits: a bf16 rounding apart before a row is cast may move a value a step
+        tol = 0.08 * (full.max() - full.min())
     m.prefill(ids[:5], cache)
     assert (m.step(ids[5:][None, None], cache)[0, 0] - full[5:]).abs().max() < tol  # 15 new tokens in one step
     m.prefill(ids[:1], cache)
@@ -579,7 +583,7 @@ def test_measurement_leaves_out_formats_that_cannot_hold_the_shapes():
     odd = model.Config(arch="llama", vocab_size=100, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
                        ffn_dim=80)  # int4 packs 16 output rows and 32 inputs at a time
     measured = auto.Measurement().measure_formats(odd, [1, 3], formats.FORMATS, threads=1)
-    assert list(measured) == ["bf16", "float32", "int8"]
+    assert list(measured) == ["bf16", "float32", "int8", "fp8"]
 
 
 @pytest.mark.slow
@@ -607,9 +611,9 @@ def test_auto_keeps_the_files_format_unless_another_is_clearly_faster(tiny, tmp_
 def test_bad_weight_format_is_one_line_before_any_weight_is_read(tiny):
     _, path = tiny
     for call in (lambda: platforms.load(os.path.join(path, "nope"), weights="int5"),
-                 lambda: platforms.build(loading.open_weights(path)[0], None, weights="fp8")):
-        with pytest.raises(errors.LoadError, match=r"^weights '(int5|fp8)' is not a weight format; use one of bf16, "
-                                                   r"float32, int8, int4, w4a8$"):
+                 lambda: platforms.build(loading.open_weights(path)[0], None, weights="fp4")):
+        with pytest.raises(errors.LoadError, match=r"^weights '(int5|fp4)' is not a weight format; use one of bf16, "
+                                                   r"float32, int8, int4, fp8, w4a8$"):
             call()
     with pytest.raises(errors.LoadError, match="int4 weights run on the CPU and on CUDA with Triton; use bf16 on meta"):
         platforms.load(path, device="meta", weights="int4")
@@ -817,9 +821,9 @@ def test_device_prefill_gives_attention_4d_inputs(monkeypatch):
     assert dims == [(4, 4, 4)] * c.n_layers
 
 
-def test_model_through_triton_attention(monkeypatch):
-    """The same particle steps through the Triton attention kernel (compiled on a GPU, interpreted on CPU)
-    give the reference's logits."""
+def test_model_through_triton_kernels(monkeypatch):
+    """The same particle steps through the Triton kernels (attention and the layers' glue; compiled on a GPU,
+    interpreted on CPU) give the references' logits."""
     g = torch.Generator().manual_seed(6)
     prompt, suffixes = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 3, 3), generator=g)
 
@@ -827,6 +831,7 @@ def test_model_through_triton_attention(monkeypatch):
         cache = model.KVCache(m.config, 3, 8, 4, m.device, torch.float32)
         m.prefill(prompt.to(m.device), cache)
         return m.step(suffixes.to(m.device), cache).cpu()
+    monkeypatch.setattr(kernels, "INTERPRET", False)  # CPU tensors take the references
     reference = run(random_qwen2())
     monkeypatch.setattr(kernels, "INTERPRET", not torch.cuda.is_available())
     on_device = random_qwen2().to("cuda" if torch.cuda.is_available() else "cpu")
