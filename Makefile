@@ -11,13 +11,16 @@
 # the same methods over prompt lengths and short requests; then `speed` for ar and smc 4x4 again with both models'
 # matmul weights in int4 (the Triton matmul), the same prompt and tokens, to set against the bf16 rows. (No racer
 # rows: they need real text.) With two GPUs or more, the same ar and smc at tensor-parallel 2 (torchrun, nccl), to
-# set against the TP=1 line. roofline.py's prediction for these shapes is in docs/results.md.
+# set against the TP=1 line. `profile`, the first benchmark, takes one cycle of ar and smc apart: phase replays,
+# device time by kernel class, the host's gap, a GEMM sweep (cuBLAS, cuBLASLt) and the copy against the roofline.
+# roofline.py's prediction for these shapes is in docs/results.md.
 .PHONY: gpu-check
 gpu-check:
 	-python -m pytest -q tests/test_compile.py
 	-python -m pytest -q tests/test_kernels.py
 	-python -m pytest -q tests/test_engine.py -k cuda_graphs
 	-python -m pytest -q tests/test_model.py -k through_triton
+	-python bench.py profile --random llama-1b:llama-8b --prompt-len 256 --new-tokens 256 --out gpu-check-profile.json
 	-python tests/bench_kernels.py
 	-python bench.py batch --random llama-1b:llama-8b --methods ar,sd,smc,sd+overlap,smc+overlap \
 		--concurrency 1,4,8 --prompt-len 256 --new-tokens 128 --repeats 2 --out gpu-check-batch.json

@@ -1,6 +1,6 @@
-"""The engine's benchmarks, one subcommand each (speed, parts, lengths, requests, racer, batch, peers, quality,
-formats): each prints markdown tables and writes them with the settings and the machine to --out (JSON); `report`
-prints a report's tables again. Methods run interleaved in one process: ratios within a run are what count."""
+"""The engine's benchmarks, one subcommand each (speed, parts, profile, lengths, requests, racer, batch, peers,
+quality, formats): each prints markdown tables and writes them with the settings and the machine to --out (JSON);
+`report` prints a report's tables again. Methods run interleaved in one process: ratios within a run are what count."""
 import argparse
 import datetime
 import os
@@ -9,14 +9,15 @@ import sys
 import torch
 
 import model
-from benches import batch, common, formats, lengths, parts, peers, quality, racer, report, requests, speed
+from benches import batch, common, formats, lengths, parts, peers, profile, quality, racer, report, requests, speed
 
-COMMANDS = {"speed": speed, "parts": parts, "lengths": lengths, "requests": requests, "racer": racer, "batch": batch,
-            "peers": peers, "quality": quality, "formats": formats}  # each a module of benches/
+COMMANDS = {"speed": speed, "parts": parts, "profile": profile, "lengths": lengths, "requests": requests,  # benches/
+            "racer": racer, "batch": batch, "peers": peers, "quality": quality, "formats": formats}
 FILES_ONLY = ("peers", "quality", "formats")  # subcommands that need model files, not --random
 EPILOG = """examples:
   python bench.py speed                                # the default pair: ar, sd and smc on code and prose prompts
   python bench.py speed --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256
+  python bench.py profile --random llama-1b:llama-8b --prompt-len 256   # one cycle of ar and smc taken apart
   python bench.py lengths --prompt-lengths 100,4000
   python bench.py batch --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4
   python bench.py quality --methods ar,sd,easd,mdsd,smc,draft --problems 40 --samples 1

@@ -1,14 +1,15 @@
 """bench.py report: a report's tables (any bench.py JSON) printed again as markdown, as its subcommand printed them."""
 import json
 
-from benches import batch, common, formats, lengths, parts, peers, quality, racer, requests, speed
+from benches import batch, common, formats, lengths, parts, peers, profile, quality, racer, requests, speed
 
 HELP = "print a report's tables (any bench.py JSON) as markdown"
 # a report's sections in the order the subcommands print them, each with its table
 SECTIONS = {"weight_costs": formats.weight_cost_table, "formats": formats.format_table, "speed": None,
-            "phases": speed.phase_table, "parts": parts.parts_table, "lengths": lengths.length_table,
-            "short_requests": requests.short_table, "racer": racer.racer_table, "peer": peers.peer_table,
-            "batch": batch.batch_table, "overlap_phases": batch.overlap_table, "quality": quality.quality_table}
+            "phases": speed.phase_table, "parts": parts.parts_table, "profile": profile.tables,
+            "lengths": lengths.length_table, "short_requests": requests.short_table, "racer": racer.racer_table,
+            "peer": peers.peer_table, "batch": batch.batch_table, "overlap_phases": batch.overlap_table,
+            "quality": quality.quality_table}
 
 
 def options(p):

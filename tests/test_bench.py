@@ -18,7 +18,7 @@ import model
 import peers
 import platforms
 import quality
-from benches import common, lengths, parts, racer, scoring, speed
+from benches import common, lengths, parts, profile, racer, scoring, speed
 from cpu import auto, native
 from weights import fetch
 
@@ -522,3 +522,37 @@ def test_parts_time_every_call_of_the_backend_by_name_and_a_missing_one_fails():
     assert call.spent["matmuls"] > 0 and call.end > 0
     seam.unwrap()
     assert "linear" not in vars(backend)
+
+
+@pytest.mark.slow
+def test_profile_takes_a_cycle_apart(tmp_path, capsys):
+    """bench.py profile on a CPU, CUDA's code paths run eagerly (no graphs, the host clock for timer): every config's
+    phases timed, its traced kernel classes within the traced wall time, GEMM among them, the host gap beside the
+    replays; a sweep row for every (model, matrix, rows); both copy bandwidths; `report` prints the tables again."""
+    out = tmp_path / "p.json"
+    report = bench.main(["profile", "--quick", "--random", "tiny:tiny", "--threads", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| method | N | K | suffix tokens |" in printed and "| method | N | K | wall ms | GEMM |" in printed
+    section = json.loads(out.read_text())["profile"]
+    assert section["replays"] == 2 and section["device"] == "cpu" and report["profile"]
+    configs = {(r["method"], r["N"], r["K"]): r for r in section["configs"]}
+    assert set(configs) == {("ar", 1, 1), ("smc", 2, 2), ("smc", 2, 1)}
+    assert set(configs["ar", 1, 1]["phases_ms"]) == {"verify_cycle"}
+    assert set(configs["smc", 2, 2]["phases_ms"]) == {"draft_block", "verify_cycle"}
+    for r in configs.values():
+        assert min(min(p.values()) for p in r["phases_ms"].values()) > 0 and r["suffix_tokens"] > 0
+        assert r["cycle_ms"] == pytest.approx(sum(p["mean_ms"] for p in r["phases_ms"].values()))
+        assert set(r["ideal_ms"]) == set(r["phases_ms"]) | {"cycle"} and r["ideal_ms"]["cycle"] > 0
+        classes = r["profile"]["classes_ms"]
+        assert set(classes) == set(profile.CLASS_NAMES) and classes["GEMM"] > 0 and min(classes.values()) >= 0
+        assert sum(classes.values()) <= 1.05 * r["profile"]["wall_ms"]
+        gap = r["host_gap"]
+        assert gap["loop_ms"] > 0 and gap["replay_ms"] > 0
+        assert gap["gap_ms"] == pytest.approx(gap["loop_ms"] - gap["replay_ms"])
+    matrices = ("wqkv", "wo", "w13", "w2", "lm_head")
+    cells = [(r["model"], r["matrix"], r["rows"]) for r in section["sweep"]]
+    assert sorted(cells) == sorted((m, x, n) for m in ("draft", "target") for x in matrices for n in (1, 8))
+    assert all(r["gbs"] > 0 and r["ms"] > 0 and r["library"] == "default" for r in section["sweep"])
+    assert min(section["copy"]["engine_gbs"], section["copy"]["buffer_gbs"]) > 0
+    bench.main(["report", str(out)])
+    assert profile.tables(section) in capsys.readouterr().out
