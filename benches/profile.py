@@ -34,7 +34,7 @@ COPY_BYTES = {"cuda": 2**30, "cpu": 2**26}  # the copied buffer: larger than any
 KERNEL_CLASSES = (
     ("GEMM", ("gemm", "gemv", "splitk", "matmul", "cutlass", "nvjet", "xmma", "cublas", "linear", "aten::mm",
               "aten::addmm", "aten::bmm", "_mm", "_quantized_matmul")),
-    ("attention", ("_attention_split", "flash", "attention")),
+    ("attention", ("_attention_split", "_merge_kernel", "flash", "attention")),
     ("sampling", ("_vocab_chunk",)),
     ("resample", ("_resample",)),
     ("gather/scatter", ("_gather_kernel", "gather", "scatter", "index")),
