@@ -698,11 +698,36 @@ def pack_int4(q):
 
 
 @jit
+def _int4_weights(q_ptr, s_ptr, n, k0, N, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """w[n, k0 : k0 + BLOCK_K].T in float32, [BLOCK_K, BLOCK_N]: one load of the tile's packed bytes [BLOCK_K // 2,
+    BLOCK_N] (low nibble the even input, high the odd) and one of its groups' (scale, zero) [BLOCK_K // 32, BLOCK_N, 2],
+    broadcast to their bytes. Each byte and scale is read once, in contiguous runs; the nibbles' two tiles interleave
+    back in input order in registers, so that one dot takes x as loaded."""
+    b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte b packs inputs 2b and 2b + 1
+    live = (b < K // 2)[:, None] & (n < N)[None, :]
+    byte = tl.load(q_ptr + _offset(n, K // 2)[None, :] + b[:, None], mask=live, other=0)  # [BLOCK_K // 2, BLOCK_N]
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # the tile's groups
+    at = (g[:, None] * N + n[None, :]) * 2  # [BLOCK_K // 32, BLOCK_N]: where each (scale, zero) starts
+    live = (g < K // 32)[:, None] & (n < N)[None, :]
+    pairs = tl.load(s_ptr + at[:, :, None] + tl.arange(0, 2)[None, None, :], mask=live[:, :, None], other=0.0)
+    scale, zero = tl.split(pairs.to(tl.float32))  # [BLOCK_K // 32, BLOCK_N] each
+    # each group's row for its 16 bytes: [BLOCK_K // 2, BLOCK_N]
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BLOCK_K // 32, 16, BLOCK_N]), [BLOCK_K // 2, BLOCK_N])
+    zero = tl.reshape(tl.broadcast_to(zero[:, None, :], [BLOCK_K // 32, 16, BLOCK_N]), [BLOCK_K // 2, BLOCK_N])
+    even = ((byte & 15).to(tl.float32) - 8) * scale + zero  # [BLOCK_K // 2, BLOCK_N]
+    odd = ((byte >> 4).to(tl.float32) - 8) * scale + zero
+    rows = tl.permute(tl.join(even, odd), 0, 2, 1)  # [BLOCK_K // 2, 2, BLOCK_N]: inputs 2b, 2b + 1 of byte b
+    return tl.reshape(rows, [BLOCK_K, BLOCK_N])
+
+
+@jit
 def _quantized_matmul_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, INT4: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out = x @ w.T, the weight dequantized a [BLOCK_K, BLOCK_N] tile at a time in
-    registers and cast to x's dtype: int4 (nibble k of q[n, k // 2] - 8) * scale + zero of group k // 32; int8 q[n, k]
-    as is (exact in any float dtype), its row's scale applied once to the float32 sums."""
+    registers and cast to x's dtype. int4 (nibble - 8) * scale + zero of its group of 32, each packed byte and each
+    group's (scale, zero) loaded once a tile (`_int4_weights`), so BLOCK_K a multiple of 64: whole bytes of whole
+    groups. int8 q[n, k] as is (exact in any float dtype), its row's scale applied once to the float32 sums."""
+    tl.static_assert(not INT4 or BLOCK_K % 64 == 0, "an int4 tile takes whole bytes of whole groups of 32")
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # activation rows
     dot_type = tl.float32 if PRECISION == "ieee" else x_ptr.dtype.element_ty  # ieee: x float32, or the interpreter
@@ -710,13 +735,10 @@ def _quantized_matmul_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, INT4: tl.con
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + _offset(m, K)[:, None] + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
-        live = (k < K)[:, None] & (n < N)[None, :]  # [BLOCK_K, BLOCK_N]
         if INT4:  # scale_zero [in / 32, out, 2]
-            byte = tl.load(q_ptr + _offset(n, K // 2)[None, :] + (k // 2)[:, None], mask=live, other=0).to(tl.int32)
-            nibble = byte >> (k % 2 * 4)[:, None] & 15  # low nibble: even k
-            at = s_ptr + ((k // 32)[:, None] * N + n[None, :]) * 2
-            w = (nibble - 8).to(tl.float32) * tl.load(at, mask=live, other=0.0) + tl.load(at + 1, mask=live, other=0.0)
+            w = _int4_weights(q_ptr, s_ptr, n, k0, N, K, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
         else:
+            live = (k < K)[:, None] & (n < N)[None, :]  # [BLOCK_K, BLOCK_N]
             w = tl.load(q_ptr + _offset(n, K)[None, :] + k[:, None], mask=live, other=0)
         acc += tl.dot(x.to(dot_type), w.to(dot_type), input_precision=PRECISION)
     if not INT4:
@@ -724,21 +746,25 @@ def _quantized_matmul_kernel(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, INT4: tl.con
     tl.store(out_ptr + _offset(m, N)[:, None] + n[None, :], acc, mask=(m < M)[:, None] & (n < N)[None, :])
 
 
-def quantized_matmul_launch(M, dtype, smem):
+def quantized_matmul_launch(M, dtype, smem, int4=False):
     """The launch options of `_quantized_matmul_kernel` for M rows of activations in dtype, for `smem`
-    (`launch_target`). Tiles by M: decoding's few rows only read the weight (narrow column blocks give many
-    programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows."""
-    if dtype == torch.float32 and M <= 16:  # ieee dots run on FMA units from registers: larger tiles spill
+    (`launch_target`), int4 weights or int8. Tiles by M: decoding's few rows only read the weight (narrow column blocks
+    give many programs, long `in` tiles bytes in flight); a prefill's many reuse each weight tile in 128 rows. int4
+    tiles span at least 64 inputs, whole bytes of whole groups (the kernel asserts it)."""
+    # float32's ieee dots run on FMA units from registers: larger tiles spill, int4's 64 inputs (below) at any M
+    if dtype == torch.float32 and (M <= 16 or int4):
         tile = (16, 32, 32, 4, 2)
     elif dtype == torch.float32:
         tile = (32, 64, 16, 4, 2)
-    elif M <= 16:
-        tile = (16, 16, 256, 4, 4)
+    elif M <= 16:  # int4 twice int8's inputs: the same bytes a tile
+        tile = (16, 16, 512 if int4 else 256, 4, 4)
     elif M <= 64:
         tile = (min(64, triton.next_power_of_2(M)), 64, 64, 4, 3)
     else:
         tile = (128, 128, 64, 8, 3)
     block_m, block_n, block_k, warps, stages = tile
+    if int4:  # whole bytes (two inputs) of whole groups
+        block_k = max(block_k, 2 * INT4_GROUP)
     # fewer stages where the estimate (stages x an activation and two weight-sized tiles) passes smem; one always fits
     while smem is not None and stages > 1 and stages * block_k * (block_m + 2 * block_n) * dtype.itemsize > smem:
         stages -= 1
@@ -753,7 +779,7 @@ def quantized_matmul(x, q, scale):
     N = q.shape[0]
     int4 = q.dtype == torch.uint8
     assert q.shape[1] * (1 + int4) == K and (not int4 or K % INT4_GROUP == 0) and scale.is_contiguous()
-    options = quantized_matmul_launch(M, x.dtype, launch_target(x))
+    options = quantized_matmul_launch(M, x.dtype, launch_target(x), int4)
     out = x.new_empty(M, N)
     grid = (triton.cdiv(N, options["BLOCK_N"]), triton.cdiv(M, options["BLOCK_M"]))
     _quantized_matmul_kernel[grid](x.contiguous(), q.contiguous(), scale, out, M, N, K, INT4=int4, **options)

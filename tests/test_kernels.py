@@ -208,13 +208,16 @@ def test_attention_blocks_fit_shared_memory(smem, D, elem):
 @pytest.mark.skipif(kernels.triton is None, reason="no triton")
 @pytest.mark.parametrize("smem", [166912, 101376, 232448, 65536], ids=["A100", "RTX4090", "H100", "MI300"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantized_matmul_tiles_fit_shared_memory(smem, dtype):
+@pytest.mark.parametrize("int4", [False, True], ids=["int8", "int4"])
+def test_quantized_matmul_tiles_fit_shared_memory(smem, dtype, int4):
     """The matmul's tile for every row count fits the program's shared memory by its estimate (stages x an activation
-    and two weight-sized tiles: above what Triton allocates, int4 included); float32's stay small (FMA dots)."""
+    and two weight-sized tiles: above what Triton allocates, int4 included); float32's stay small (FMA dots); int4's
+    take whole bytes of whole groups of 32 inputs."""
     for M in (1, 8, 16, 40, 64, 130, 4000):
-        o = kernels.quantized_matmul_launch(M, dtype, smem)
+        o = kernels.quantized_matmul_launch(M, dtype, smem, int4)
         assert o["num_stages"] * o["BLOCK_K"] * (o["BLOCK_M"] + 2 * o["BLOCK_N"]) * dtype.itemsize <= smem
         assert dtype != torch.float32 or o["BLOCK_M"] * o["BLOCK_N"] <= 2048
+        assert not int4 or o["BLOCK_K"] % 64 == 0
 
 
 def test_reference_matches_sdpa_on_one_particle():
@@ -700,7 +703,7 @@ def test_pack_int4_round_trip():
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(48, 96), (80, 288)])  # (out, in): in not a multiple of the in-tiles, 256 and 64
+@pytest.mark.parametrize("shape", [(48, 96), (80, 544)])  # (out, in): in not a multiple of any in-tile, 512 to 64
 @pytest.mark.parametrize("rows", [1, 3, 16, 40, 130])  # every tile class: decoding's, verifying's, a prefill's
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_triton_quantized_matmul_equals_its_reference(fmt, rows, shape, dtype):
