@@ -14,6 +14,22 @@
 # set against the TP=1 line. `profile`, the first benchmark, takes one cycle of ar and smc apart: phase replays,
 # device time by kernel class, the host's gap, a GEMM sweep (cuBLAS, cuBLASLt) and the copy against the roofline.
 # roofline.py's prediction for these shapes is in docs/results.md.
+# make gpu-roof: the GPU roof's measurements in one short call (a few minutes on an H100): the new kernels against
+# their references and CUDA-graph replay on the card; `profile` of ar and smc 4x4, 8x8, 8x1 (bf16 1B -> 8B, 256 +
+# 256 tokens); `speed` of ar and smc 8x8, 4x4 with the draft in bf16, in fp8 (sm_89+) and in int4 (the Triton
+# matmul), ESS and resampling rate beside each, against the target's ar in the same run.
+ROOF = --random llama-1b:llama-8b --prompt-len 256 --new-tokens 256
+.PHONY: gpu-roof
+gpu-roof:
+	-python -m pytest -q tests/test_kernels.py tests/test_engine.py tests/test_model.py \
+		-k "cuda_graphs or through_triton or glue or rms_norm or rope or silu or merge or quantized or fp8"
+	-python bench.py profile $(ROOF) --out gpu-roof-profile.json
+	-python bench.py speed $(ROOF) --methods ar,smc --grid 8x8,4x4 --repeats 3 --out gpu-roof-speed.json
+	-python bench.py speed $(ROOF) --methods ar,smc --grid 8x8,4x4 --repeats 3 --draft-weights fp8 \
+		--out gpu-roof-fp8.json
+	-python bench.py speed $(ROOF) --methods smc --grid 8x8,4x4 --repeats 3 --draft-weights int4 \
+		--out gpu-roof-int4.json
+
 .PHONY: gpu-check
 gpu-check:
 	-python -m pytest -q tests/test_compile.py

@@ -399,20 +399,23 @@ class Engine:
     of every phase the batches run (scheduler.Batch; also `watching`), which runs as it would unwatched.
     on_line(text): each line the engine reports (auto's measuring and choices, the files it reads); None: none."""
 
-    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=(), on_line=None):
-        """An engine on model files: paths or Hub ids (draft also "racer" or None)."""
+    def __init__(self, target, draft=None, device=None, weights=None, remeasure=False, observers=(), on_line=None,
+                 draft_weights=None):
+        """An engine on model files: paths or Hub ids (draft also "racer" or None); draft_weights: the draft's format
+        where it differs from weights'."""
         self.begin(observers, on_line)
         self.open(target, draft, device)
-        self.choose_formats(weights, remeasure)
+        self.choose_formats(weights, remeasure, draft_weights)
 
     @classmethod
-    def of_models(cls, target, draft=None, weights=None, observers=(), on_line=None):
+    def of_models(cls, target, draft=None, weights=None, observers=(), on_line=None, draft_weights=None):
         """An engine on models already built (model.Transformer; draft also "racer" or None): no tokenizer (prompts
-        are ids), the models' own device and formats (weights: the name of theirs, for reports; default bf16)."""
+        are ids), the models' own device and formats (weights, draft_weights: the names of theirs, for reports;
+        default bf16, and the draft's the target's)."""
         e = cls.__new__(cls)
         e.begin(observers, on_line)
         e.hold(target, draft)
-        e.choose_formats(weights, False)
+        e.choose_formats(weights, False, draft_weights)
         return e
 
     def begin(self, observers, on_line):
@@ -473,9 +476,9 @@ class Engine:
         self.is_eos[self.config.eos_ids + [self.pad]] = True
         self.ends = set(self.config.eos_ids) | {self.pad}
 
-    def choose_formats(self, weights, remeasure):
-        """The models' weight formats: weights as given, or "auto"'s (a CPU's measuring, when load() reads them), and
-        the memory they take checked before any weight is read."""
+    def choose_formats(self, weights, remeasure, draft_weights=None):
+        """The models' weight formats: weights as given (the draft's draft_weights where given), or "auto"'s (a CPU's
+        measuring, when load() reads them), and the memory they take checked before any weight is read."""
         one_process = self.world == 1 and bool(self.opened[0])  # model files read by one process
         self.auto = weights in (None, "auto") and self.platform.kind == "cpu" and one_process
         if self.auto:
@@ -485,6 +488,10 @@ class Engine:
         else:
             self.weights = self.platform.usable(weights)
         self.draft_weights = self.weights
+        if draft_weights is not None:
+            require(not self.auto, "--draft-weights with --weights auto: auto chooses both; name a target format with "
+                    "--weights, or drop --draft-weights", "draft_weights")
+            self.draft_weights = self.platform.usable(draft_weights)
         self.chosen = {}  # method -> the (N, K) auto measured for it
         self.dtype = torch.bfloat16 if self.auto else formats.FORMATS[self.weights]
         if self.target:
@@ -836,6 +843,9 @@ def add_models(parser):
     parser.add_argument("--weights", choices=WEIGHTS, default=WEIGHTS[0], help="matmul weights' format (activations "
                         "in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured "
                         "(CPU) (default %(default)s)")
+    parser.add_argument("--draft-weights", choices=formats.FORMATS, help="the draft's matmul weights' format, where it "
+                        "differs from --weights' (fp8 on CUDA sm_89+, int4: a draft in fewer bytes; smc's weights and "
+                        "sd's acceptance stay exact for any draft)")
     parser.add_argument("--remeasure", action="store_true", help="--weights auto: measure this machine again, not "
                         "read back the choices kept in its cache (default off)")
 
@@ -901,9 +911,9 @@ def watch(args):
     require(args.prompt is None and not args.prompt_file and not args.trace, "--watch: prompts are typed in the "
             "page; drop --prompt, --prompt-file and --trace")
     flags = ["--device", args.device, "--weights", args.weights, "--host", "127.0.0.1", "--port", str(args.watch)]
-    for name in ("target", "draft"):
+    for name in ("target", "draft", "draft_weights"):
         if getattr(args, name):
-            flags += [f"--{name}", getattr(args, name)]
+            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
     if args.remeasure:
         flags.append("--remeasure")
     server.main(flags)
@@ -934,7 +944,7 @@ def prepare(args, batch, world):
     if not batch:
         require(prompt.strip(), f"{args.prompt_file or '--prompt'}: the prompt is empty or only whitespace")
     target, draft = model_paths(args.target, args.draft)
-    e = Engine(target, draft, args.device, args.weights, args.remeasure, on_line=say)
+    e = Engine(target, draft, args.device, args.weights, args.remeasure, on_line=say, draft_weights=args.draft_weights)
     if args.chat:
         require(e.tokenizer and e.tokenizer.chat_template, f"--chat: {target} has no chat template; give the prompt "
                 "as the model should read it")

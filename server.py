@@ -595,7 +595,7 @@ def main(argv=None):
                        "parallelism (torchrun) is for engine.py; run the server without torchrun")
         target, draft = engine.model_paths(args.target, args.draft)
         eng = engine.Engine(target, draft, engine.device_of(args.device), args.weights, args.remeasure,
-                            on_line=engine.say)  # opens only
+                            on_line=engine.say, draft_weights=args.draft_weights)  # opens only
         longest = eng.config.max_seq_len
         context = args.context or min(engine.CONTEXT, longest)
         engine.require(context <= longest, f"--context {context} exceeds the model's {longest} tokens")

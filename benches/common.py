@@ -107,14 +107,15 @@ def open_pair(args, device, world=1):
     if args.random:
         draft_name, target_name = args.random.split(":")
         dtype = getattr(torch, args.dtype)
-        draft = random_model(draft_name, device, dtype, 0, 1, args.weights)  # whole on every rank
+        draft = random_model(draft_name, device, dtype, 0, 1, args.draft_weights or args.weights)  # whole on every rank
         target = random_model(target_name, device, dtype, 1, world, args.weights)
-        return engine.Engine.of_models(target, draft, args.weights), None
+        return engine.Engine.of_models(target, draft, args.weights, draft_weights=args.draft_weights), None
     paths = engine.default_pair()
     if args.target:
         paths = tuple(loading.local_paths([args.draft, args.target]))  # Hub ids as files: the peers read them too
     weights = args.weights or DTYPE_FORMATS[args.dtype]
-    return engine.Engine(paths[1], paths[0], device, weights, on_line=engine.say), paths  # auto's lines on stderr
+    e = engine.Engine(paths[1], paths[0], device, weights, on_line=engine.say, draft_weights=args.draft_weights)
+    return e, paths  # auto's lines on stderr
 
 
 def load_pair(args, device, world=1):
@@ -279,6 +280,7 @@ def options():
     add("--dtype", choices=list(DTYPE_FORMATS), default="bfloat16", help="random models and the peers")
     add("--weights", choices=["auto", *formats.FORMATS], help="the engine's weight format (default: --dtype's); auto "
         "measures at load, as engine.py does, and ar runs in its own choice")
+    add("--draft-weights", choices=list(formats.FORMATS), help="the draft's weight format (default: --weights')")
     add("--threads", type=int, default=torch.get_num_threads())
     add("--out", help="the JSON report (default: bench-COMMAND.json)")
     return common

@@ -1482,3 +1482,17 @@ def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):
     with pytest.raises(RuntimeError, match="verify failed"):
         e.generate(requests, method="sd", slots=4, overlap=True)
     assert raised == [2]  # the first half drafted alone, then beside the failing verify, and that draft had ended
+
+
+def test_the_draft_in_a_format_of_its_own(tmp_path):
+    """--draft-weights: the draft's matmuls in fp8 (a vocabulary of 16: torch._scaled_mm's multiples), the target's
+    as --weights says; smc and sd decode on it. With --weights auto, which chooses both, a one-line error before any
+    weight is read."""
+    pair = [save(tiny(seed, vocab=16), tmp_path / role) for seed, role in enumerate(("target", "draft"))]
+    e = engine.Engine(*pair, device="cpu", weights="bf16", draft_weights="fp8").load()
+    assert (e.weights, e.draft_weights) == ("bf16", "fp8")
+    assert e.draft.lm_head.fmt == "fp8" and not isinstance(e.target.lm_head, formats.Quantized)
+    for method in ("smc", "sd"):
+        assert e.generate("w1 w2", method=method, max_new_tokens=6, seed=0).stats["new_tokens"] > 0
+    with pytest.raises(errors.UsageError, match="^--draft-weights with --weights auto: auto chooses both"):
+        engine.Engine(*pair, device="cpu", weights="auto", draft_weights="fp8")
