@@ -843,9 +843,9 @@ def add_models(parser):
     parser.add_argument("--weights", choices=WEIGHTS, default=WEIGHTS[0], help="matmul weights' format (activations "
                         "in the dtype its kernels want); auto: each model's fastest, smc's N x K, sd's K, measured "
                         "(CPU) (default %(default)s)")
-    parser.add_argument("--draft-weights", choices=formats.FORMATS, help="the draft's matmul weights' format, where it "
-                        "differs from --weights' (fp8 on CUDA sm_89+, int4: a draft in fewer bytes; smc's weights and "
-                        "sd's acceptance stay exact for any draft)")
+    parser.add_argument("--draft-weights", choices=formats.FORMATS, help="the draft's matmul weights' format (fp8 on "
+                        "CUDA sm_89+, int4: a draft in fewer bytes; smc's weights and sd's acceptance stay exact for "
+                        "any draft) (default: --weights')")
     parser.add_argument("--remeasure", action="store_true", help="--weights auto: measure this machine again, not "
                         "read back the choices kept in its cache (default off)")
 
