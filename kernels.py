@@ -820,17 +820,21 @@ def quantize_fp8(w):
     return q, scale
 
 
+def fp8_rows(x):
+    """x [M, in] -> (x8 float8_e4m3fn [M, in], its scale float32 [M, 1]): each row on its own scale, x ~ x8 * scale."""
+    x_scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-30)  # clamp: an all-zero row
+    return (x.float() / x_scale).to(torch.float8_e4m3fn), x_scale
+
+
 def fp8_linear_ref(x, q, scale):
-    """fp8_matmul's arithmetic in float32: x's rows rounded to fp8 on their own scale, times the dequantized weight."""
-    x_scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-30)  # [M, 1]
-    x8 = (x.float() / x_scale).to(torch.float8_e4m3fn).float() * x_scale
-    return F.linear(x8, q.float() * scale[:, None]).to(x.dtype)
+    """fp8_matmul's arithmetic in float32: x's rows rounded to fp8 (fp8_rows), times the dequantized weight."""
+    x8, x_scale = fp8_rows(x)
+    return F.linear(x8.float() * x_scale, q.float() * scale[:, None]).to(x.dtype)
 
 
 def fp8_matmul(x, q, scale):
-    """x [M, in] @ (q * scale).T -> [M, out] in x's dtype by one torch._scaled_mm, x's rows scaled to fp8 first."""
-    x_scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-30)  # [M, 1]
-    x8 = (x.float() / x_scale).to(torch.float8_e4m3fn)
+    """x [M, in] @ (q * scale).T -> [M, out] in x's dtype by one torch._scaled_mm, x's rows cast to fp8 first."""
+    x8, x_scale = fp8_rows(x)
     return torch._scaled_mm(x8, q.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
 
 
@@ -887,33 +891,33 @@ def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, stride_x, dim, eps, 
         tl.store(out_ptr + own + i, normed.to(tl.float32) * w.to(tl.float32), mask=i < dim)
 
 
-def _norm_rows(x, y, w, eps):
-    """rms_norm of x (+ y) by the kernel -> (the sum or None, the normed rows), each shaped as x."""
+def _norm_rows(x, y, w, eps, s):
+    """rms_norm of x (+ y, the sum written into s) by the kernel -> the normed rows, shaped as x; y, s None: x alone."""
     x2 = x.reshape(-1, x.shape[-1])  # [rows, dim], a view where the rows are evenly spaced
     assert x2.stride(-1) == 1 and w.is_contiguous()
     out = x.new_empty(x.shape)
-    if y is None:  # out stands in for the pointers RESIDUAL = False never reads
-        _rms_norm_kernel[(len(x2),)](x2, out, w, out, out, x2.stride(0), x2.shape[1], eps, RESIDUAL=False,
-                                     BLOCK=GLUE_BLOCK, num_warps=4)
-        return None, out
-    s = x.new_empty(x.shape)
-    _rms_norm_kernel[(len(x2),)](x2, y.contiguous(), w, s, out, x2.stride(0), x2.shape[1], eps, RESIDUAL=True,
+    residual = y is not None
+    if not residual:  # out stands in for the pointers RESIDUAL = False never reads or writes
+        y = out
+        s = out
+    _rms_norm_kernel[(len(x2),)](x2, y, w, s, out, x2.stride(0), x2.shape[1], eps, RESIDUAL=residual,
                                  BLOCK=GLUE_BLOCK, num_warps=4)
-    return s, out
+    return out
 
 
 def rms_norm(x, w, eps):
     """`rms_norm_ref`'s contract, x [..., dim], w [dim]; one kernel on a GPU."""
     if not use_triton(x):
         return rms_norm_ref(x, w, eps)
-    return _norm_rows(x, None, w, eps)[1]
+    return _norm_rows(x, None, w, eps, None)
 
 
 def add_rms_norm(x, y, w, eps):
     """`add_rms_norm_ref`'s contract, x and y [..., dim]; one kernel on a GPU."""
     if not use_triton(x):
         return add_rms_norm_ref(x, y, w, eps)
-    return _norm_rows(x, y, w, eps)
+    s = x.new_empty(x.shape)
+    return s, _norm_rows(x, y.contiguous(), w, eps, s)
 
 
 def apply_rope(x, cos, sin):

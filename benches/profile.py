@@ -186,8 +186,8 @@ def own_us(event, cuda):
 
 
 def traced_cycles(batch, replays):
-    """A torch.profiler trace of `replays` whole cycles of batch -> ({kernel class: ms a cycle}, the wall ms a cycle
-    of the traced cycles: the host clock from before the first to after the last has ended)."""
+    """A torch.profiler trace of `replays` whole cycles of batch -> {"wall_ms": the host clock's ms a traced cycle,
+    from before the first to after the last has ended, "classes_ms": {kernel class: ms a cycle}}."""
     device = batch.models.device
     cuda = device.type == "cuda"
     activity = ProfilerActivity.CPU
@@ -203,7 +203,7 @@ def traced_cycles(batch, replays):
     spent = dict.fromkeys(CLASS_NAMES, 0.0)
     for event in trace.key_averages():
         spent[class_of(event.key)] += own_us(event, cuda) / 1e3 / replays
-    return spent, 1e3 * wall / replays
+    return {"wall_ms": 1e3 * wall / replays, "classes_ms": spent}
 
 
 def loop_ms(e, ids, method, N, K, new_tokens):
@@ -238,13 +238,12 @@ def split_cycle(e, new, method, replays):
 
 def whole_cycle(e, new, replays):
     """Whole cycles of new() (a request) replayed, timed, then again from the same start traced -> (their mean ms,
-    {kernel class: ms a cycle}, the wall ms a traced cycle)."""
+    the trace's `traced_cycles`)."""
     batch = started(e, new())
     replay_ms = statistics.mean(cycle_ms(batch, replays))
     batch.leave(0)
     warm(batch, new())
-    classes, wall_ms = traced_cycles(batch, replays)
-    return replay_ms, classes, wall_ms
+    return replay_ms, traced_cycles(batch, replays)
 
 
 def config_row(e, ids, method, N, K, args, gbs):
@@ -253,12 +252,12 @@ def config_row(e, ids, method, N, K, args, gbs):
     times at the suffix the phases were timed at."""
     new = functools.partial(new_request, e, ids, method, N, K, args.new_tokens)
     phases, suffix = split_cycle(e, new, method, args.replays)
-    replay_ms, classes, wall_ms = whole_cycle(e, new, args.replays)
+    replay_ms, profile = whole_cycle(e, new, args.replays)
     loop = loop_ms(e, ids, method, N, K, (1 + args.replays) * most_tokens(method, K))
     return {"method": method, "N": N, "K": K, "prompt_tokens": len(ids), "suffix_tokens": suffix,
             "phases_ms": phases, "cycle_ms": sum(p["mean_ms"] for p in phases.values()),
             "ideal_ms": ideal_ms(e, method, N, K, len(ids), suffix, gbs),
-            "profile": {"wall_ms": wall_ms, "classes_ms": classes},
+            "profile": profile,
             "host_gap": {"loop_ms": loop, "replay_ms": replay_ms, "gap_ms": loop - replay_ms}}
 
 
