@@ -20,6 +20,7 @@ import methods
 import roofline
 import scheduler
 from benches import common
+from cpu import native
 from errors import require
 
 HELP = ("one cycle of ar and smc at each N x K cell taken apart: each phase's replay time, a profiler trace's "
@@ -30,18 +31,20 @@ BLAS = ("cublas", "cublaslt")  # the libraries torch.backends.cuda.preferred_bla
 DEFAULT_BLAS = "default"  # a CPU's one library, left as it is
 CPU_CALLS = 5  # timed calls of one matmul or copy on a CPU, after one that warms it
 COPY_BYTES = {"cuda": 2**30, "cpu": 2**26}  # the copied buffer: larger than any cache
-# Kernel classes by substrings of a kernel's (a CPU: an aten op's) lower-cased name: the first that matches names it.
+# Kernel classes by substrings of a kernel's (a CPU: an operator's) lower-cased name: the first that matches names it.
 KERNEL_CLASSES = (
     ("GEMM", ("gemm", "gemv", "splitk", "matmul", "cutlass", "nvjet", "xmma", "cublas", "linear", "aten::mm",
               "aten::addmm", "aten::bmm", "_mm", "_quantized_matmul")),
     ("attention", ("_attention_split", "_merge_kernel", "flash", "attention")),
-    ("sampling", ("_vocab_chunk",)),
+    ("sampling", ("_vocab_chunk", "rows_logprobs")),
     ("resample", ("_resample",)),
     ("gather/scatter", ("_gather_kernel", "gather", "scatter", "index")),
     ("other", ("memcpy", "memset", "copy", "fill", "reduce", "scan", "sort", "softmax", "logsumexp", "topk",
                "aten::sum", "aten::cumsum", "aten::amax", "aten::argmax")),
 )
 CLASS_NAMES = (*[name for name, _ in KERNEL_CLASSES], "elementwise")  # elementwise: every kernel not matched
+CPU_OPS = ("aten::", "mkldnn::", "native::")  # a CPU trace's operators: torch's, oneDNN's packed linears, the C kernel's
+FUSED_LAYER = f"native::{native.FUSED_LAYER}"
 
 
 def options(p):
@@ -177,12 +180,19 @@ def class_of(name):
 
 def own_us(event, cuda):
     """An event's own microseconds in the profile: a kernel's device time on CUDA (a CPU op's there is only its
-    kernels' again), an aten op's time less that of the ops it calls on a CPU; 0 for any other event."""
+    kernels' again), on a CPU an operator's (aten's, oneDNN's, the C kernel's) time less that of the ops it calls;
+    0 for any other event, and for the C kernel's fused layer, whose parts fused_layer_ms gives."""
     if cuda and event.device_type == DeviceType.CUDA:
         return event.self_device_time_total
-    if not cuda and event.key.startswith("aten::"):
+    if not cuda and event.key.startswith(CPU_OPS) and event.key != FUSED_LAYER:
         return event.self_cpu_time_total
     return 0
+
+
+def fused_layer_ms(seconds, replays):
+    """{kernel class: ms a cycle} of the C kernel's fused layers from native.timing()'s seconds by LAYER_PARTS."""
+    classes = dict(zip(native.LAYER_PARTS, ("GEMM", "attention", "elementwise")))
+    return {classes[part]: 1e3 * s / replays for part, s in zip(native.LAYER_PARTS, seconds)}
 
 
 def traced_cycles(batch, replays):
@@ -193,7 +203,7 @@ def traced_cycles(batch, replays):
     activity = ProfilerActivity.CPU
     if cuda:
         activity = ProfilerActivity.CUDA
-    with torch.profiler.profile(activities=[activity]) as trace:
+    with torch.profiler.profile(activities=[activity]) as trace, native.timing() as layers:
         scheduler.synchronize(device)
         start = time.perf_counter()
         for _ in range(replays):
@@ -203,6 +213,8 @@ def traced_cycles(batch, replays):
     spent = dict.fromkeys(CLASS_NAMES, 0.0)
     for event in trace.key_averages():
         spent[class_of(event.key)] += own_us(event, cuda) / 1e3 / replays
+    for kind, ms in fused_layer_ms(layers, replays).items():
+        spent[kind] += ms
     return {"wall_ms": 1e3 * wall / replays, "classes_ms": spent}
 
 

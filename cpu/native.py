@@ -283,6 +283,14 @@ def library():
     return _library["lib"], _library["why"]
 
 
+def traced(name):
+    """A torch.profiler record named native::name around a C call while a trace runs (the profiler cannot see
+    ctypes calls otherwise, so bench.py profile would miss them); nothing otherwise."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"native::{name}")
+    return contextlib.nullcontext()
+
+
 def isa():
     """The instruction set the kernel was built for here ("avx512_vnni", "avx_vnni", "avx2", "portable"), or None."""
     lib, _ = library()
@@ -298,8 +306,9 @@ def quantize_rows(x2):
     dx = torch.empty(n // GROUP, rows)
     xs = torch.empty(n // GROUP, rows)
     xo = torch.empty(n // GROUP, rows, 2, dtype=torch.int32)  # 32 x the sum of each 16 codes: 6-bit matmuls' own
-    lib.quantize_rows(x2.data_ptr(), rows, n, xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), xo.data_ptr(),
-                      torch.get_num_threads())
+    with traced("quantize_rows"):
+        lib.quantize_rows(x2.data_ptr(), rows, n, xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), xo.data_ptr(),
+                          torch.get_num_threads())
     return xq.transpose(0, 1).reshape(rows, n), dx.T, xs.T
 
 
@@ -355,9 +364,10 @@ def w4a8_linear(x, packed, bits, bias=None, norm=None, eps=0.0, gated=False, rop
                              f"for {heads} heads of at most {out // max(D, 1)}")
     at, w_at, count = outlier_args(outliers, out)
     lib = _library.get("lib") or library()[0]
-    lib.linear(packed.data_ptr(), bits, head, pointer(tail_packed, torch.uint8), tail_bits, out, n, x.data_ptr(), rows,
-               y.data_ptr(), pointer(bias), pointer(norm), eps, gated, pointer(cos), pointer(sin), heads, D, at, w_at,
-               count, room.data_ptr(), torch.get_num_threads())
+    with traced("linear"):
+        lib.linear(packed.data_ptr(), bits, head, pointer(tail_packed, torch.uint8), tail_bits, out, n, x.data_ptr(),
+                   rows, y.data_ptr(), pointer(bias), pointer(norm), eps, gated, pointer(cos), pointer(sin), heads, D,
+                   at, w_at, count, room.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -422,11 +432,11 @@ def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix
     tree_bytes = None
     if tree is not None:
         tree_bytes = tree.to(torch.uint8).contiguous()
-    lib.particle_attention(q.data_ptr(), prefix_k.data_ptr(), prefix_v.data_ptr(), suffix_k.data_ptr(),
-                           suffix_v.data_ptr(), prefix_len.data_ptr(), suffix_len.data_ptr(),
-                           None if tree_bytes is None else tree_bytes.data_ptr(), scale, R, N, T, Hq,
-                           prefix_k.shape[1], D, prefix_k.shape[2], suffix_k.shape[3], out.data_ptr(),
-                           torch.get_num_threads())
+    with traced("particle_attention"):
+        lib.particle_attention(q.data_ptr(), prefix_k.data_ptr(), prefix_v.data_ptr(), suffix_k.data_ptr(),
+                               suffix_v.data_ptr(), prefix_len.data_ptr(), suffix_len.data_ptr(),
+                               pointer(tree_bytes, torch.uint8), scale, R, N, T, Hq, prefix_k.shape[1], D,
+                               prefix_k.shape[2], suffix_k.shape[3], out.data_ptr(), torch.get_num_threads())
 
 
 # ---------------------------------------------------------------- a decoder layer's step in one call
@@ -458,6 +468,7 @@ def matmul(packed, bits, n, tail=None, bias=None, outliers=None):
 
 
 LAYER_PARTS = ("matmuls", "attention and KV writes", "residual adds")
+FUSED_LAYER = "decoder_layer"  # its trace record's name: a profile splits its time by LAYER_PARTS (timing())
 _timings = []  # the arrays of the timing() blocks open now, the innermost last
 
 
@@ -500,10 +511,11 @@ def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, 
     spent = layer_timing()
     for i, layer in enumerate(layers):
         at = [c.data_ptr() + i * step for c, step in zip(caches, steps)]
-        lib.decoder_layer(x.data_ptr(), R, N, T, ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), *at,
-                          prefix_len.data_ptr(), suffix_len.data_ptr(), pointer(tree_bytes, torch.uint8),
-                          prefix_k.shape[3], suffix_k.shape[4], room.data_ptr(), room.data_ptr() + 4 * floats,
-                          spent, torch.get_num_threads())
+        with traced(FUSED_LAYER):
+            lib.decoder_layer(x.data_ptr(), R, N, T, ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), *at,
+                              prefix_len.data_ptr(), suffix_len.data_ptr(), pointer(tree_bytes, torch.uint8),
+                              prefix_k.shape[3], suffix_k.shape[4], room.data_ptr(), room.data_ptr() + 4 * floats,
+                              spent, torch.get_num_threads())
     return x
 
 
@@ -519,8 +531,9 @@ def rows_logprobs(logits, temperature, tokens, u=None):
     out = torch.empty(B)
     work = torch.empty(4 * B + B * -(-V // SAMPLE_CHUNK))
     lib = _library.get("lib") or library()[0]
-    lib.rows_logprobs(logits.data_ptr(), B, V, temperature.data_ptr(), pointer(u), tokens.data_ptr(), out.data_ptr(),
-                      work.data_ptr(), torch.get_num_threads())
+    with traced("rows_logprobs"):
+        lib.rows_logprobs(logits.data_ptr(), B, V, temperature.data_ptr(), pointer(u), tokens.data_ptr(),
+                          out.data_ptr(), work.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -556,3 +556,16 @@ def test_profile_takes_a_cycle_apart(tmp_path, capsys):
     assert min(section["copy"]["engine_gbs"], section["copy"]["buffer_gbs"]) > 0
     bench.main(["report", str(out)])
     assert profile.tables(section) in capsys.readouterr().out
+
+
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler here: the C kernel's calls cannot be traced")
+def test_profile_counts_the_c_kernels_calls(tmp_path):
+    """In w4a8 the matmuls and the sampler are the C kernel's calls, which the profiler sees only as records the
+    kernel makes while a trace runs, its fused layers split by their own clock: GEMM and sampling above 0."""
+    out = tmp_path / "p.json"
+    bench.main(["profile", "--quick", "--random", "tiny:tiny", "--threads", "1", "--weights", "w4a8", "--out",
+                str(out)])
+    for r in json.loads(out.read_text())["profile"]["configs"]:
+        classes = r["profile"]["classes_ms"]
+        assert classes["GEMM"] > 0 and classes["sampling"] > 0 and classes["attention"] > 0
+        assert sum(classes.values()) <= 1.05 * r["profile"]["wall_ms"]
