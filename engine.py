@@ -169,8 +169,7 @@ class Settings:
         require(0 <= self.top_k <= vocab, f"top-k must lie in [0, {vocab}] (the vocabulary), got {self.top_k}", "top_k")
         require(0 < self.top_p <= 1, f"top-p must lie in (0, 1], got {self.top_p}", "top_p")
         require(0 <= self.seed < 2 ** 63, f"seed must lie in [0, 2**63), got {self.seed}", "seed")
-        require(self.power > 0, f"power must be > 0 and is smc's (sd and ar sample the target itself), got "
-                f"{self.power}", "power")
+        require(self.power > 0, f"power must be > 0, got {self.power}", "power")
         kind.check(self)
         require(0 <= self.tree <= 64, f"tree must lie in [0, 64] draft tokens, got {self.tree}", "tree")
         require(entropy >= 0 and 1 <= top <= vocab and 0 <= share <= 1, f"easd takes ENTROPY >= 0, TOP in [1, {vocab}] "

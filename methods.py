@@ -30,8 +30,8 @@ class Ar:
 
     def check(self, settings):
         """This method's own checks of resolved settings."""
-        require(settings.power == 1, f"power must be > 0 and is smc's (sd and ar sample the target itself), got "
-                f"{settings.power}", "power")
+        require(settings.power == 1, f"power is smc's alone ({self.name} samples the target itself), got "
+                f"{settings.power}: drop --power or use --method smc", "power")
 
     def on_racer(self):
         """The method that runs on racer's drafts; None where it needs a draft model's distribution."""

@@ -14,7 +14,7 @@ from cpu import formats as cpu_formats
 
 class Gpu:
     """A CUDA device (or any but a CPU): kernels.py's Backend, formats.py's weights."""
-    kind = "gpu"  # engine.SHAPES' key: each method's (N, K) by default
+    kind = "gpu"  # the key of methods.Method.shapes: each method's (N, K) by default here
 
     def __init__(self, device):
         self.device = device

@@ -24,7 +24,7 @@ BF16 = 2  # bytes a weight or cache element
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama-family model's sizes, as bench.py's SHAPES write them."""
+    """A Llama-family model's sizes, as benches/common.py's SHAPES write them."""
     vocab: int
     dim: int
     layers: int
@@ -134,7 +134,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
-    p.add_argument("--pair", default="llama-1b:llama-8b", help="draft:target, names of bench.py's SHAPES")
+    p.add_argument("--pair", default="llama-1b:llama-8b", help="draft:target, names of benches/common.py's SHAPES")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--acceptance", type=float, default=0.7, help="sd's and mdsd's chance a draft token is accepted")

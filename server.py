@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import queue
 import random
@@ -17,6 +18,7 @@ import time
 import traceback
 import uuid
 
+import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,7 +46,8 @@ SERVED = ("method", "particles", "draft_len", "lag", "tree", "overlap")
 API_NAMES = {"max_new_tokens": "max_tokens", "draft_temperature": "temperature", "target_temperature": "temperature"}
 MAX_TOKENS = {"completion": 16, "chat": 256}  # when a request gives none: OpenAI's for completions
 STOPPED = "the serving loop stopped"
-PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watch.html")
+PAGES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "watch.html"),  # a checkout's
+         os.path.join(sys.prefix, "share", "smcsd-mini", "watch.html"))  # pip install .'s (pyproject's data-files)
 # The page's own script and styles, and requests back to this server only: nothing from the network.
 PAGE_POLICY = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
 
@@ -202,9 +205,22 @@ class Worker:
             on_cycle = Watch(self.eng.tokenizer, forward)
         req = self.eng.request(prompt, stop=stop, context=self.context, on_text=clock.text, on_done=on_done,
                                on_cycle=on_cycle, **options)
+        self.check_fits_at_all(req)
         self.live[events] = clock
         self.inbox.put(req)
         return req, events
+
+    def check_fits_at_all(self, req):
+        """A 400 before any answer where req's batch alone outgrows the device's whole memory: it could never run
+        (one that outgrows only the memory free now is the scheduler's to refuse or run once others end)."""
+        caps = self.context
+        if not isinstance(caps, tuple):
+            caps = (caps, caps)
+        need = scheduler.batch_bytes(self.eng, req.shape, self.slots, caps)
+        whole = total_bytes(self.eng.device)
+        engine.require(need <= whole, f"{self.slots} slots' KV caches and logits need {need / 2**30:.2f} GiB, more "
+                       f"than the {whole / 2**30:.2f} GiB of {self.eng.device}: lower particles, draft_len or "
+                       "max_tokens")
 
     def stop(self):
         self.post(self.inbox.put, None)  # via the loop: safe from a signal handler, which may interrupt a put
@@ -238,6 +254,17 @@ def error_of(result):
     return None
 
 
+def total_bytes(device):
+    """The device's whole memory (a CPU's: /proc/meminfo's MemTotal; unknown: inf)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return math.inf
+
+
 # ---------------------------------------------------------------- HTTP
 
 async def body_of(request):
@@ -250,15 +277,21 @@ async def body_of(request):
     return body
 
 
-async def completions(request):
-    state = request.app.state
-    chat = request.url.path.endswith("/chat/completions")
-    body = await body_of(request)
+def checked(body, chat, state):
+    """A completion's body, every field checked -> (prompt, stop, options, stream, include_usage): the API's and the
+    watch page's one check."""
     stream = get(body, "stream", bool, False)
     include_usage = get(get(body, "stream_options", dict, {}), "include_usage", bool, False)
     prompt = prompt_of(body, chat, state.worker.eng.tokenizer)
     options = options_of(body, chat, state.defaults)
-    req, events = state.worker.submit(prompt, body.get("stop") or [], options, stream)
+    return prompt, body.get("stop") or [], options, stream, include_usage
+
+
+async def completions(request):
+    state = request.app.state
+    chat = request.url.path.endswith("/chat/completions")
+    prompt, stop, options, stream, include_usage = checked(await body_of(request), chat, state)
+    req, events = state.worker.submit(prompt, stop, options, stream)
     kind = "chat.completion" if chat else "text_completion"
     if chat and stream:
         kind = "chat.completion.chunk"
@@ -444,10 +477,12 @@ def served_methods(drafts):
 
 
 async def page(request):
-    """The watch page; a wheel's install has none (a flat module carries no data): the repository's checkout has."""
-    if not os.path.exists(PAGE):
-        raise ApiError(404, f"{PAGE} is missing: serve from the repository's checkout (or pip install -e .)")
-    with open(PAGE, encoding="utf-8") as f:
+    """The watch page: a checkout's, else an install's."""
+    found = [path for path in PAGES if os.path.exists(path)]
+    if not found:
+        raise ApiError(404, f"watch.html is missing from {' and '.join(PAGES)}: reinstall (pip install .) or serve "
+                            "from the repository's checkout")
+    with open(found[0], encoding="utf-8") as f:
         return HTMLResponse(f.read(), headers={"Content-Security-Policy": PAGE_POLICY})
 
 
@@ -470,9 +505,8 @@ async def watch(request):
     state = request.app.state
     body = await body_of(request)
     chat = get(body, "chat", bool, False)
-    prompt = prompt_of(body, chat, state.worker.eng.tokenizer)
-    options = options_of(body, chat, state.defaults)
-    req, events = state.worker.submit(prompt, [], options, True, watched=True)
+    prompt, stop, options, _, _ = checked(body, chat, state)
+    req, events = state.worker.submit(prompt, stop, options, True, watched=True)
     return StreamingResponse(watch_events(req, events), media_type="text/event-stream")
 
 

@@ -1,11 +1,11 @@
 /* w4a8 on the CPU: y = x @ w.T with w in 4-bit (or 6- or 8-bit) codes and x quantized to int8 per row and group of
- * 32; and, at the end, the attention of a step's few new rows. kernels_cpu.py holds the PyTorch reference that
+ * 32; and, at the end, the attention of a step's few new rows. native.py holds the PyTorch reference that
  * defines w4a8, the packing and the build; read that first.
  *
  * Weight layout, chosen for the dot product: panels of 16 output columns; a panel is superblocks of 8 groups of 32
  * inputs in order (the last maybe fewer); a superblock is 16 f16 d of its columns' scales and 16 of their lows, then
  * its groups; a group is its codes (16 columns x 32 inputs), then 16 int8 q of the scales and 16 of the lows:
- * w[c, k] = d[c] x q[c] x code + dlow[c] x qlow[c], as a GGUF K block's own d x sc and dmin x m (kernels_cpu.py).
+ * w[c, k] = d[c] x q[c] x code + dlow[c] x qlow[c], as a GGUF K block's own d x sc and dmin x m (native.py).
  * The codes form 8 vectors of 64 bytes, vector t holding inputs 4t .. 4t + 3 of each column (byte 4c + i), so one
  * vpdpbusd adds four products per column. 8-bit codes are those 8 vectors as they are (512 bytes); 4-bit ones pack
  * vector t in the low nibbles and vector t + 4 in the high nibbles of 4 vectors (256 bytes); 6-bit ones are those 4

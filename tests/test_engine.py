@@ -1187,7 +1187,8 @@ def test_a_racer_trace_holds_the_tree_and_the_path_taken(tmp_path, random_trees)
     (dict(top_k=1), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
     (dict(top_p=0.9), "smc cannot honour top-k/top-p.*--method sd or --method ar"),
     (dict(power=0), "power must be > 0"),
-    (dict(method="sd", power=2), "power must be > 0 and is smc's"),
+    (dict(method="sd", power=2), r"power is smc's alone \(sd samples the target itself\), got 2: drop --power"),
+    (dict(method="ar", power=0.5), r"power is smc's alone \(ar samples the target itself\), got 0.5: drop --power"),
 ])
 def test_bad_requests_are_one_line_errors(options, message):
     with pytest.raises(errors.UsageError, match=message):

@@ -291,6 +291,7 @@ BAD = [  # (body, param or None, words of the message)
     ({"temperature": "hot"}, "temperature", "temperature must be a finite number, got 'hot'"),
     ({"stream": 1}, "stream", "stream must be true or false"),
     ({"method": "smc", "particles": 1000000}, None, "GiB"),  # its batch cannot fit the memory: refused, not a 500
+    ({"method": "smc", "particles": 1000000, "stream": True}, None, "GiB"),  # refused before the stream starts
 ]
 
 

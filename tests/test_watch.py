@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 
 import pytest
 
@@ -139,6 +140,15 @@ def events(response):
             yield json.loads(line[6:])
 
 
+BAD_BODIES = [  # the page's request is checked as the API's: the same 400, before any event
+    ({"temperature": 0}, "smc needs temperatures > 0"),
+    ({"stream": "yes"}, "stream must be true or false"),
+    ({"prompt": [[1, 2], [3]]}, "prompt must be a string or a list of token ids (one prompt)"),
+    ({"stop": [1]}, "stop must be a string or a list of non-empty strings"),
+    ({"particles": 1000000}, "GiB"),  # its batch could never fit the memory
+]
+
+
 @pytest.mark.slow
 def test_the_page_and_its_events(words_server):
     """GET / serves the page, its script and styles its own; /watch/info the methods, defaults and the copy
@@ -163,9 +173,10 @@ def test_the_page_and_its_events(words_server):
                                                  extra_body={"method": "smc", "particles": 3, "draft_len": 2})
     assert got[-1]["text"] == text == api.choices[0].text
     assert sum(e["kind"] == "cycle" for e in got) == got[-1]["stats"]["cycles"]
-    status, reply = words_server.post_raw("/watch", json.dumps(options | {"temperature": 0}))
-    api_status, api_reply = words_server.post_raw("/v1/completions", json.dumps(options | {"temperature": 0}))
-    assert status == api_status == 400 and reply == api_reply and "smc needs temperatures > 0" in str(reply)
+    for bad, message in BAD_BODIES:
+        status, reply = words_server.post_raw("/watch", json.dumps(options | bad))
+        api_status, api_reply = words_server.post_raw("/v1/completions", json.dumps(options | bad))
+        assert status == api_status == 400 and reply == api_reply and message in str(reply), bad
     assert words_server.get("/health")[1]["requests"] == 1
     other.close()  # the other page goes away
     other_c.close()
@@ -173,12 +184,30 @@ def test_the_page_and_its_events(words_server):
 
 
 def test_a_missing_page_is_a_404_that_says_where_it_should_be(monkeypatch, tmp_path):
-    """A wheel's install carries no watch.html: / says so in one line rather than failing inside."""
-    monkeypatch.setattr(server, "PAGE", str(tmp_path / "watch.html"))
+    """A page found nowhere is a one-line 404 naming where it was looked for, rather than a failure inside."""
+    places = (str(tmp_path / "a" / "watch.html"), str(tmp_path / "b" / "watch.html"))
+    monkeypatch.setattr(server, "PAGES", places)
     with pytest.raises(server.ApiError) as error:
         asyncio.run(server.page(None))
-    assert error.value.status == 404 and str(error.value).endswith("is missing: serve from the repository's "
-                                                                   "checkout (or pip install -e .)")
+    assert error.value.status == 404 and str(error.value) == (f"watch.html is missing from {places[0]} and "
+                                                              f"{places[1]}: reinstall (pip install .) or serve from "
+                                                              "the repository's checkout")
+
+
+@pytest.mark.slow
+def test_an_install_carries_the_page(tmp_path):
+    """pip install . (a wheel) puts watch.html where server.py looks under sys.prefix, so an install serves it."""
+    source = tmp_path / "source"  # a copy: building writes build/ and egg-info beside the sources
+    shutil.copytree(test_engine.ROOT, source, ignore=shutil.ignore_patterns(
+        ".*", "tests", "docs", "build", "*.egg-info", "__pycache__", "*.gguf"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(source)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("smcsd_mini-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        pages = [n for n in z.namelist() if n.endswith("/data/share/smcsd-mini/watch.html")]
+        assert len(pages) == 1
+        assert z.read(pages[0]) == open(server.PAGES[0], "rb").read()
+    assert server.PAGES[1] == os.path.join(sys.prefix, "share", "smcsd-mini", "watch.html")
 
 
 def test_engine_watch_needs_no_prompt():
