@@ -7,7 +7,7 @@ import time
 
 import torch
 
-import engine
+import request
 
 HF_GENERATE = "hf generate (static cache)"
 
@@ -89,7 +89,7 @@ def hf_batch_rows(target, prompts, pad, eos_ids, temperature, concurrency, new_t
             start = time.perf_counter()
             out = target.generate(x, attention_mask=mask, **options)
             seconds = time.perf_counter() - start
-            counts = [len(engine.until_eos(row, eos_ids)) for row in out[:, longest:].tolist()]
+            counts = [len(request.until_eos(row, eos_ids)) for row in out[:, longest:].tolist()]
             runs.append({"new_tokens": sum(counts), "seconds": seconds, "tokens_per_s": sum(counts) / seconds,
                          "mean_latency_s": seconds, "max_latency_s": seconds,
                          "request_tokens_per_s": statistics.mean(counts) / seconds,

@@ -14,7 +14,7 @@ from cpu import formats as cpu_formats
 
 class Gpu:
     """A CUDA device (or any but a CPU): kernels.py's Backend, formats.py's weights."""
-    kind = "gpu"  # the key of methods.Method.shapes: each method's (N, K) by default here
+    name = "gpu"  # the key of methods.Method.shapes: each method's (N, K) by default here
 
     def __init__(self, device):
         self.device = device
@@ -43,7 +43,7 @@ class Gpu:
 
 class Cpu(Gpu):
     """A CPU: the CPU wing's Backend and weight formats; a model in one process kept by the weight cache."""
-    kind = "cpu"
+    name = "cpu"
 
     def __init__(self, device):
         self.device = device

@@ -32,6 +32,8 @@ import metrics
 import plot
 import roofline
 import scheduler
+import settings
+from request import Result, until_eos
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # "degenerate" (smc) passes as it is
 # Fields that change what a client gets back, with the values that change nothing; any other value is a 400.
@@ -39,7 +41,7 @@ UNSUPPORTED = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,
                "suffix": ("",), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
                "function_call": ("none",), "response_format": ({"type": "text"},), "presence_penalty": (0,),
                "frequency_penalty": (0,)}
-KINDS = engine.KINDS | {list: "a list", dict: "an object"}
+TYPES = settings.TYPES | {list: "a list", dict: "an object"}
 # The Settings a request body may set (top-level keys, beside OpenAI's), and those the server's flags set.
 FIELDS = ("temperature", "top_p", "top_k", "seed", "method", "particles", "draft_len", "lag")
 SERVED = ("method", "particles", "draft_len", "lag", "tree", "overlap")
@@ -70,12 +72,12 @@ def float_constant(name):
     raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity, JSON has neither
 
 
-def get(body, name, kind, default=None):
-    """body[name], default when absent or null; a 400 when not of `kind`."""
+def get(body, name, expected, default=None):
+    """body[name], default when absent or null; a 400 when not of type `expected`."""
     value = body.get(name)
     if value is None:
         return default
-    engine.require(isinstance(value, kind), f"{name} must be {KINDS[kind]}", name)
+    engine.require(isinstance(value, expected), f"{name} must be {TYPES[expected]}", name)
     return value
 
 
@@ -112,14 +114,14 @@ def options_of(body, chat, defaults):
             options[name] = body[name]
     if "seed" not in options:
         options["seed"] = random.randrange(2 ** 31)  # no seed given: a fresh sample, as OpenAI's
-    settings = engine.Settings.of(options)
-    settings.check_types()
-    if "method" not in body and settings.kind.weighted and (settings.temperature == 0 or settings.restricts()):
+    asked = settings.Settings.of(options)
+    asked.check_types()
+    if "method" not in body and asked.spec.weighted and (asked.temperature == 0 or asked.restricts()):
         options["method"] = methods.SD.name  # smc has no greedy or truncated form; sd samples the target exactly
-    kind = engine.Settings.of(options).kind
-    if not kind.drafts:  # the server's overlap and racer trees are for the methods that draft
+    spec = settings.Settings.of(options).spec
+    if not spec.drafts:  # the server's overlap and racer trees are for the methods that draft
         options.pop("overlap", None)
-    if kind.on_racer() is not methods.RACER_SD:  # racer's trees are sd's
+    if spec.on_racer() is not methods.RACER_SD:  # racer's trees are sd's
         options.pop("tree", None)
     return options
 
@@ -169,7 +171,7 @@ class Worker:
         finally:  # what is still live will never finish: tell its clients
             if self.failure is None:
                 self.failure = STOPPED
-            gone = engine.Result("", [], {"stop": "error", "error": self.failure})
+            gone = Result("", [], {"stop": "error", "error": self.failure})
             self.post(self.deliver_all, gone)
 
     def post(self, call, *args):
@@ -407,7 +409,7 @@ class Watch:
         settled = record["settled"]
         cut = max(settled, before)
         for row in st.hist[r, :, 1:1 + record["length"]].tolist():
-            row = engine.until_eos(row, req.ends)
+            row = until_eos(row, req.ends)
             texts.append([self.records.decode(row[settled:cut]), self.records.decode(row[cut:])])
         return texts
 
@@ -516,7 +518,7 @@ async def watch_events(req, events):
     event = None
     try:
         yield data(req.on_cycle.start_record(req))
-        while not isinstance(event := await events.get(), engine.Result):
+        while not isinstance(event := await events.get(), Result):
             if isinstance(event, str):
                 yield data({"kind": "text", "text": event})
             else:
@@ -527,7 +529,7 @@ async def watch_events(req, events):
         else:
             yield data(plot.end_record(event))
     finally:
-        if not isinstance(event, engine.Result):
+        if not isinstance(event, Result):
             req.cancel()
 
 
@@ -562,7 +564,7 @@ def api_message(error):
     """A UsageError's message with the option at fault called by the API's name (max_tokens)."""
     if error.param not in API_NAMES:
         return str(error)
-    return str(error).replace(engine.option_name(error.param), API_NAMES[error.param])
+    return str(error).replace(settings.option_name(error.param), API_NAMES[error.param])
 
 
 def serve_http(worker, model_name, defaults, host, port):
@@ -605,7 +607,7 @@ def serve_http(worker, model_name, defaults, host, port):
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__.split(":", 1)[0])  # the docstring's first words
-    engine.add_models(p)
+    settings.add_models(p)
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on (default %(default)s)")
     p.add_argument("--slots", type=int, default=engine.SLOTS, help="requests decoded together (default %(default)s)")
@@ -614,7 +616,7 @@ def parser():
     p.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond the slots before a 503 "
                    "(default %(default)s)")
     p.add_argument("--model-name", help="the model id clients see (default: the target's base name)")
-    actions = engine.add_settings(p, SERVED, unset=("method",))
+    actions = settings.add_settings(p, SERVED, unset=("method",))
     actions["method"].help += " (default: smc with a draft model, sd with --draft racer, else ar)"
     return p
 
@@ -627,8 +629,8 @@ def main(argv=None):
         engine.require(args.context is None or args.context >= 1, f"--context must be at least 1, got {args.context}")
         engine.require(int(os.environ.get("WORLD_SIZE", 1)) == 1, "server.py serves from one process: tensor "
                        "parallelism (torchrun) is for engine.py; run the server without torchrun")
-        target, draft = engine.model_paths(args.target, args.draft)
-        eng = engine.Engine(target, draft, engine.device_of(args.device), args.weights, args.remeasure,
+        target, draft = settings.model_paths(args.target, args.draft)
+        eng = engine.Engine(target, draft, settings.device_of(args.device), args.weights, args.remeasure,
                             on_line=engine.say, draft_weights=args.draft_weights)  # opens only
         longest = eng.config.max_seq_len
         context = args.context or min(engine.CONTEXT, longest)
@@ -637,8 +639,8 @@ def main(argv=None):
         if defaults["method"] is None:
             defaults["method"] = default_method(draft)
         probe = {"prompt": [0], "context": context, "max_new_tokens": 1} | defaults
-        probe = eng.prepared([probe], numbered=False)[0]  # checked before the weights; auto's shape measured
-        eng.choose(eng.unchosen([{"method": name} for name in methods.METHODS]))  # the others' that clients ask
+        probe = engine.prepared(eng, [probe], numbered=False)[0]  # checked before the weights; auto's shape measured
+        engine.choose_shapes(eng, [{"method": name} for name in methods.METHODS])  # the others' that clients ask
         eng.load(probe.shape)  # weights auto: the format fastest for the default method's cycle
     except (errors.LoadError, errors.UsageError) as error:
         sys.exit(f"error: {error}")

@@ -9,9 +9,10 @@ import time
 
 import torch
 
-import engine
+import methods
 import peers
 import quality
+import settings
 from benches import common
 
 HELP = ("throughput and per-request latency of R requests decoded together (smc at the engine's default cell for "
@@ -70,8 +71,8 @@ def run_batch(e, prompts, method, N, K, new_tokens, seed, **options):
 def batch_cells(e, args):
     """(method, N, K) of the batches: smc at the engine's default cell for the device (`Settings.resolve`), sd at
     --sd-draft-len, "+overlap" methods only where some R is at least 2 (overlap needs a slot for each half)."""
-    settings = engine.Settings().resolve(e.device)
-    return common.configs(args, [(settings.particles, settings.draft_len)], overlap=max(args.concurrency) >= 2)
+    default = settings.Settings().resolve(e.device)
+    return common.configs(args, [(default.particles, default.draft_len)], overlap=max(args.concurrency) >= 2)
 
 
 def batches(e, args):
@@ -165,7 +166,7 @@ def batch_cells_of(row):
     """A batch row's cells: N and K blank in a peer's row."""
     N = ""
     K = ""
-    if row["method"].removesuffix("+overlap") in engine.METHODS:  # not a peer's row
+    if row["method"].removesuffix("+overlap") in methods.METHODS:  # not a peer's row
         N, K = common.cells_nk(row)
     return [row["R"], row["method"], N, K, f"{row['tokens_per_s']:.2f}", common.fmt(row.get("tokens_per_s_vs_ar")),
             common.fmt(row.get("tokens_per_s_vs_r1")), common.fmt(row.get("tokens_per_s_vs_plain")),

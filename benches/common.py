@@ -17,6 +17,7 @@ import formats
 import loading
 import model
 import platforms
+import settings
 from cpu import store
 
 CODE_PROMPT = '''def merge_intervals(intervals):
@@ -110,7 +111,7 @@ def open_pair(args, device, world=1):
         draft = random_model(draft_name, device, dtype, 0, 1, args.draft_weights or args.weights)  # whole on every rank
         target = random_model(target_name, device, dtype, 1, world, args.weights)
         return engine.Engine.of_models(target, draft, args.weights, draft_weights=args.draft_weights), None
-    paths = engine.default_pair()
+    paths = settings.default_pair()
     if args.target:
         paths = tuple(loading.local_paths([args.draft, args.target]))  # Hub ids as files: the peers read them too
     weights = args.weights or DTYPE_FORMATS[args.dtype]

@@ -10,6 +10,7 @@ import methods
 import peers
 import roofline
 import scheduler
+import settings
 from benches import common
 
 HELP = ("tok/s of each method one request at a time on a code and a prose prompt, smc at each N x K cell, against "
@@ -32,7 +33,7 @@ def ar_engine(pair, paths, args):
     the command line's `--method ar` would run it; otherwise pair."""
     if not pair.auto or "ar" not in args.methods:
         return pair
-    ar_shape = engine.Settings(method="ar").resolve(pair.device).shape()
+    ar_shape = settings.Settings(method="ar").resolve(pair.device).shape()
     (fmt, _), line = engine.Engine(paths[1], None, pair.device, "auto").measurement.choose_weights(ar_shape)
     print(f"ar's {line}", file=sys.stderr)
     if fmt == pair.weights:

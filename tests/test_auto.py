@@ -15,7 +15,7 @@ import engine
 import kernels
 import methods
 import model
-from test_engine import save
+from test_engine import requests_of, save
 from cpu import auto, store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,12 +160,12 @@ def test_a_method_predicted_slower_than_ar_or_sd_says_so(path, monkeypatch, caps
     none where its rows come almost free."""
     e = engine.Engine(path, path, weights="auto", on_line=engine.say)
     monkeypatch.setattr(e.measurement, "cycle_costs", linear(10, 10, 2))  # ar 20 ms a token, smc 3x2 (100 + 4) / 3
-    e.requests(["w1"], max_new_tokens=4)  # auto's shape chosen: e.choose
+    requests_of(e, ["w1"], max_new_tokens=4)  # auto's shape chosen: engine.choose_shapes
     assert capsys.readouterr().err.splitlines()[-1] == ("note: smc 3x2 is predicted to run at 0.58x ar here (measured "
                                                         "matmul costs); --method ar is faster on this machine")
     fast = engine.Engine(path, path, weights="auto", remeasure=True, on_line=engine.say)
     monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 1, 5))  # ar 51, smc (59 + 10) / 3, sd K=4 27
-    fast.requests(["w1"], max_new_tokens=4)
+    requests_of(fast, ["w1"], max_new_tokens=4)
     assert "note:" not in capsys.readouterr().err
     assert fast.measurement.speed_note(methods.SMC, (3, 2))[0] == pytest.approx(2.22, abs=0.01)
     monkeypatch.setattr(fast.measurement, "cycle_costs", linear(50, 5, 2))  # ar 55, smc 99 / 3, sd K=4 83 / 2.77

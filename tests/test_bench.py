@@ -18,6 +18,7 @@ import model
 import peers
 import platforms
 import quality
+import request
 from benches import common, lengths, parts, profile, racer, scoring, speed
 from cpu import auto, native
 from weights import fetch
@@ -390,7 +391,7 @@ def stub_completions(problems):
 
     def completions(runner, group, seeds, method, N, K, max_new_tokens, options):
         text, code = plan["draft" if runner == "draft" else method]
-        return [engine.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1, "streamed": 1})
+        return [request.Result(text(problems.index(p)), [code], {"new_tokens": 2, "cycles": 1, "streamed": 1})
                 for p in group]
     return completions
 

@@ -11,6 +11,7 @@ import zipfile
 import pytest
 import torch
 
+import cli
 import engine
 import errors
 import formats
@@ -41,7 +42,7 @@ def test_context_and_memory_are_checked_before_auto_measures(pair, monkeypatch, 
     monkeypatch.setattr(auto.Measurement, "timed_calls", never("a format was timed"))
     monkeypatch.setattr(formats, "fill_weights", never("the weights were read"))
     with pytest.raises(SystemExit) as exit:
-        engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", "--weights", "auto", *args])
+        cli.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", "--weights", "auto", *args])
     assert str(exit.value.code).startswith("error: ") and message in str(exit.value.code)
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""  # no "smc shape" line: nothing was measured
@@ -57,10 +58,10 @@ def test_trace_path_and_prompt_pair_are_checked_before_the_models_open(pair, mon
              (["--prompt", "w1", "--prompt-file", str(prompt_file)], "error: give --prompt or --prompt-file, not both")]
     for args, message in cases:
         with pytest.raises(SystemExit) as exit:
-            engine.main(["--target", pair[0], "--draft", pair[1], *args])
+            cli.main(["--target", pair[0], "--draft", pair[1], *args])
         assert str(exit.value.code) == message
     assert capsys.readouterr().out == ""
-    assert engine.parser().parse_args([]).prompt is None  # the default prompt comes later, unless a file is given
+    assert cli.parser().parse_args([]).prompt is None  # the default prompt comes later, unless a file is given
 
 
 def test_an_unwritable_weights_folder_is_one_line(tmp_path, monkeypatch):
@@ -84,8 +85,8 @@ def test_an_unwritable_weights_folder_is_one_line(tmp_path, monkeypatch):
 def test_a_long_prefill_says_how_far_it_has_come(pair, monkeypatch, capsys):
     """The CLI's requests report a prefill's layers done once it takes PROGRESS_S (here 0: every layer); the API
     stays silent; the hook changes no logit."""
-    monkeypatch.setattr(engine, "PROGRESS_S", 0.0)
-    engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "4",
+    monkeypatch.setattr(cli, "PROGRESS_S", 0.0)
+    cli.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "4",
                  "--weights", "bf16", "--method", "ar"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefill")]
     assert [line.rsplit(",", 1)[0] for line in err] == ["prefill of 3 prompt tokens: 1 of 2 layers",
@@ -105,7 +106,7 @@ def test_the_prefill_hook_changes_no_logit():
     assert torch.equal(quiet, told) and calls == [(0, 2), (1, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("make", [engine.parser, server.parser])
+@pytest.mark.parametrize("make", [cli.parser, server.parser])
 def test_every_option_says_its_default(make):
     for action in make()._actions:
         if action.dest != "help":
@@ -115,12 +116,12 @@ def test_every_option_says_its_default(make):
 @pytest.mark.slow
 def test_the_project_installs_as_it_stands(tmp_path):
     """pyproject.toml names every top-level module, the CPU wing (cpu/, its C source too), bench.py's subcommands
-    (benches/) and weights/fetch.py: a wheel built from them holds them all, and an editable install imports the
-    engine from elsewhere."""
+    (benches/) and weights/fetch.py: a wheel built from them holds them all and the watch page where server.py
+    looks for an install's, and an editable install imports the engine from elsewhere."""
     source = tmp_path / "source"
     (source / "weights").mkdir(parents=True)
     modules = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
-    for name in [*modules, "pyproject.toml", "requirements.txt", "README.md"]:
+    for name in [*modules, "pyproject.toml", "requirements.txt", "README.md", "watch.html"]:
         shutil.copy(os.path.join(ROOT, name), source / name)
     shutil.copy(os.path.join(ROOT, "weights", "fetch.py"), source / "weights" / "fetch.py")
     wing = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "cpu", "*.[pc]*")))
@@ -133,6 +134,8 @@ def test_the_project_installs_as_it_stands(tmp_path):
     [wheel] = glob.glob(str(tmp_path / "wheel" / "*.whl"))
     held = sorted(name for name in zipfile.ZipFile(wheel).namelist() if name.endswith((".py", ".c")))
     assert held == sorted(modules + wing + benches + ["weights/fetch.py"])
+    pages = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".data/data/share/smcsd-mini/watch.html")]
+    assert len(pages) == 1 and server.PAGES[1] == os.path.join(sys.prefix, "share", "smcsd-mini", "watch.html")
     subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--prefix", str(tmp_path / "prefix"), "-e",
                     str(source)], check=True, cwd=tmp_path)
     [site] = glob.glob(str(tmp_path / "prefix" / "lib" / "python3*" / "site-packages"))

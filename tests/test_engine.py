@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+import cli
 import decode
 import engine
 import errors
@@ -25,6 +26,7 @@ import model
 import platforms
 import racer
 import scheduler
+import settings
 from cpu import auto, native
 from cpu import formats as cpu_formats
 
@@ -41,6 +43,11 @@ def reference_kernels(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def requests_of(e, prompts, **options):
+    """Checked Requests of prompts (text, ids or {"prompt": ..., **options}), as generate's list form makes them."""
+    return engine.prepared(e, engine.items_of(prompts, options))
 
 
 def tiny(seed, scale=1.0, vocab=V, eos=(), head_dim=8, device="cpu"):
@@ -515,7 +522,7 @@ def test_final_particle_by_argmax_and_statistics():
     req = e.request(PROMPT, method="smc", particles=6, draft_len=3, max_new_tokens=20, select="argmax",
                     ess_threshold=0.0, lag=0, on_cycle=lambda b, r: last.append((b.st.logw[r].tolist(),
                                                                           b.st.hist[r, :, 1:21].tolist())))
-    r = e.run([req])[0]
+    r = engine.run(e, [req])[0]
     logw, hist = last[-1]
     st = r.stats
     assert len(set(logw)) == 6 and st["particle"] == logw.index(max(logw)) and r.tokens == hist[st["particle"]]
@@ -562,7 +569,7 @@ def test_default_shapes_resample():
     """smc's default N on every device can resample at the default threshold (ESS < 0.5 N is reachable, since
     ESS >= 1; N=2 never would); given values win; sd drafts 4 tokens, ar is one row."""
     def nk(method, particles=None, draft_len=None, device="cpu"):
-        s = engine.Settings(method=method, particles=particles, draft_len=draft_len).resolve(device)
+        s = settings.Settings(method=method, particles=particles, draft_len=draft_len).resolve(device)
         return s.particles, s.draft_len
     for device, expected in (("cpu", (3, 2)), ("cuda", (4, 4))):
         n, k = nk("smc", device=device)
@@ -614,7 +621,7 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
         assert r.tokens == full[:len(r.tokens)] and len(r.tokens) < 30
 
 
-@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("method", methods.METHODS)
 @pytest.mark.parametrize("budget", [1, 2])
 def test_cuda_graphs_are_recorded_once_over_empty_slots(monkeypatch, method, budget):
     """The CUDA-graph path with its recording swapped for its warm-up cycle (replays run eagerly over every slot),
@@ -657,7 +664,7 @@ def test_many_eos_ids_use_a_table_not_isin(monkeypatch):
     target = tiny(0, 0.8, vocab=32, eos=eos)
     e = engine.Engine.of_models(target, perturbed(target, 1, 0.3))
     monkeypatch.setattr(torch, "isin", lambda *a, **k: pytest.fail("torch.isin called"))
-    for method in engine.METHODS:
+    for method in methods.METHODS:
         results = [e.generate(PROMPT, method=method, max_new_tokens=12, seed=seed) for seed in range(4)]
         assert any(r.stats["stop"] == "eos" for r in results)
         for r in results:
@@ -683,7 +690,7 @@ def test_smc_through_the_interpreted_triton_kernels(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:divide by zero")  # the interpreter's log2(0) = -inf for an empty slot
-@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("method", methods.METHODS)
 def test_batching_through_the_interpreted_triton_kernels(monkeypatch, method):
     """The GPU's kernels (sampling keyed per request, attention over slots of different lengths, empty ones
     included, resampling and gather per request) under the interpreter: each request decodes alone as in a batch
@@ -749,7 +756,7 @@ def mixed_requests(method):
     return requests
 
 
-@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("method", methods.METHODS)
 def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
     """Each request's randomness is its own (seed and counter per slot) and its lengths are its own, so its
     output does not depend on its neighbours: alone, four at once, and two slots shared by four requests that
@@ -768,7 +775,7 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
 
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
-@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("method", methods.METHODS)
 def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
     """w4a8 rounds each activation row on its own (per group of 32), so its batches keep every request's tokens."""
     e = engine.Engine.of_models(in_format(WIDE, "w4a8"), in_format(perturbed(WIDE, 3, 0.3), "w4a8"))
@@ -779,7 +786,7 @@ def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
         assert [r.tokens for r in e.generate(requests, slots=slots, **options)] == alone
 
 
-@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("method", methods.METHODS)
 def test_the_graph_path_runs_every_slot_and_gives_the_eager_output(monkeypatch, method):
     """On a CUDA graph the cycle runs over all slots, empty ones included (recording swapped for the warm-up
     cycle, so this runs on a CPU): empty slots append nothing and disturb no one; one recording per batch."""
@@ -826,7 +833,7 @@ def test_overlap_gives_each_request_its_tokens_without_overlap(monkeypatch, meth
 def test_requests_of_different_shapes_share_a_call():
     """Different methods (or N, K) make different batches, which take turns; each output is the one alone."""
     e = engine.Engine.of_models(TARGET, DRAFT)
-    requests = [dict(prompt=PROMPT, method=m, seed=3, max_new_tokens=8) for m in engine.METHODS]
+    requests = [dict(prompt=PROMPT, method=m, seed=3, max_new_tokens=8) for m in methods.METHODS]
     requests.append(dict(prompt=PROMPT, method="smc", particles=2, seed=3, max_new_tokens=8))
     alone = [e.generate(**r).tokens for r in requests]
     assert [r.tokens for r in e.generate(requests)] == alone
@@ -838,7 +845,7 @@ def test_empty_slots_run_no_rows_on_a_cpu(monkeypatch):
     rows, step = [], TARGET.step
     monkeypatch.setattr(TARGET, "step", lambda tokens, *a, **k: rows.append(tokens.shape[0]) or step(tokens, *a, **k))
     requests = [e.request(PROMPT, method="sd", max_new_tokens=n) for n in (12, 3)]
-    e.run(requests, slots=4)
+    engine.run(e, requests, slots=4)
     assert max(rows) == 2 and rows[-1] == 1  # the short request left, the long one went on alone
 
 
@@ -846,7 +853,7 @@ def test_a_cancelled_request_frees_its_slot():
     e = engine.Engine.of_models(TARGET, DRAFT)
     first = e.request(PROMPT, method="ar", max_new_tokens=30, on_tokens=lambda t: len(t) >= 4 and first.cancel())
     second = e.request(PROMPT, method="ar", max_new_tokens=10, seed=4)
-    e.run([first, second], slots=1)
+    engine.run(e, [first, second], slots=1)
     assert first.result.stats["stop"] == "cancelled" and 4 <= len(first.result.tokens) < 30
     assert second.result.tokens == e.generate(PROMPT, method="ar", max_new_tokens=10, seed=4).tokens
 
@@ -884,7 +891,7 @@ def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     first = e.request(PROMPT, method="smc", max_new_tokens=20, on_done=done.append)
     second = e.request(PROMPT, method="smc", max_new_tokens=20, seed=1, on_done=done.append)
     inbox.put(first)
-    for item in e.serving(inbox, 1, (32, 32)):
+    for item in engine.serving(e, inbox, 1, (32, 32)):
         if len(done) == 1:
             inbox.put(second)
         if len(done) == 2:
@@ -960,7 +967,7 @@ def test_memory_counts_what_torch_caches_and_a_slot_that_exists(monkeypatch):
     e = engine.Engine.of_models(TARGET, DRAFT)
     inbox, done = queue.Queue(), []
     inbox.put(e.request(PROMPT, method="sd", max_new_tokens=6, on_done=done.append))
-    loop = e.serving(inbox, 2, (8, 16))
+    loop = engine.serving(e, inbox, 2, (8, 16))
     while not done:
         next(loop)
     monkeypatch.setattr(scheduler, "free_bytes", lambda device: 0)
@@ -1000,7 +1007,7 @@ def test_smc_particles_end_at_a_stop_string(tmp_path):
 
         def record(b, r):
             texts.append([e.tokenizer.decode(t) for t in b.st.hist[r, :, 1:1 + int(b.st.gen_len[r])].tolist()])
-        full = e.run([e.request("w1 w2 w3", seed=seed, on_cycle=record, **options)])[0]
+        full = engine.run(e, [e.request("w1 w2 w3", seed=seed, on_cycle=record, **options)])[0]
         assert full.stats["cycles"] == len(texts) == 15  # 1 + 3 * 15 >= 45 tokens
         first = next(c for c, cycle in enumerate(texts, 1) if all("w6" in text for text in cycle))
         assert "w6" not in os.path.commonprefix(texts[first - 1])
@@ -1015,7 +1022,7 @@ def test_a_request_larger_than_a_slot_is_refused():
     big, small = (e.request(PROMPT, method="ar", max_new_tokens=n, on_done=done.append) for n in (30, 10))
     inbox.put(big)
     inbox.put(small)
-    for _ in e.serving(inbox, 1, (16, 16), False):
+    for _ in engine.serving(e, inbox, 1, (16, 16), False):
         if len(done) == 2:
             break
     assert big.result.stats["stop"] == "refused" and "a slot holds 16 + 16" in big.result.stats["error"]
@@ -1032,14 +1039,14 @@ def test_a_failing_prefill_ends_its_request_and_serving_goes_on(monkeypatch):
     bad, good = (e.request(p, method="ar", max_new_tokens=5, on_done=done.append) for p in ([1] * 5, PROMPT))
     inbox.put(bad)
     inbox.put(good)
-    for _ in e.serving(inbox, 1, (16, 16), False):
+    for _ in engine.serving(e, inbox, 1, (16, 16), False):
         if len(done) == 2:
             break
     assert bad.result.stats == bad.result.stats | {"stop": "error", "error": "no memory"}
     assert good.result.stats["stop"] == "length"
 
 
-@pytest.mark.parametrize("method", engine.METHODS)
+@pytest.mark.parametrize("method", methods.METHODS)
 def test_stop_strings_and_the_text_stream(tmp_path, method):
     """The stream's pieces add up to the result's text; a stop string ends the text before it (and may not
     appear in any piece shown before it was complete), with the same text up to there as without it."""
@@ -1068,7 +1075,7 @@ def traced(e, tmp_path, **options):
     tracer = plot.Tracer(str(tmp_path / "trace.jsonl"), e, req)
     req.on_cycle, req.on_done = tracer.cycle, tracer.done
     with e.watching(tracer.phase):
-        result = e.run([req])[0]
+        result = engine.run(e, [req])[0]
     return (result, *plot.read_trace(str(tmp_path / "trace.jsonl")))
 
 
@@ -1254,7 +1261,7 @@ def pair(tmp_path_factory):
     return save(eos_prone(0), str(root / "target")), save(eos_prone(1), str(root / "draft"))
 
 
-def cli(*runs):
+def run_cli(*runs):
     """engine.py in a subprocess per list of arguments, all at once (each is mostly a second or two of imports, on
     one core) -> [CompletedProcess], on the reference kernels as in this file (conftest.py set TRITON_INTERPRET),
     in bf16 unless the arguments say: --weights auto times the formats, which processes running at once disturb."""
@@ -1269,7 +1276,7 @@ def cli(*runs):
 @pytest.mark.slow
 def test_cli_json(pair):
     target, draft = pair
-    run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "12"])
+    run, = run_cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--json", "--max-new-tokens", "12"])
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert set(out) == {"text", "tokens", "stats"} and out["stats"]["method"] == "smc"
@@ -1286,7 +1293,7 @@ def test_cli_jsonl_gives_one_result_per_line(pair, tmp_path):
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "w1"}\n{"prompt": \n')
     (tmp_path / "colour.jsonl").write_text('{"prompt": "w1", "colour": 3}\n')
-    run, bad, colour = cli(["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"),
+    run, bad, colour = run_cli(["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"),
                             "--slots", "2", "--max-new-tokens", "9"],
                            *(["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / name)]
                              for name in ("bad.jsonl", "colour.jsonl")))
@@ -1303,7 +1310,7 @@ def test_cli_trace(pair, tmp_path):
     target, draft = pair
     path = str(tmp_path / "run.jsonl")
     (tmp_path / "p.jsonl").write_text('{"prompt": "w1"}\n')
-    run, batch = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2", "--json", "--trace", path, "--seed",
+    run, batch = run_cli(["--target", target, "--draft", draft, "--prompt", "w1 w2", "--json", "--trace", path, "--seed",
                       "3", "--max-new-tokens", "12"],
                      ["--target", target, "--draft", draft, "--prompt-file", str(tmp_path / "p.jsonl"), "--trace",
                       str(tmp_path / "batch.jsonl")])
@@ -1319,7 +1326,7 @@ def test_cli_trace(pair, tmp_path):
 @pytest.mark.slow
 def test_cli_streams_text_then_a_summary(pair):
     target, draft = pair
-    run, = cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens",
+    run, = run_cli(["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--method", "sd", "--max-new-tokens",
                 "9", "--weights", "auto"])
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stderr.splitlines() if not line.startswith("note: ")]  # a note may say ar is faster
@@ -1337,12 +1344,12 @@ def test_cli_streams_text_then_a_summary(pair):
 
 @pytest.mark.slow
 def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, monkeypatch, capsys):
-    """Under weights auto, smc's default (N, K) is measured before its first requests (Engine.choose, from requests
-    and generate; a bare request measures nothing): the bench grid's cell whose cycle costs least per token, if
+    """Under weights auto, smc's default (N, K) is measured before its first requests (engine.choose_shapes, from
+    prepared requests and generate; a bare request measures nothing): the bench grid's cell whose cycle costs least per token, if
     clearly (a fifth and 5 ms: not on these tiny models), else 3 x 2; given N or K stay."""
     e = engine.Engine(*pair, weights="auto", on_line=engine.say)
     assert e.request("w1 w2", max_new_tokens=8).shape.particles == 3 and not capsys.readouterr().err  # no measuring
-    first, again = e.requests(["w1 w2", {"prompt": "w3", "draft_len": 3}], max_new_tokens=8)
+    first, again = requests_of(e, ["w1 w2", {"prompt": "w3", "draft_len": 3}], max_new_tokens=8)
     chose = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note: ")]
     assert len(chose) == 2 and re.fullmatch(r"smc shape: 3x2 \(measured ms per token, a cycle's matmuls in its "
                                              r"cheapest formats: 3x2 \d+, 3x4 \d+, 4x2 \d+, 4x4 \d+\)", chose[1])
@@ -1351,8 +1358,8 @@ def test_auto_measures_smcs_shape_once_and_keeps_3x2_without_a_clear_win(pair, m
     assert loaded.measurement.choose_shape(methods.SMC, "int4", "int4")[0] == (3, 2)  # each model timed in bf16 instead
     picked = engine.Engine(*pair, weights="auto", on_line=engine.say)
     monkeypatch.setattr(picked.measurement, "choose_shape", lambda method, *weights: ((4, 4), "smc shape: 4x4"))
-    wide, given = picked.requests([{"prompt": "w1", "method": "smc"}, {"prompt": "w1", "particles": 2}],
-                                  max_new_tokens=8)
+    wide, given = requests_of(picked, [{"prompt": "w1", "method": "smc"}, {"prompt": "w1", "particles": 2}],
+                              max_new_tokens=8)
     assert (wide.shape.particles, wide.shape.draft_len, given.shape.particles, given.shape.draft_len) == (4, 4, 2, 4)
     assert picked.generate("w1 w2", max_new_tokens=6, seed=1).stats["particles"] == 4
     assert "(measured ms per smc cycle at 20 rows" in capsys.readouterr().err  # the formats at 4x4
@@ -1370,8 +1377,8 @@ def test_auto_chooses_sds_draft_length_from_the_verifys_cost_curve(pair, monkeyp
                                              in cells}}, {"int4": {c: c[1] * step for c in cells}})
     e = engine.Engine(*pair, weights="auto", on_line=engine.say)
     monkeypatch.setattr(e.measurement, "cycle_costs", costs({2: 64, 3: 68, 4: 150, 5: 160, 6: 170}, 4))
-    assert e.requests(["w1"], method="sd", max_new_tokens=8)[0].shape.draft_len == 3
-    assert e.requests(["w2"], method="sd", max_new_tokens=8, draft_len=5)[0].shape.draft_len == 5
+    assert requests_of(e, ["w1"], method="sd", max_new_tokens=8)[0].shape.draft_len == 3
+    assert requests_of(e, ["w2"], method="sd", max_new_tokens=8, draft_len=5)[0].shape.draft_len == 5
     measuring, line, note = capsys.readouterr().err.splitlines()  # once an engine
     assert line.startswith("sd shape: K=3 (") and "K=3 32, K=4 60" in line  # (3 * 4 + 68) / (1 + .7 + .49 + .343)
     assert note == "note: sd K=3 is predicted to run at 0.95x ar here (measured matmul costs); --method ar is faster " \
@@ -1398,7 +1405,7 @@ CLI_ERRORS = [
 @pytest.fixture(scope="module")
 def cli_errors(pair):
     """The runs of CLI_ERRORS, all at once -> {their arguments: CompletedProcess}."""
-    runs = cli(*(["--target", pair[0], "--draft", pair[1], *args] for args, _ in CLI_ERRORS))
+    runs = run_cli(*(["--target", pair[0], "--draft", pair[1], *args] for args, _ in CLI_ERRORS))
     return {tuple(args): run for (args, _), run in zip(CLI_ERRORS, runs)}
 
 
@@ -1421,7 +1428,7 @@ def test_cli_errors_are_one_line(cli_errors, args, message):
 def test_cli_refuses_before_reading_weights_or_echoing(pair, monkeypatch, capsys, args, message):
     monkeypatch.setattr(formats, "fill_weights", lambda *a: pytest.fail("the weights were read"))
     with pytest.raises(SystemExit) as exit:
-        engine.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", *args])
+        cli.main(["--target", pair[0], "--draft", pair[1], "--prompt", "w1 w2", *args])
     assert re.match("error: .*" + re.escape(message), str(exit.value.code)) and capsys.readouterr().out == ""
 
 
@@ -1429,30 +1436,30 @@ def test_cli_prompt_file_not_utf8(pair, tmp_path, capsys):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(b"def f():\n    return '\xff'\n")
     with pytest.raises(SystemExit) as exit:
-        engine.main(["--target", pair[0], "--draft", pair[1], "--prompt-file", str(bad)])
+        cli.main(["--target", pair[0], "--draft", pair[1], "--prompt-file", str(bad)])
     assert str(exit.value.code) == f"error: {bad}: not UTF-8 text (byte 0xff at offset 21); save it as UTF-8"
 
 
 def test_cli_help_describes_the_program_in_full(capsys):
     with pytest.raises(SystemExit):
-        engine.main(["--help"])
-    assert "from the command line or from Python." in " ".join(capsys.readouterr().out.split())
+        cli.main(["--help"])
+    assert "for one prompt or a .jsonl file of many, or the watch page." in " ".join(capsys.readouterr().out.split())
 
 
 def test_cli_options_derive_from_settings_and_say_their_defaults(capsys):
     """Settings is the one source of the CLI's defaults, types and choices; --help says each default and, for
     --method, when to choose each method."""
-    args = engine.parser().parse_args([])
-    assert {name: getattr(args, name) for name in engine.command_line_settings()} == \
-        {name: getattr(engine.Settings(), name) for name in engine.command_line_settings()}
-    assert engine.parser().parse_args(["--no-cuda-graphs", "--easd", "2,3,0.5"]).cuda_graphs is False
+    args = cli.parser().parse_args([])
+    assert {name: getattr(args, name) for name in settings.command_line_settings()} == \
+        {name: getattr(settings.Settings(), name) for name in settings.command_line_settings()}
+    assert cli.parser().parse_args(["--no-cuda-graphs", "--easd", "2,3,0.5"]).cuda_graphs is False
     with pytest.raises(SystemExit):
-        engine.main(["--help"])
+        cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert all(f"{name}: {kind.when}" in text for name, kind in methods.METHODS.items())
+    assert all(f"{name}: {spec.when}" in text for name, spec in methods.METHODS.items())
     assert "(default 64)" in text and "(default 0.7)" in text and "(default 16)" in text
     with pytest.raises(errors.UsageError, match=r"unknown select 'best' \(choose from sample, argmax\)"):
-        engine.Settings(select="best").check()
+        settings.Settings(select="best").check()
 
 
 def test_overlap_waits_for_both_halves_before_an_error(monkeypatch):

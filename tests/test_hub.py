@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import cli
 import engine
 import errors
 import loading
@@ -62,7 +63,7 @@ def test_a_hub_id_is_read_from_the_cache_offline(hub, pair, capsys):  # noqa: F8
     assert engine.Engine("org/target", "org/draft", weights="bf16").paths == [target, draft]
     runs = []
     for models in (["org/target", "org/draft"], list(pair)):
-        engine.main(["--target", models[0], "--draft", models[1], "--prompt", "w1 w2 w3", "--json", "--weights",
+        cli.main(["--target", models[0], "--draft", models[1], "--prompt", "w1 w2 w3", "--json", "--weights",
                      "bf16", "--method", "sd", "--max-new-tokens", "6", "--seed", "3"])
         runs.append(json.loads(capsys.readouterr().out)["tokens"])
     assert runs[0] == runs[1] and runs[0]
@@ -111,7 +112,7 @@ def test_not_in_the_cache_offline_is_one_line_before_anything_heavy(hub, pair, m
     from huggingface_hub import constants
     monkeypatch.setattr(loading, "open_weights", lambda path: pytest.fail("a model was opened"))
     with pytest.raises(SystemExit) as exit:
-        engine.main(["--target", "org/missing", "--draft", pair[1], "--prompt", "w1"])
+        cli.main(["--target", "org/missing", "--draft", pair[1], "--prompt", "w1"])
     assert str(exit.value.code) == (f"error: org/missing: no such file or directory, nor in the Hugging Face cache "
                                     f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: unset HF_HUB_OFFLINE to "
                                     "download it, or give the path of a model directory or .gguf file")

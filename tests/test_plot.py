@@ -11,7 +11,7 @@ import pytest
 import bench
 import kernels
 import plot
-from test_engine import ROOT, cli, perturbed, save, tiny
+from test_engine import ROOT, perturbed, run_cli, save, tiny
 
 
 def png_size(path):
@@ -42,7 +42,7 @@ def pair(tmp_path_factory):
 def trace(pair, *runs):
     """engine.py --trace PATH for each (PATH, options), all at once -> their JSON results."""
     target, draft = pair
-    done = cli(*(["--target", target, "--draft", draft, "--trace", str(path), "--prompt", "w1 w2 w3",
+    done = run_cli(*(["--target", target, "--draft", draft, "--trace", str(path), "--prompt", "w1 w2 w3",
                   "--max-new-tokens", "30", "--temperature", "1.0", "--weights", "float32", "--json", *options]
                  for path, options in runs))
     assert all(run.returncode == 0 for run in done), [run.stderr for run in done]

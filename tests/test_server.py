@@ -379,11 +379,11 @@ def test_ctrl_c_stops_the_server_in_one_line(pair):
 def test_flags_derive_from_settings():
     """The server's flags for request defaults are Settings' fields, with their types, choices and defaults; a
     request that names no method gets the one that suits the models."""
-    import engine
+    import settings
     import server
     args = server.parser().parse_args([])
     assert {name: getattr(args, name) for name in server.SERVED} == \
-        {name: getattr(engine.Settings(), name) for name in server.SERVED} | {"method": None}
+        {name: getattr(settings.Settings(), name) for name in server.SERVED} | {"method": None}
     assert [server.default_method(d) for d in ("racer", "draft.gguf", None)] == ["sd", "smc", "ar"]
     with pytest.raises(SystemExit):
         server.parser().parse_args(["--method", "beam"])

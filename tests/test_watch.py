@@ -13,11 +13,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+import cli  # noqa: E402
 import engine  # noqa: E402
 import roofline  # noqa: E402
 import server  # noqa: E402
@@ -39,7 +39,7 @@ def watched(e, **options):
     """-> (Result, the records a Watch sent) of a request run with a Watch as its on_cycle."""
     records = []
     req = e.request(PROMPT, on_cycle=server.Watch(e.tokenizer, records.append), **options)
-    return e.run([req])[0], records
+    return engine.run(e, [req])[0], records
 
 
 @pytest.mark.parametrize("method", ["smc", "sd", "mdsd"])
@@ -194,25 +194,9 @@ def test_a_missing_page_is_a_404_that_says_where_it_should_be(monkeypatch, tmp_p
                                                               "the repository's checkout")
 
 
-@pytest.mark.slow
-def test_an_install_carries_the_page(tmp_path):
-    """pip install . (a wheel) puts watch.html where server.py looks under sys.prefix, so an install serves it."""
-    source = tmp_path / "source"  # a copy: building writes build/ and egg-info beside the sources
-    shutil.copytree(test_engine.ROOT, source, ignore=shutil.ignore_patterns(
-        ".*", "tests", "docs", "build", "*.egg-info", "__pycache__", "*.gguf"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(source)], check=True, capture_output=True)
-    wheel = next(tmp_path.glob("smcsd_mini-*.whl"))
-    with zipfile.ZipFile(wheel) as z:
-        pages = [n for n in z.namelist() if n.endswith("/data/share/smcsd-mini/watch.html")]
-        assert len(pages) == 1
-        assert z.read(pages[0]) == open(server.PAGES[0], "rb").read()
-    assert server.PAGES[1] == os.path.join(sys.prefix, "share", "smcsd-mini", "watch.html")
-
-
 def test_engine_watch_needs_no_prompt():
     with pytest.raises(SystemExit) as e:
-        engine.main(["--watch", "--prompt", "hello"])
+        cli.main(["--watch", "--prompt", "hello"])
     assert "--watch: prompts are typed in the page" in str(e.value)
 
 
