@@ -544,11 +544,11 @@ class Tokenizer:
 
 def shared_vocabulary(configs, tokenizers, paths):
     """-> how many ids the target and its draft share (configs: the target's and the draft's if any; tokenizers: their
-    Tokenizers where known; paths: their files): the ids below every model's rows and every tokenizer's tokens, the
-    rows past a tokenizer's being padding. The draft's tokens must be the target's first ones (or the target's the
-    draft's), else a one-line UsageError."""
-    rows = [c.vocab_size for c in configs if c is not None]
-    tables = [t.strings() for t in tokenizers if t is not None]
+    Tokenizers, none for models built in memory; paths: their files): the ids below every model's rows and every
+    tokenizer's tokens, the rows past a tokenizer's being padding. The draft's tokens must be the target's first ones
+    (or the target's the draft's), else a one-line UsageError."""
+    rows = [c.vocab_size for c in configs]
+    tables = [t.strings() for t in tokenizers]
     n = min(rows + [len(table) for table in tables])
     if len(tables) < 2 or tables[0][:n] == tables[1][:n]:
         return n
