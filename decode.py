@@ -20,7 +20,8 @@ import racer
 @dataclass
 class Models:
     """What a cycle reads besides its State: the target, the draft (None: none, or racer's host-side drafts), the
-    EOS table is_eos [V + 1] (torch.isin sorts, and syncs) and the pad id V, the token an ended particle appends."""
+    EOS table is_eos [V + 1] (torch.isin sorts, and syncs) and the pad id V, the token an ended particle appends: the
+    ids below it are those every method samples from, the pair's shared vocabulary (`shared`)."""
     target: model.Transformer
     draft: model.Transformer | None
     is_eos: torch.Tensor
@@ -97,7 +98,7 @@ def new_state(m, shape, R, prefix_cap, suffix_cap):
     """A State of R empty slots."""
     N = shape.particles
     K = shape.draft_len
-    V = m.target.config.vocab_size
+    V = m.pad
 
     def new(*size, dtype=torch.float32, value=0):
         return torch.full(size, value, dtype=dtype, device=m.device)
@@ -229,6 +230,12 @@ def ids(m, tokens):
     return tokens.clamp(max=m.pad - 1)
 
 
+def shared(m, logits):
+    """A model's logits [..., rows] -> those of the ids the pair shares [..., V], in every method alike: the ids past
+    them (one model's extra rows, padding past the tokenizer) are never drawn, as if their logits were -inf."""
+    return logits[..., :m.pad]
+
+
 def restricted(logits, st, shape):
     """The target's logits with top-k / top-p applied where some request of the batch asks for them."""
     if not shape.restrict:
@@ -264,7 +271,7 @@ def append(m, st, tokens, kept):
 def ar_cycle(m, st, shape):
     """One target step on the pending token."""
     x0 = pending(st)[1]  # [R, N]
-    logits = restricted(m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0], st, shape)  # [R, V]
+    logits = restricted(shared(m, m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0]), st, shape)  # [R, V]
     token = m.backend.sample(logits, st.temp_t, st.rng)[0]  # [R]
     append(m, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
 
@@ -276,7 +283,7 @@ def draft_block(m, st, shape):
     R, N = st.finished.shape
     x = ids(m, torch.stack(pending(st), -1))  # [R, N, 2]
     for k in range(shape.draft_len):
-        out = m.draft.step(x, st.dcache, last_only=True)  # [R, N, V]
+        out = shared(m, m.draft.step(x, st.dcache, last_only=True))  # [R, N, V]
         st.dcache.suffix_len += x.shape[-1]
         t, logq = m.backend.sample(out.flatten(0, 1), st.temp_d, st.rng)  # [R * N]
         x = t.view(R, N, 1)
@@ -290,7 +297,7 @@ def verify(m, st, t, shape):
     """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
     x0 = pending(st)[1]  # [R, N]
     block = torch.cat([x0[..., None], t], -1)  # [R, N, K+1]
-    return restricted(m.target.step(ids(m, block), st.tcache), st, shape)
+    return restricted(shared(m, m.target.step(ids(m, block), st.tcache)), st, shape)
 
 
 def sd_cycle(m, st, shape):
@@ -379,7 +386,7 @@ def racer_cycle(m, st, shape):
     nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
     base = st.tcache.suffix_len.clone()
     logits = m.target.step(ids(m, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
-    logits = restricted(logits, st, shape)  # [R, T, V]
+    logits = restricted(shared(m, logits), st, shape)  # [R, T, V]
     y = m.backend.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
     follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
     on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
@@ -474,7 +481,7 @@ def prefill_slot(m, st, shape, r, req):
     settings = req.settings
     N = shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = m.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill)  # [V]
+    logits = shared(m, m.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill))  # [V]
     st.rng[r] = torch.tensor([settings.seed, 0])
     st.temp_d[r] = settings.draft_temperature
     st.temp_t[r] = settings.target_temperature

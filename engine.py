@@ -125,7 +125,7 @@ class Engine:
         or a UsageError. stop: strings that end the text. context: the most tokens (prompt, new ones and a draft
         block) a slot of the serving batch holds, where that is below the models' context. N and K left open are
         auto's choice (`choose_shapes`, which `prepared` runs) or the defaults: a request measures nothing."""
-        s = Settings.of(options).check(self.config.vocab_size, self.drafts())
+        s = Settings.of(options).check(self.vocab, self.drafts())
         if isinstance(stop, str):
             stop = [stop]
         strings = isinstance(stop, (list, tuple)) and all(isinstance(x, str) and x for x in stop)
@@ -170,7 +170,9 @@ class Engine:
         self.rank, self.world = model.init_distributed(device)
         self.config = model.shard_config(target_file.config, self.world)  # this rank's
         self.tokenizer = target_file.tokenizer
-        self.place(device, None if draft_file is None else draft_file.config, draft)
+        files = [f for f in self.opened if f]
+        vocab = loading.shared_vocabulary([f.config for f in files], [f.tokenizer for f in files], self.paths)
+        self.place(device, None if draft_file is None else draft_file.config, vocab)
 
     def hold(self, target, draft):
         """The models given, on their device."""
@@ -185,21 +187,21 @@ class Engine:
         self.world = 1
         self.config = target.config
         self.tokenizer = None
-        self.place(target.device, None if draft is None else draft.config, draft)
+        configs = [m.config for m in (target, draft) if m is not None]
+        self.place(target.device, None if draft is None else draft.config, loading.shared_vocabulary(configs, [], []))
 
-    def place(self, device, draft_config, draft):
-        """The device's platform (platforms.py: its backend, formats and builds); the draft's vocabulary checked; the
-        table of the tokens that end a text."""
+    def place(self, device, draft_config, vocab):
+        """The device's platform (platforms.py: its backend, formats and builds); the ids every method samples from
+        (vocab: loading.shared_vocabulary's), the pad the next one; the table of the tokens that end a text."""
         self.device = device
         self.platform = platforms.for_device(device)
         self.draft_config = draft_config
-        if draft_config and draft_config.vocab_size != self.config.vocab_size:
-            raise UsageError(f"{draft}: vocabulary size {draft_config.vocab_size} differs from the target's "
-                             f"{self.config.vocab_size}")
-        self.pad = self.config.vocab_size
+        self.vocab = vocab
+        self.pad = vocab
+        eos = [i for i in self.config.eos_ids if i < vocab]
         self.is_eos = torch.zeros(self.pad + 1, dtype=torch.bool, device=self.device)
-        self.is_eos[self.config.eos_ids + [self.pad]] = True
-        self.ends = set(self.config.eos_ids) | {self.pad}
+        self.is_eos[eos + [self.pad]] = True
+        self.ends = set(eos) | {self.pad}
 
     def choose_formats(self, weights, remeasure, draft_weights=None):
         """The models' weight formats: weights as given (the draft's draft_weights where given), or "auto"'s (a CPU's
@@ -293,8 +295,7 @@ class Engine:
         require(is_ids, "a prompt is text or a list of token ids")
         blank = isinstance(prompt, str) and not prompt.strip()
         require(ids and not blank, "the prompt is empty or only whitespace")
-        vocab = self.config.vocab_size
-        require(all(0 <= i < vocab for i in ids), f"prompt token ids must lie in [0, {vocab})")
+        require(all(0 <= i < self.vocab for i in ids), f"prompt token ids must lie in [0, {self.vocab})")
         return list(ids)
 
     def device_ok(self):
@@ -374,7 +375,7 @@ def check_least_shape(e, item):
     """The context and memory item's request needs in the least shape auto may choose (a draft block of one, one
     particle unless given): a request that fails there fails in every shape, so it is refused before measuring."""
     options = {name: value for name, value in item.items() if name in SETTINGS}
-    least = Settings.of(options).check(e.config.vocab_size, e.drafts())
+    least = Settings.of(options).check(e.vocab, e.drafts())
     least = least.resolve(e.device, {method: (1, 1) for method in METHODS})
     shape = least.shape(e.racer)
     ids = e.encode(item.get("prompt"))

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 import model
-from errors import LoadError
+from errors import LoadError, UsageError
 
 # ---------------------------------------------------------------- Hugging Face config.json
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -532,6 +532,30 @@ class Tokenizer:
 
     def decode(self, ids):
         return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def strings(self):
+        """[the string of each id], up to the largest id the tokenizer knows (None: an id without one)."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        out = [None] * (max(vocab.values(), default=-1) + 1)
+        for string, i in vocab.items():
+            out[i] = string
+        return out
+
+
+def shared_vocabulary(configs, tokenizers, paths):
+    """-> how many ids the target and its draft share (configs: the target's and the draft's if any; tokenizers: their
+    Tokenizers, none for models built in memory; paths: their files): the ids below every model's rows and every
+    tokenizer's tokens, the rows past a tokenizer's being padding. The draft's tokens must be the target's first ones
+    (or the target's the draft's), else a one-line UsageError."""
+    rows = [c.vocab_size for c in configs]
+    tables = [t.strings() for t in tokenizers]
+    n = min(rows + [len(table) for table in tables])
+    if len(tables) < 2 or tables[0][:n] == tables[1][:n]:
+        return n
+    i = next(i for i in range(n) if tables[0][i] != tables[1][i])
+    raise UsageError(f"the draft {paths[1]} tokenizes differently from the target {paths[0]}: id {i} is "
+                     f"{tables[1][i]!r} in the draft, {tables[0][i]!r} in the target; take a draft of the target's "
+                     "tokenizer family", "draft")
 
 
 # ---------------------------------------------------------------- Hugging Face Hub ids

@@ -36,7 +36,7 @@ def batch_prompts(e, args, n):
     what is asked (sd is fast on code, slow on prose); random ids of --prompt-len tokens for random models."""
     if e.tokenizer is None:
         generator = torch.Generator().manual_seed(3)
-        return [torch.randint(0, e.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        return [torch.randint(0, e.vocab, (args.prompt_len,), generator=generator).tolist()
                 for _ in range(n)]
     return [e.encode(p["prompt"]) for p in quality.load_problems()[:n]]
 

@@ -135,7 +135,7 @@ def prompts(args, e):
     """name -> token ids: a code and a prose prompt (code only with --quick), or random ids for random models."""
     if e.tokenizer is None:
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, e.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        ids = torch.randint(0, e.vocab, (args.prompt_len,), generator=generator).tolist()
         return {"random": ids}
     texts = {"code": CODE_PROMPT, "prose": PROSE_PROMPT}
     if args.quick:

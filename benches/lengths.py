@@ -23,7 +23,7 @@ def long_prompts(e, lengths):
     random ids for random models."""
     if e.tokenizer is None:
         generator = torch.Generator().manual_seed(1)
-        return {n: torch.randint(0, e.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
+        return {n: torch.randint(0, e.vocab, (n,), generator=generator).tolist() for n in lengths}
     ids = e.encode("\n\n".join(p["prompt"] + p["solution"] for p in quality.load_problems()))
     ids *= max(lengths) // len(ids) + 1
     return {n: ids[:n] for n in lengths}

@@ -43,7 +43,7 @@ KERNEL_CLASSES = (
                "aten::sum", "aten::cumsum", "aten::amax", "aten::argmax")),
 )
 CLASS_NAMES = (*[name for name, _ in KERNEL_CLASSES], "elementwise")  # elementwise: every kernel not matched
-CPU_OPS = ("aten::", "mkldnn::", "native::")  # a CPU trace's operators: torch's, oneDNN's packed linears, the C kernel's
+CPU_OPS = ("aten::", "mkldnn::", "native::")  # a CPU trace's operators: torch's, oneDNN's linears, the C kernel's
 FUSED_LAYER = f"native::{native.FUSED_LAYER}"
 
 

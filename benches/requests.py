@@ -39,7 +39,7 @@ def short_requests(e, args):
     if e.tokenizer:
         texts = [p["prompt"] for p in problems]
     else:
-        texts = [torch.randint(0, e.config.vocab_size, (len(p["prompt"]) // 4,), generator=generator).tolist()
+        texts = [torch.randint(0, e.vocab, (len(p["prompt"]) // 4,), generator=generator).tolist()
                  for p in problems]
     cells = common.configs(args, args.smc_cells)
     for method, N, K in cells:  # warm-up
