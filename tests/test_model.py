@@ -62,7 +62,8 @@ def randomize(hf):
 
 
 def save_tiny(kind, path, shard=None):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":  # tied embeddings, llama3 rope scaling, kv heads < heads
@@ -70,6 +71,10 @@ def save_tiny(kind, path, shard=None):
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
         hf = randomize(LlamaForCausalLM(cfg))
+    elif kind == "qwen3":  # q/k head norms, heads of 16 (not 64 / 8), tied embeddings
+        hf = randomize(Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)))
+    elif kind == "mistral":  # llama's layers without a sliding window, separate head
+        hf = randomize(MistralForCausalLM(MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)))
     else:  # q/k/v biases, separate head
         hf = randomize(Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False)))
     hf.eval().save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
@@ -78,11 +83,82 @@ def save_tiny(kind, path, shard=None):
     return hf
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     hf = save_tiny(request.param, path, shard="60KB" if request.param == "llama" else None)
     return hf, path
+
+
+def byte_level_vocabulary(size):
+    """(tokens, merges) of a byte-level BPE vocabulary of `size`: space and printable ASCII, then merges of a space
+    and a letter (GPT-2's byte alphabet writes a space as 'Ġ')."""
+    tokens = ["Ġ"] + [chr(i) for i in range(33, 127)]
+    merges = [f"Ġ {c}" for c in "abcdefghijklmnopqrstuvwxyz"[:size - len(tokens)]]
+    tokens += [m.replace(" ", "") for m in merges]
+    assert len(tokens) == size
+    return tokens, merges
+
+
+def llama3_rope_factors(rope, D):
+    """llama.cpp's rope_freqs for llama3's scaling, as its converter computes them: what each frequency is divided by
+    (1 for short wavelengths, `factor` for long ones, a smooth ramp between)."""
+    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    ramp = ((rope["original_max_position_embeddings"] * inv / (2 * math.pi) - low) / (high - low)).clamp(0, 1)
+    return (1 / ((1 - ramp) / rope["factor"] + ramp)).numpy()
+
+
+def gguf_name(name):
+    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight': loading.hf_name's inverse."""
+    out = name.replace("model.layers.", "blk.")
+    for g, h in loading.GGUF_NAMES.items():
+        if g != "blk":
+            out = out.replace(h + ".", g + ".")
+    assert loading.hf_name(out) == name, name
+    return out
+
+
+def write_gguf_of(hf, path):
+    """A GGUF file of transformers model hf in F32, as llama.cpp's converter writes one: mistral as llama, llama's q and
+    k rows permuted for llama.cpp's RoPE and llama3's scaling as rope_freqs, qwen2 and qwen3 as themselves; a byte-level
+    vocabulary (byte_level_vocabulary's) with llama 3's or qwen2's pre-tokenizer."""
+    import gguf
+    cfg, rope = hf.config, hf.config.rope_parameters
+    arch = "llama" if cfg.model_type == "mistral" else cfg.model_type
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # qwen2's config has none
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers), w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size), w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads), w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(D), w.add_value_length(D), w.add_rope_dimension_count(D)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps), w.add_rope_freq_base(rope["rope_theta"])
+    tokens, merges = byte_level_vocabulary(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    w.add_token_list(tokens), w.add_token_types([1] * len(tokens)), w.add_token_merges(merges)
+    if rope["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, D))
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        projection = name.split(".")[-2]
+        if arch == "llama" and projection in heads:  # each head's two rotary halves interleaved, as llama.cpp's
+            n = heads[projection]
+            t = t.reshape(n, 2, len(t) // n // 2, -1).transpose(1, 2).reshape(t.shape)
+        w.add_tensor(gguf_name(name), t.float().numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny):
+    """A GGUF file of the tiny model, beside its directory."""
+    hf, path = tiny
+    return write_gguf_of(hf, path + ".gguf")
 
 
 def test_sharded_checkpoint_is_used(tmp_path):
@@ -133,6 +209,53 @@ def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     m.prefill(torch.tensor(ids[:8]), cache)
     steps = m.step(torch.tensor([[ids[8:]]]), cache)[0, 0]
     assert (steps - ref[8:]).abs().max() < tol
+
+
+def built(path, backend, dtype):
+    """The model of a directory or GGUF file in dtype, on the CPU wing's backend ("cpu") or on kernels.py's
+    ("kernels": its references on a CPU), each with its own platform's weights."""
+    c, get, _ = loading.open_weights(path)
+    if backend == "cpu":
+        return cpu_formats.build(c, get, dtype, backend=cpu_backend.Backend())
+    return formats.build(c, get, "cpu", dtype, backend=kernels.Backend())
+
+
+def greedy(m, prompt, n):
+    """n greedy tokens after prompt, by a prefill and one-token steps -> (tokens, the logits each was chosen by
+    [n, V])."""
+    cache = model.KVCache(m.config, 1, len(prompt), n, "cpu", m.embed.dtype)
+    logits = [m.prefill(torch.tensor(prompt), cache)]
+    tokens = [int(logits[0].argmax())]
+    for _ in range(n - 1):
+        logits.append(m.step(torch.tensor([[tokens[-1:]]]), cache)[0, 0, 0])
+        cache.suffix_len += 1
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("backend", ["cpu", "kernels"])
+@pytest.mark.parametrize("source", ["directory", "gguf"])
+def test_greedy_decoding_matches_transformers(tiny, tiny_gguf, source, backend, dtype):
+    """Each family from its Hugging Face directory and from a GGUF file of it, on either backend, in float32 and
+    bf16: greedy tokens are transformers' (wherever its top two logits lie more than twice the tolerance apart: in
+    float32 everywhere) and their logits within the tests' tolerance above (float32: 1e-4; bf16: 1.5x transformers'
+    own bf16 error)."""
+    hf, path = tiny
+    m = built(path if source == "directory" else tiny_gguf, backend, dtype)
+    assert m.config.qk_norm == (hf.config.model_type == "qwen3") and m.embed.dtype == dtype
+    prompt = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(8)).tolist()
+    tokens, logits = greedy(m, prompt, 24)
+    full = hf_logits(hf, prompt + tokens)
+    ref = full[len(prompt) - 1:-1]  # [24, V]: the rows that chose each token
+    tol = 1e-4
+    if dtype == torch.bfloat16:
+        tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(dtype), prompt + tokens) - full).abs().max()
+    assert (logits - ref).abs().max() < tol
+    top2 = ref.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * tol  # closer, logits within the tolerance may choose either
+    assert torch.equal(torch.tensor(tokens)[clear], ref.argmax(-1)[clear])
+    assert clear.all() if dtype == torch.float32 else clear.any()
 
 
 def mapped(path):
