@@ -154,6 +154,13 @@ def write_gguf_of(hf, path):
     return path
 
 
+def qwen3_files(root):
+    """A tiny random Qwen3 as transformers saves it and as a GGUF file of it -> (the model, directory, GGUF path)."""
+    path = os.path.join(root, "qwen3")
+    hf = save_tiny("qwen3", path)
+    return hf, path, write_gguf_of(hf, path + ".gguf")
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny):
     """A GGUF file of the tiny model, beside its directory."""
@@ -642,6 +649,27 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
             one_by_one = run(case["shape"], case.get("tree", False))
         assert len(calls) == 2
         assert all(torch.equal(a, b) for a, b in zip(together, one_by_one)), case
+
+
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+def test_w4a8_steps_qwen3_by_its_calls_one_by_one_and_says_so_once(tmp_path, monkeypatch, caplog):
+    """The compiled decoder layer has no q/k head norms: a w4a8 Qwen3 steps by the layer's calls (w4a8's matmuls
+    among them), the same logits as its prefill's to w4a8's rounding, and the log says why once."""
+    m = platforms.load(qwen3_files(str(tmp_path))[1], weights="w4a8")[0]
+    assert m.layers[0].wqkv.fmt == "w4a8"
+    monkeypatch.setattr(native, "decoder_layers", None)  # never called
+    cpu_backend.say_once.cache_clear()
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(9))
+    cache = model.KVCache(m.config, 1, 16, 16, "cpu", torch.float32)
+    full = m.prefill(ids, cache, logits="all")
+    m.prefill(ids[:4], cache)
+    with caplog.at_level("INFO", logger="smcsd"):
+        for t in range(4, 12):
+            one = m.step(ids[t].view(1, 1, 1), cache)[0, 0, 0]
+            cache.suffix_len += 1
+            assert (one - full[t]).abs().max() < 0.02 * (full.max() - full.min()), t
+    assert [r.getMessage() for r in caplog.records] == [
+        "qwen3's q and k head norms are not in the compiled decoder layer: its calls run one by one"]
 
 
 def test_weight_bytes_follow_the_format(tiny):
