@@ -196,7 +196,7 @@ def test_qk_norm_rope_kernel_normalises_each_head_before_rotating_it(dtype, D):
     want = kernels.qk_norm_rope_ref(y.clone(), cos, sin, 3, 2, qk_norm, 1e-6)
     got = kernels.qk_norm_rope(y, cos, sin, 3, 2, qk_norm, 1e-6)
     assert got.data_ptr() == y.data_ptr()
-    tol = GLUE_TOL[dtype] | ({"atol": 3e-2} if dtype == torch.bfloat16 else {})  # normalised values up to ~4: a step 2^-6
+    tol = GLUE_TOL[dtype] | ({"atol": 3e-2} if dtype == torch.bfloat16 else {})  # normed values up to ~4: steps of 2^-6
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(got[..., 5 * D:], want[..., 5 * D:])
     assert (want - rotated)[..., :5 * D].abs().max() > 0.5  # normalised, not only rotated
