@@ -947,10 +947,11 @@ def test_cli_reports_one_line(tmp_path):
     assert run.stderr.strip().splitlines() == [f"error: {tmp_path / 'x'}: no such file or directory"]
 
 
-def random_qwen2(device="cpu"):
-    """A tiny qwen2-shaped model with random weights, built without transformers (absent on the GPU image)."""
-    c = model.Config(arch="qwen2", vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16,
-                     ffn_dim=96, qkv_bias=True, max_seq_len=64)
+def random_qwen(arch="qwen2", device="cpu"):
+    """A tiny qwen2- or qwen3-shaped model with random weights, built without transformers (absent on the GPU
+    image)."""
+    c = model.Config(arch=arch, vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16,
+                     ffn_dim=96, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", max_seq_len=64)
     m = model.Transformer(c, device, torch.float32)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -966,15 +967,16 @@ def test_device_prefill_gives_attention_4d_inputs(monkeypatch):
     dims, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: dims.append((q.dim(), k.dim(), v.dim())) or sdpa(q, k, v, **kw))
-    c = random_qwen2().config
+    c = random_qwen().config
     cache = model.KVCache(c, 1, 16, 4, "meta", torch.bfloat16)
     assert model.Transformer(c, "meta").prefill(torch.zeros(12, dtype=torch.long, device="meta"), cache).shape == (96,)
     assert dims == [(4, 4, 4)] * c.n_layers
 
 
-def test_model_through_triton_kernels(monkeypatch):
-    """The same particle steps through the Triton kernels (attention and the layers' glue; compiled on a GPU,
-    interpreted on CPU) give the references' logits."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_model_through_triton_kernels(monkeypatch, arch):
+    """The same particle steps through the Triton kernels (attention and the layers' glue, qwen3's head norms in its
+    RoPE's launch; compiled on a GPU, interpreted on CPU) give the references' logits."""
     g = torch.Generator().manual_seed(6)
     prompt, suffixes = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 3, 3), generator=g)
 
@@ -983,9 +985,9 @@ def test_model_through_triton_kernels(monkeypatch):
         m.prefill(prompt.to(m.device), cache)
         return m.step(suffixes.to(m.device), cache).cpu()
     monkeypatch.setattr(kernels, "INTERPRET", False)  # CPU tensors take the references
-    reference = run(random_qwen2())
+    reference = run(random_qwen(arch))
     monkeypatch.setattr(kernels, "INTERPRET", not torch.cuda.is_available())
-    on_device = random_qwen2().to("cuda" if torch.cuda.is_available() else "cpu")
+    on_device = random_qwen(arch).to("cuda" if torch.cuda.is_available() else "cpu")
     assert (run(on_device) - reference).abs().max() < 1e-4
 
 
@@ -1013,6 +1015,14 @@ def test_unsupported_gguf(tmp_path, arch, full, pre, problem):
     assert problem in load_error(write_gguf(tmp_path / "m.gguf", arch, full, pre))
 
 
+def test_llama3s_gguf_pre_tokenizer_splits_digits_in_threes():
+    """llama-bpe (Llama 3's) splits as qwen2's but for runs of digits: up to three a piece, where qwen2 has one."""
+    pieces = {name: [p for p, _ in loading.gguf_pre_tokenizer(name, "m.gguf")[1].pre_tokenize_str("it's 12345 abc")]
+              for name in ("llama-bpe", "qwen2")}
+    assert pieces == {"llama-bpe": ["it", "'s", "Ġ", "123", "45", "Ġabc"],
+                      "qwen2": ["it", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġabc"]}
+
+
 def test_gguf_missing_tensor(tmp_path):
     assert "missing tensor model.norm.weight" in load_error(write_gguf(tmp_path / "m.gguf", "llama", True))
 
@@ -1038,7 +1048,15 @@ def test_gguf_zero_heads(tmp_path):
     (lambda w, gguf, np: w.add_uint32("general.alignment", 24), "general.alignment is 24, not a power of two"),
     (lambda w, gguf, np: w.add_tensor("output_norm.weight", np.zeros(8, np.int8)),
      "the gguf package cannot dequantize I8 tensors"),
-], ids=["yarn", "linear factor", "partial rotary", "rope theta", "bos id", "alignment", "type"])
+    (lambda w, gguf, np: w.add_tensor("rope_freqs.weight", np.ones(3, np.float32)),
+     "rope_freqs holds 3 factors, expected head_dim / 2 = 2"),
+    (lambda w, gguf, np: w.add_tensor("rope_freqs.weight", np.array([1, -2], np.float32)),
+     "a rope_freqs factor is -2.0, expected a positive number"),
+    (lambda w, gguf, np: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0),
+                          w.add_tensor("rope_freqs.weight", np.ones(2, np.float32))),
+     "GGUF rope scaling is both linear and rope_freqs"),
+], ids=["yarn", "linear factor", "partial rotary", "rope theta", "bos id", "alignment", "type", "rope_freqs count",
+        "rope_freqs factor", "rope_freqs and linear"])
 def test_gguf_bad_config(tmp_path, edit, problem):
     assert problem in load_error(write_gguf(tmp_path / "m.gguf", "llama", True, edit=edit))
 
@@ -1132,6 +1150,7 @@ def write_config(path, **edits):
     ({"eos_token_id": 96}, "eos token id 96 lies outside the vocabulary of 96"),
     ({"bos_token_id": -1}, "bos token id -1 lies outside the vocabulary of 96"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
+    ({"use_sliding_window": True}, "sliding-window attention is not supported"),
 ])
 def test_bad_config_sizes(tmp_path, edits, problem):
     assert problem in load_error(write_config(tmp_path, **edits))
