@@ -173,6 +173,15 @@ def test_sharded_checkpoint_is_used(tmp_path):
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
 
 
+@pytest.fixture
+def one_thread():
+    """One thread: a tiny model's steps drown in thread hand-offs (on a busy machine, 10x their time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def hf_logits(hf, ids):
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
@@ -187,7 +196,7 @@ def test_full_forward_matches_transformers_float32(tiny):
     assert (ours - hf_logits(hf, ids)).abs().max() < 1e-4
 
 
-def test_cached_decoding_matches_transformers_float32(tiny):
+def test_cached_decoding_matches_transformers_float32(tiny, one_thread):
     hf, path = tiny
     m, _ = platforms.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -243,7 +252,7 @@ def greedy(m, prompt, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("backend", ["cpu", "kernels"])
 @pytest.mark.parametrize("source", ["directory", "gguf"])
-def test_greedy_decoding_matches_transformers(tiny, tiny_gguf, source, backend, dtype):
+def test_greedy_decoding_matches_transformers(tiny, tiny_gguf, source, backend, dtype, one_thread):
     """Each family from its Hugging Face directory and from a GGUF file of it, on either backend, in float32 and
     bf16: greedy tokens are transformers' (wherever its top two logits lie more than twice the tolerance apart: in
     float32 everywhere) and their logits within the tests' tolerance above (float32: 1e-4; bf16: 1.5x transformers'
@@ -652,7 +661,7 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
 
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
-def test_w4a8_steps_qwen3_by_its_calls_one_by_one_and_says_so_once(tmp_path, monkeypatch, caplog):
+def test_w4a8_steps_qwen3_by_its_calls_one_by_one_and_says_so_once(tmp_path, monkeypatch, caplog, one_thread):
     """The compiled decoder layer has no q/k head norms: a w4a8 Qwen3 steps by the layer's calls (w4a8's matmuls
     among them), the same logits as its prefill's to w4a8's rounding, and the log says why once."""
     m = platforms.load(qwen3_files(str(tmp_path))[1], weights="w4a8")[0]
