@@ -18,6 +18,7 @@ EPILOG = """examples:
   python bench.py speed                                # the default pair: ar, sd and smc on code and prose prompts
   python bench.py speed --random llama-1b:llama-8b --grid 8x8,4x4 --methods ar,smc --prompt-len 256
   python bench.py profile --random llama-1b:llama-8b --prompt-len 256   # one cycle of ar and smc taken apart
+  python bench.py speed --random qwen3-0.6b:qwen3-8b --methods ar,smc   # the Qwen3 pair's shapes
   python bench.py lengths --prompt-lengths 100,4000
   python bench.py batch --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4
   python bench.py quality --methods ar,sd,easd,mdsd,smc,draft --problems 40 --samples 1

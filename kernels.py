@@ -933,30 +933,72 @@ def rope_ref(y, cos, sin, heads):
     return y
 
 
+def qk_norm_rope_ref(y, cos, sin, q_heads, k_heads, qk_norm, eps):
+    """rope_ref(y, cos, sin, q_heads + k_heads) after rms_norm_ref over each of y's first q_heads heads (q) with
+    qk_norm's first D weights and over each of its next k_heads (k) with the other D (qwen3's q_norm, k_norm)."""
+    D = cos.shape[-1]
+    y_heads = y.unflatten(-1, (-1, D))  # [..., heads_all, D], a view
+    norms = qk_norm.view(2, D)
+    y_heads[..., :q_heads, :] = rms_norm_ref(y_heads[..., :q_heads, :], norms[0], eps)
+    y_heads[..., q_heads:q_heads + k_heads, :] = rms_norm_ref(y_heads[..., q_heads:q_heads + k_heads, :], norms[1], eps)
+    return rope_ref(y, cos, sin, q_heads + k_heads)
+
+
 @jit
-def _rope_kernel(y_ptr, cos_ptr, sin_ptr, stride_y, D, BLOCK_D: tl.constexpr):
+def _head_normed(x, rstd, w_ptrs, live):
+    """x times rstd in float32, rounded to x's dtype, times its weights, rounded again: rms_norm_ref's steps."""
+    w = tl.load(w_ptrs, mask=live, other=0.0)
+    return ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)).to(x.dtype)
+
+
+@jit
+def _rope_kernel(y_ptr, cos_ptr, sin_ptr, norm_ptr, stride_y, D, q_heads, eps, NORM: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     """One (row, head): x cos + roll(x, D / 2) sin in float32, in place (rope_tables folds rotate_half's sign into
-    sin), x's loads before its store."""
+    sin), x's loads before its store. NORM: x normalised first, by norm's first D weights in q's q_heads heads, by its
+    next D in k's (qk_norm_rope_ref's)."""
     row = tl.program_id(0)
-    head = y_ptr + _offset(row, stride_y) + tl.program_id(1) * D
+    h = tl.program_id(1)
+    head = y_ptr + _offset(row, stride_y) + h * D
     d = tl.arange(0, BLOCK_D)
     live = d < D
+    turned = (d + D // 2) % D
     x = tl.load(head + d, mask=live, other=0.0)
-    rolled = tl.load(head + (d + D // 2) % D, mask=live, other=0.0)
+    rolled = tl.load(head + turned, mask=live, other=0.0)
+    if NORM:
+        weights = norm_ptr + tl.where(h < q_heads, 0, D)
+        rstd = 1.0 / tl.sqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 0) / D + eps)
+        x = _head_normed(x, rstd, weights + d, live)
+        rolled = _head_normed(rolled, rstd, weights + turned, live)
     cos = tl.load(cos_ptr + _offset(row, D) + d, mask=live, other=0.0)
     sin = tl.load(sin_ptr + _offset(row, D) + d, mask=live, other=0.0)
     tl.store(head + d, x.to(tl.float32) * cos + rolled.to(tl.float32) * sin, mask=live)
+
+
+def _rope_rows(y, cos, sin, heads, qk_norm, q_heads, eps):
+    """The rope kernel over the first `heads` heads of every row of y, in place; qk_norm None: no norm first."""
+    D = cos.shape[-1]
+    y2 = y.view(-1, y.shape[-1])  # [rows, heads_all * D]: y is the matmul's fresh output
+    assert cos.numel() == sin.numel() == len(y2) * D and cos.is_contiguous() and sin.is_contiguous()
+    norm = y2 if qk_norm is None else qk_norm  # y2 stands in for the pointer NORM = False never reads
+    assert norm.is_contiguous()
+    _rope_kernel[(len(y2), heads)](y2, cos, sin, norm, y2.stride(0), D, q_heads, eps, NORM=qk_norm is not None,
+                                   BLOCK_D=triton.next_power_of_2(D), num_warps=1)
+    return y
 
 
 def rope(y, cos, sin, heads):
     """`rope_ref`'s contract, cos/sin a row for each row of y; one kernel on a GPU."""
     if not use_triton(y):
         return rope_ref(y, cos, sin, heads)
-    D = cos.shape[-1]
-    y2 = y.view(-1, y.shape[-1])  # [rows, heads_all * D]: y is the matmul's fresh output
-    assert cos.numel() == sin.numel() == len(y2) * D and cos.is_contiguous() and sin.is_contiguous()
-    _rope_kernel[(len(y2), heads)](y2, cos, sin, y2.stride(0), D, BLOCK_D=triton.next_power_of_2(D), num_warps=1)
-    return y
+    return _rope_rows(y, cos, sin, heads, None, 0, 0.0)
+
+
+def qk_norm_rope(y, cos, sin, q_heads, k_heads, qk_norm, eps):
+    """`qk_norm_rope_ref`'s contract, cos/sin a row for each row of y; one kernel on a GPU, as `rope`'s."""
+    if not use_triton(y):
+        return qk_norm_rope_ref(y, cos, sin, q_heads, k_heads, qk_norm, eps)
+    return _rope_rows(y, cos, sin, q_heads + k_heads, qk_norm, q_heads, eps)
 
 
 def silu_mul_ref(x):
@@ -1031,6 +1073,7 @@ class Backend:
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rope = staticmethod(rope)
+    qk_norm_rope = staticmethod(qk_norm_rope)
     silu_mul = staticmethod(silu_mul)
     prefill_attention = staticmethod(prefill_attention)
     particle_attention = staticmethod(particle_attention)

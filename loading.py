@@ -20,7 +20,8 @@ import model
 from errors import LoadError, UsageError
 
 # ---------------------------------------------------------------- Hugging Face config.json
-ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mistral": "MistralForCausalLM"}
 # Config field -> its name in a config.json
 HF_FIELDS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
              "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
@@ -37,7 +38,7 @@ def config_from_hf(hf, path, more_eos=()):
         raise LoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHS)})")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise LoadError(f"{path}: attention_bias/mlp_bias on {arch} is not supported")
-    if arch == "mistral" and hf.get("sliding_window") not in (None, 0):
+    if hf.get("use_sliding_window") or arch == "mistral" and hf.get("sliding_window") not in (None, 0):
         raise LoadError(f"{path}: sliding-window attention is not supported")
     if type(hf.get("tie_word_embeddings", False)) is not bool:
         raise LoadError(f"{path}: tie_word_embeddings is {hf['tie_word_embeddings']!r}, expected true or false")
@@ -55,7 +56,7 @@ def config_from_hf(hf, path, more_eos=()):
     sizes["rope_theta"] = theta
     scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
     eos = list(dict.fromkeys(token_ids(hf.get("eos_token_id"), path) + list(more_eos)))
-    c = model.Config(arch=arch, **sizes, qkv_bias=arch == "qwen2", rope_scaling=scaling,
+    c = model.Config(arch=arch, **sizes, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", rope_scaling=scaling,
                      tie_embeddings=hf.get("tie_word_embeddings", False), bos_id=hf.get("bos_token_id"), eos_ids=eos)
     return model.checked_config(c, HF_FIELDS, path)
 
@@ -160,7 +161,9 @@ GGUF_NAMES = {"blk": "model.layers", "token_embd": "model.embed_tokens", "output
               "output": "lm_head", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-              "ffn_norm": "post_attention_layernorm"}
+              "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+              "attn_k_norm": "self_attn.k_norm"}
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # llama.cpp writes mistral as llama
 # GGUF value type -> its struct format, but for the two others: strings and arrays
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGUF_STRING = 8
@@ -343,7 +346,7 @@ def read_gguf_header(path):
 
 def open_gguf(path):
     """-> (Config, get(name, part, dtype) -> tensor by Hugging Face name (float32 unless dtype says otherwise),
-    Tokenizer), reading the header only: tensors are read and dequantized when got."""
+    Tokenizer), reading the header only (and rope_freqs' few factors): tensors are read and dequantized when got."""
     import gguf
     import numpy as np
 
@@ -357,14 +360,22 @@ def open_gguf(path):
     meta = Metadata(values)
     found = {hf_name(n): t for n, t in infos.items()}
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
-    if "rope_freqs.weight" in found:
-        raise LoadError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; load the "
-                        "Hugging Face directory instead")
+    if arch not in GGUF_ARCHS:
+        raise LoadError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise LoadError(f"{path}: GGUF rope scaling {scaling!r} is not supported (none, linear)")
+    if scaling == "linear" and "rope_freqs.weight" in found:
+        raise LoadError(f"{path}: GGUF rope scaling is both linear and rope_freqs; one of them is supported at a time")
+    for kind in {t[1] for t in found.values()}:  # one zero block of each type, so that none fails mid-load
+        try:
+            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+        except NotImplementedError:
+            raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; upgrade it") from None
+
+    def read(name, first, n):  # the blocks of rows first .. first + n - 1: uint8 [n, bytes a row]
+        _, kind, offset, row_bytes = found[name]
+        return np.fromfile(path, np.uint8, n * row_bytes, offset=offset + first * row_bytes).reshape(n, row_bytes)
     keys = {f: key.format(arch) for f, key in GGUF_KEYS.items()}
     defaults = {"n_kv_heads": meta[keys["n_heads"]], "head_dim": None, "rope_theta": 10000.0}
     sizes = {f: meta.get(key, defaults[f]) if f in defaults else meta[key] for f, key in keys.items()}
@@ -377,23 +388,18 @@ def open_gguf(path):
     rope_scaling = None
     if scaling == "linear":
         rope_scaling = {"rope_type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    if "rope_freqs.weight" in found:  # llama3's scaling as llama.cpp writes it: a factor a frequency
+        shape, kind = found["rope_freqs.weight"][:2]
+        factors = dequantized(read("rope_freqs.weight", 0, math.prod(shape[:-1])), kind).flatten()
+        rope_scaling = {"rope_type": "factors", "factors": factors.tolist()}
     c = model.Config(arch=arch, vocab_size=embed[0] if len(embed) == 2 else None, **sizes, rope_scaling=rope_scaling,
-                     tie_embeddings="lm_head.weight" not in found, qkv_bias=arch == "qwen2",
+                     tie_embeddings="lm_head.weight" not in found, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
                      bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_ids=list(dict.fromkeys(token_ids(eos, path))))
     c = model.checked_config(c, {"vocab_size": "token_embd.weight's row count", **keys}, path)
     rotary = meta.get(f"{arch}.rope.dimension_count", c.head_dim)
     if rotary != c.head_dim:
         raise LoadError(f"{path}: {arch}.rope.dimension_count is {rotary!r}, not the head size {c.head_dim}: "
                         "partial rotary embeddings are not supported")
-    for kind in {t[1] for t in found.values()}:  # one zero block of each type, so that none fails mid-load
-        try:
-            gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
-        except NotImplementedError:
-            raise LoadError(f"{path}: the gguf package cannot dequantize {kind.name} tensors; upgrade it") from None
-
-    def read(name, first, n):  # the blocks of rows first .. first + n - 1: uint8 [n, bytes a row]
-        _, kind, offset, row_bytes = found[name]
-        return np.fromfile(path, np.uint8, n * row_bytes, offset=offset + first * row_bytes).reshape(n, row_bytes)
 
     def fetch(name, index, dtype=None):
         """Quantized blocks run along rows: a chunk of rows (q/k/v, gate/up of a tensor-parallel rank) dequantizes
@@ -459,6 +465,8 @@ def open_gguf(path):
 # Pre-tokenizer regexes by llama.cpp's `tokenizer.ggml.pre` name, as in each model's own tokenizer.json.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # qwen2's but for digits, in runs of up to three
 
 
 def gguf_pre_tokenizer(name, where):
@@ -467,10 +475,13 @@ def gguf_pre_tokenizer(name, where):
     if name == "qwen2":
         return normalizers.NFC(), pre.Sequence([pre.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
                                                 pre.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if name == "llama-bpe":
+        return None, pre.Sequence([pre.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                                   pre.ByteLevel(add_prefix_space=False, use_regex=False)])
     if name == "smollm":
         return None, pre.Sequence([pre.Digits(individual_digits=True),
                                    pre.ByteLevel(add_prefix_space=False, use_regex=True)])
-    raise LoadError(f"{where}: GGUF pre-tokenizer {name!r} is not supported (supported: qwen2, smollm)")
+    raise LoadError(f"{where}: GGUF pre-tokenizer {name!r} is not supported (supported: qwen2, llama-bpe, smollm)")
 
 
 class Tokenizer:

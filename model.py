@@ -1,4 +1,4 @@
-"""A Llama-family decoder (llama, qwen2, mistral) from scratch: its Config and the checks of one, tensor-parallel
+"""A Llama-family decoder (llama, qwen2, qwen3, mistral) from scratch: its Config and the checks of one, tensor-parallel
 sharding, rotary embeddings, the static prefix/suffix KV cache, the Transformer, and its tensors by their Hugging
 Face names. Reading weights is loading.py's; holding them in a weight format formats.py's; running its operations
 the Backend's it is built with (kernels.py's, or the CPU wing's)."""
@@ -17,7 +17,7 @@ from errors import LoadError
 # ---------------------------------------------------------------- config
 @dataclasses.dataclass
 class Config:
-    arch: str  # "llama" | "qwen2" | "mistral" (Hugging Face model_type)
+    arch: str  # "llama" | "qwen2" | "qwen3" | "mistral" (Hugging Face model_type)
     vocab_size: int
     dim: int
     n_layers: int
@@ -27,16 +27,18 @@ class Config:
     ffn_dim: int
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} as in Hugging Face
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} as in Hugging Face, or "factors"
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # qwen3: an RMSNorm over each head of q and of k, after the projection, before RoPE
     max_seq_len: int = 4096
     bos_id: int | None = None
     eos_ids: list = dataclasses.field(default_factory=list)
     tp: int = 1  # tensor-parallel ranks: n_heads, n_kv_heads and ffn_dim are one rank's share (shard_config)
 
 
-ROPE_KEYS = {"linear": ("factor",),
+# "factors": a GGUF's rope_freqs (llama.cpp's form of llama3's), each of the head_dim / 2 frequencies divided by one
+ROPE_KEYS = {"linear": ("factor",), "factors": (),
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 REAL_FIELDS = ("norm_eps", "rope_theta")  # the sizes that need not be integers
 
@@ -72,8 +74,13 @@ def checked_config(c, names, where):
     scaling = c.rope_scaling or {}
     for key in ROPE_KEYS.get(scaling.get("rope_type"), ()):
         check_positive(scaling.get(key), key == "original_max_position_embeddings", f"rope scaling {key}", where)
-    if scaling and scaling["factor"] < 1:  # a factor below 1 would speed positions up, which no scaling means
+    if scaling.get("factor", 1) < 1:  # a factor below 1 would speed positions up, which no scaling means
         raise LoadError(f"{where}: rope scaling factor is {scaling['factor']!r}, expected at least 1")
+    factors = scaling.get("factors")
+    if factors is not None and len(factors) != c.head_dim // 2:
+        raise LoadError(f"{where}: rope_freqs holds {len(factors)} factors, expected head_dim / 2 = {c.head_dim // 2}")
+    for factor in factors or ():
+        check_positive(factor, False, "a rope_freqs factor", where)
     if scaling.get("rope_type") == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise LoadError(f"{where}: rope scaling high_freq_factor ({scaling['high_freq_factor']}) must exceed "
                         f"low_freq_factor ({scaling['low_freq_factor']})")  # the llama3 ramp divides by their gap
@@ -131,6 +138,8 @@ def rope_tables(c, device):
     scaling = c.rope_scaling or {}
     if scaling.get("rope_type") == "linear":
         inv = inv / scaling["factor"]
+    elif scaling.get("rope_type") == "factors":
+        inv = inv / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif scaling.get("rope_type") == "llama3":  # long wavelengths slowed by `factor`, short kept, a smooth ramp between
         old_context = scaling["original_max_position_embeddings"]
         low = scaling["low_freq_factor"]
@@ -198,6 +207,7 @@ class Block(torch.nn.Module):
         self.ffn_norm = empty(c.dim)
         self.wqkv = empty(qkv_rows, c.dim)
         self.bqkv = empty(qkv_rows) if c.qkv_bias else None
+        self.qk_norm = empty(2 * c.head_dim) if c.qk_norm else None  # q's head norm, then k's: fused as wqkv is
         self.wo = empty(c.dim, c.n_heads * c.head_dim)
         self.w13 = empty(2 * c.ffn_dim, c.dim)  # gate and up projections fused
         self.w2 = empty(c.dim, c.ffn_dim)
@@ -214,7 +224,11 @@ class Block(torch.nn.Module):
         """x [..., T, dim] -> [..., T, dim], this rank's heads' share."""
         c = self.c
         rope = (cos, sin, c.n_heads + c.n_kv_heads)  # q and k rotated, v as it is
-        qkv = self.backend.normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv, rope)
+        if self.qk_norm is None:
+            qkv = self.backend.normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv, rope)
+        else:  # each head of q and of k normalised between the projection and RoPE
+            qkv = self.backend.normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv)
+            qkv = self.backend.qk_norm_rope(qkv, cos, sin, c.n_heads, c.n_kv_heads, self.qk_norm, c.norm_eps)
         q, k, v = qkv.unflatten(-1, (-1, c.head_dim)).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)
         return self.backend.linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
 
@@ -312,6 +326,8 @@ def layout(c):
         out.append((f"layers.{i}.wqkv", [(p + f"self_attn.{x}_proj.weight", (n, c.dim)) for x, n in qkv], 0))
         if c.qkv_bias:
             out.append((f"layers.{i}.bqkv", [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in qkv], 0))
+        if c.qk_norm:  # per head: every tensor-parallel rank holds them whole
+            out.append((f"layers.{i}.qk_norm", [(p + f"self_attn.{x}_norm.weight", (c.head_dim,)) for x in "qk"], None))
         out += [(f"layers.{i}.wo", [(p + "self_attn.o_proj.weight", (c.dim, q))], 1),
                 (f"layers.{i}.w13", [(p + f"mlp.{x}_proj.weight", (c.ffn_dim, c.dim)) for x in ("gate", "up")], 0),
                 (f"layers.{i}.w2", [(p + "mlp.down_proj.weight", (c.dim, c.ffn_dim))], 1),

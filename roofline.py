@@ -24,7 +24,8 @@ BF16 = 2  # bytes a weight or cache element
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama-family model's sizes, as benches/common.py's SHAPES write them."""
+    """A Llama-family model's sizes and architecture, as benches/common.py's SHAPES write them (a qwen3's head norms
+    are too small to count)."""
     vocab: int
     dim: int
     layers: int
@@ -33,6 +34,7 @@ class Shape:
     head_dim: int
     ffn: int
     tied: bool
+    arch: str
 
     def matmul_params(self):
         """Weights every forward multiplies by (the embedding table is only indexed, unless it is the head too)."""

@@ -30,12 +30,15 @@ CODE_PROMPT = '''def merge_intervals(intervals):
 PROSE_PROMPT = "The history of the printing press is a story of how ideas travel. In the fifteenth century,"
 TEMPERATURE = 0.7
 LLAMA_CPP_AR = "llama.cpp ar"  # speed's peer row: llama.cpp itself on the target's GGUF file
-SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim, tied embeddings
-    "tiny": (64, 32, 2, 2, 1, 16, 64, False),
-    "tiny2": (64, 32, 2, 4, 2, 16, 64, False),  # two KV heads: two tensor-parallel ranks
-    "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True),  # Llama-3.2-1B
-    "llama-8b": (128256, 4096, 32, 32, 8, 128, 14336, False),  # Llama-3.1-8B
+SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim, tied embeddings, architecture
+    "tiny": (64, 32, 2, 2, 1, 16, 64, False, "llama"),
+    "tiny2": (64, 32, 2, 4, 2, 16, 64, False, "llama"),  # two KV heads: two tensor-parallel ranks
+    "llama-1b": (128256, 2048, 16, 32, 8, 64, 8192, True, "llama"),  # Llama-3.2-1B
+    "llama-8b": (128256, 4096, 32, 32, 8, 128, 14336, False, "llama"),  # Llama-3.1-8B
+    "qwen3-0.6b": (151936, 1024, 28, 16, 8, 128, 3072, True, "qwen3"),  # Qwen3-0.6B
+    "qwen3-8b": (151936, 4096, 36, 32, 8, 128, 12288, False, "qwen3"),  # Qwen3-8B
 }
+ROPE_THETA = {"llama": 500000.0, "qwen3": 1000000.0}  # each architecture's, as its real configs set it
 DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weight format for each --dtype
 
 
@@ -83,10 +86,10 @@ def random_model(shape, device, dtype, seed, world=1, weights=None):
     """A model of a named shape with random weights (std 0.02, unit norms) and no EOS: no files needed, its matmul
     weights in format `weights` (formats.FORMATS; None: dtype's), its activations in that format's dtype. world > 1:
     a tensor-parallel rank's shard (random too, the same on every rank, so every rank's logits agree)."""
-    vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied = SHAPES[shape]
-    config = model.Config(arch="llama", vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
+    vocab, dim, layers, heads, kv_heads, head_dim, ffn, tied, arch = SHAPES[shape]
+    config = model.Config(arch=arch, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
                           n_kv_heads=kv_heads, head_dim=head_dim, ffn_dim=ffn, tie_embeddings=tied,
-                          rope_theta=500000.0, max_seq_len=8192)
+                          qk_norm=arch == "qwen3", rope_theta=ROPE_THETA[arch], max_seq_len=8192)
     if weights:
         dtype = formats.weight_format(weights, device)
     platform = platforms.for_device(device)

@@ -20,7 +20,7 @@ PART_NAMES = ("matmuls", "attention", "other model ops", "sampling", "the rule",
 # time is the layers' glue, less the C code of w4a8's layers in one call, which it splits by part (ONE_CALL).
 PARTS = {"linear": "matmuls", "normed_linear": "matmuls", "residual_normed_linear": "matmuls",
          "gated_linear": "matmuls", "rms_norm": "matmuls", "add_rms_norm": "matmuls", "rope": "matmuls",
-         "silu_mul": "matmuls",
+         "qk_norm_rope": "matmuls", "silu_mul": "matmuls",
          "prefill_attention": "attention", "particle_attention": "attention", "decoder_layers": "other model ops",
          "sample": "sampling", "token_logprobs": "sampling",
          "resample": "the rule", "gather_suffix": "the rule", "compact": "the rule"}

@@ -3,6 +3,7 @@
 call; sampling), torch's oneDNN and fused CPU attention elsewhere, and kernels.py's references where the compiled
 code cannot be built here. Each is held to its reference by the tests."""
 import functools
+import logging
 import weakref
 
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import kernels
 from cpu import native
 
+log = logging.getLogger("smcsd")
 _cpu_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, log-sum-exp)
 WIDE_ROWS = 64  # rows from which a bf16 matmul that oneDNN cannot pack runs in float32 (no bf16 arithmetic here)
 
@@ -76,6 +78,12 @@ def particle_attention_cpu(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len
     return out
 
 
+@functools.cache
+def say_once(line):
+    """line on the "smcsd" log, the first time it is said only."""
+    log.info(line)
+
+
 def w4a8(w):
     """Whether matmul weight w is w4a8's, which the compiled kernel multiplies (with the norm or gate around it)."""
     return getattr(w, "fmt", None) == "w4a8"
@@ -124,6 +132,7 @@ class Backend(kernels.Backend):
     rms_norm = staticmethod(kernels.rms_norm_ref)
     add_rms_norm = staticmethod(kernels.add_rms_norm_ref)
     rope = staticmethod(kernels.rope_ref)
+    qk_norm_rope = staticmethod(kernels.qk_norm_rope_ref)
     silu_mul = staticmethod(kernels.silu_mul_ref)
     prefill_attention = staticmethod(prefill_attention)
 
@@ -152,8 +161,9 @@ class Backend(kernels.Backend):
         return native.token_logprobs(logits.contiguous(), tokens.long().contiguous(), t.contiguous())
 
     def decoder_layers(self, blocks, x, cos, sin, cache, tree=None):
-        """Each layer in one call of the compiled code where its four matmuls are w4a8, one rank holds them and every
-        request's attention is the compiled kernel's (native.small): the same arithmetic as the calls one by one."""
+        """Each layer in one call of the compiled code where its four matmuls are w4a8, one rank holds them, it has no
+        q/k head norms and every request's attention is the compiled kernel's (native.small): the same arithmetic as
+        the calls one by one."""
         layers = self.one_call_layers(blocks, x.shape, cache)
         if layers is None:
             return super().decoder_layers(blocks, x, cos, sin, cache, tree)
@@ -164,7 +174,9 @@ class Backend(kernels.Backend):
         """-> every block's native.Layer where a step of `shape` [R, N, T, dim] runs each in one call, else None."""
         _, N, T, _ = shape
         c = blocks[0].c
-        if self.lib is None or c.tp > 1 or cache.prefix_k.dtype != torch.float32:
+        if c.qk_norm and w4a8(blocks[0].wqkv):
+            say_once(f"{c.arch}'s q and k head norms are not in the compiled decoder layer: its calls run one by one")
+        if self.lib is None or c.tp > 1 or c.qk_norm or cache.prefix_k.dtype != torch.float32:
             return None
         layers = [self.layer_of(b) for b in blocks]
         if any(layer is None for layer in layers):

@@ -25,14 +25,17 @@ pytestmark = [pytest.mark.skipif(kernels.triton is None, reason="no triton"), py
 TARGETS = {"sm_80": ("cuda", 80, 32, 166912), "sm_90": ("cuda", 90, 32, 232448), "gfx942": ("hip", "gfx942", 64, 65536)}
 NO_SPILLS = ("sm_80", "sm_90")  # where the bf16 path must not spill
 # Qwen2.5-1.5B and -0.5B (the default Coder pair's shapes), as benches/common.py's SHAPES: vocab, dim, layers,
-# query heads, kv heads, head dim, ffn dim, tied embeddings
-QWEN = {"qwen-1.5b": (151936, 1536, 28, 12, 2, 128, 8960, True), "qwen-0.5b": (151936, 896, 24, 14, 2, 64, 4864, True)}
+# query heads, kv heads, head dim, ffn dim, tied embeddings, architecture
+QWEN = {"qwen-1.5b": (151936, 1536, 28, 12, 2, 128, 8960, True, "qwen2"),
+        "qwen-0.5b": (151936, 896, 24, 14, 2, 64, 4864, True, "qwen2")}
 MODELS = SHAPES | QWEN
 # (target, draft, activations dtype, weight formats, slots, prompt tokens, suffix capacity): sampled, so that the
 # first run stays short; each distinct specialisation compiles once whichever workloads reach it
 PAIRS = [("llama-8b", "llama-1b", torch.bfloat16, ("bf16", "int4"), 8, 4000, 512),
          ("qwen-1.5b", "qwen-0.5b", torch.bfloat16, ("int8",), 1, 256, 256),
          ("llama-8b", "llama-1b", torch.float32, ("float32", "int4", "int8"), 4, 256, 256),
+         ("qwen3-8b", "qwen3-0.6b", torch.bfloat16, ("bf16",), 4, 1024, 256),
+         ("qwen3-8b", "qwen3-0.6b", torch.float32, ("float32",), 1, 256, 64),
          ("tiny", "tiny2", torch.float32, ("float32",), 1, 100, 64)]
 # method, particles, draft length, racer's tree nodes (0: no racer; a chain of K is a tree of K nodes)
 METHODS = [("ar", 1, 1, 0), ("sd", 1, 4, 0), ("easd", 1, 4, 0), ("mdsd", 4, 4, 0), ("smc", 4, 4, 0),
@@ -59,7 +62,7 @@ class Recorder:
 
 def forward(c, R, N, T, caps, dtype, fmt, tree=False, head_rows=None):
     """One model step over [R, N, T] tokens: a layer's attention passes and matmuls (every layer launches the same)."""
-    V, dim, _, Hq, Hkv, D, ffn, _ = c
+    V, dim, _, Hq, Hkv, D, ffn, _, _ = c
     kernels.particle_attention(meta(R, N, T, Hq, D, dtype=dtype), *[meta(R, Hkv, caps[0], D, dtype=dtype)] * 2,
                                *[meta(R, N, Hkv, caps[1], D, dtype=dtype)] * 2, meta(R, dtype=torch.int32),
                                meta(R, dtype=torch.int32), D ** -0.5, meta(R, T, T, dtype=torch.bool) if tree else None)
@@ -68,19 +71,24 @@ def forward(c, R, N, T, caps, dtype, fmt, tree=False, head_rows=None):
 
 
 def glue(c, rows, dtype):
-    """A layer's norms (one after the residual add), its RoPE and its SwiGLU gate over `rows` rows."""
-    V, dim, _, Hq, Hkv, D, ffn, _ = c
+    """A layer's norms (one after the residual add), its RoPE (qwen3: after q's and k's head norms) and its SwiGLU gate
+    over `rows` rows."""
+    V, dim, _, Hq, Hkv, D, ffn, _, arch = c
     x = meta(rows, dim, dtype=dtype)
     norm = meta(dim, dtype=dtype)
     kernels.rms_norm(x, norm, 1e-6)
     kernels.add_rms_norm(x, x, norm, 1e-6)
-    kernels.rope(meta(rows, (Hq + 2 * Hkv) * D, dtype=dtype), meta(rows, D), meta(rows, D), Hq + Hkv)
+    qkv = meta(rows, (Hq + 2 * Hkv) * D, dtype=dtype)
+    if arch == "qwen3":
+        kernels.qk_norm_rope(qkv, meta(rows, D), meta(rows, D), Hq, Hkv, meta(2 * D, dtype=dtype), 1e-6)
+    else:
+        kernels.rope(qkv, meta(rows, D), meta(rows, D), Hq + Hkv)
     kernels.silu_mul(meta(rows, 2 * ffn, dtype=dtype))
 
 
 def matmuls(c, rows, head_rows, dtype, fmt):
     """A block's weight matmuls and the head, in a quantized format (the others are torch's)."""
-    V, dim, _, Hq, Hkv, D, ffn, _ = c
+    V, dim, _, Hq, Hkv, D, ffn, _, _ = c
     if fmt not in ("int8", "int4"):
         return
     for out, inp, M in (((Hq + 2 * Hkv) * D, dim, rows), (dim, Hq * D, rows), (2 * ffn, dim, rows), (dim, ffn, rows),
@@ -273,12 +281,15 @@ def default_path(workloads):
 
 # ---------------------------------------------------------------- the tests
 def test_the_engines_launches_reach_every_kernel_and_method():
-    """The workloads launch every kernel, each method's cycle differently (shapes as the engine sends them)."""
+    """The workloads launch every kernel, each method's cycle differently (shapes as the engine sends them), qwen3's
+    RoPE after its head norms."""
     log = launches(TARGETS["sm_90"][3])
     assert {launch[0] for launch in log} == set(KERNELS)
     assert {launch[3].split()[3] for launch in log} == {m[0] for m in METHODS}
     trees = [launch for launch in log if launch[0] == "_attention_split_kernel" and launch[2]["TREE"]]
     assert trees and all("racer" in launch[3] for launch in trees)
+    normed = [launch for launch in log if launch[0] == "_rope_kernel" and launch[2]["NORM"]]  # q/k head norms
+    assert normed and all("qwen3" in launch[3] for launch in normed)
 
 
 def test_interpreted_kernels_compile_in_a_plain_process():

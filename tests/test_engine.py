@@ -1226,8 +1226,8 @@ def test_chat_template():
 
 
 def save(m, path):
-    """A Hugging Face directory for m (an unpacked model): config.json, model.safetensors (q/k/v biases and a
-    separate head where m has them), a word-level tokenizer over words w0, w1, ... -> the path, a str."""
+    """A Hugging Face directory for m (an unpacked model): config.json, model.safetensors (q/k/v biases, q/k head norms
+    and a separate head where m has them), a word-level tokenizer over words w0, w1, ... -> the path, a str."""
     from safetensors.torch import save_file
     from test_model import fetch_module
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -1244,6 +1244,8 @@ def save(m, path):
         tensors |= dict(zip([p + f"self_attn.{x}_proj.weight" for x in "qkv"], b.wqkv.split([q, kv, kv])))
         if c.qkv_bias:
             tensors |= dict(zip([p + f"self_attn.{x}_proj.bias" for x in "qkv"], b.bqkv.split([q, kv, kv])))
+        if c.qk_norm:
+            tensors |= dict(zip([p + f"self_attn.{x}_norm.weight" for x in "qk"], b.qk_norm.chunk(2)))
         tensors |= dict(zip([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")], b.w13.chunk(2)))
         tensors |= {p + "self_attn.o_proj.weight": b.wo, p + "mlp.down_proj.weight": b.w2,
                     p + "input_layernorm.weight": b.attn_norm, p + "post_attention_layernorm.weight": b.ffn_norm}
@@ -1503,3 +1505,17 @@ def test_the_draft_in_a_format_of_its_own(tmp_path):
         assert e.generate("w1 w2", method=method, max_new_tokens=6, seed=0).stats["new_tokens"] > 0
     with pytest.raises(errors.UsageError, match="^--draft-weights with --weights auto: auto chooses both"):
         engine.Engine(*pair, device="cpu", weights="auto", draft_weights="fp8")
+
+
+def test_a_qwen3_directory_and_gguf_file_run_every_method(tmp_path):
+    """transformers' Qwen3 (q/k head norms, heads of 16 though 64 / 8 = 8, tied embeddings) as a GGUF file, the target,
+    and as its directory, the draft: every method runs; greedy, each gives transformers' greedy tokens."""
+    from test_model import qwen3_files
+    hf, directory, gguf = qwen3_files(str(tmp_path))
+    prompt = [5, 17, 42, 8]
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    e = engine.Engine(gguf, directory, weights="float32")
+    for method in engine.METHODS:
+        greedy = method != "smc"  # smc weighs draws: it has no greedy form
+        r = e.generate(prompt, method=method, max_new_tokens=12, temperature=0 if greedy else 0.7, seed=1)
+        assert len(r.tokens) == 12 and (r.tokens == want or not greedy), method

@@ -182,6 +182,28 @@ def test_rope_kernel_rotates_the_first_heads_in_place_as_the_reference(dtype, D)
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 24])
+def test_qk_norm_rope_kernel_normalises_each_head_before_rotating_it(dtype, D):
+    """qwen3's q and k heads, each normalised by its own half of the fused weights, then rotated, in place: the
+    reference's values within a rounding (bf16: of the normalised values); v's heads as they were."""
+    g = torch.Generator().manual_seed(D)
+    y = (3 * torch.randn(2, 3, 7 * D, generator=g)).to(dtype).to(DEVICE)  # [rows..., q 3, k 2, v 2 heads x D]
+    angles = torch.randn(2, 3, 1, D // 2, generator=g)
+    cos = angles.cos().repeat(1, 1, 1, 2).to(DEVICE)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(DEVICE)
+    qk_norm = (1 + torch.randn(2 * D, generator=g) / 4).to(dtype).to(DEVICE)
+    rotated = kernels.rope_ref(y.clone(), cos, sin, 5)
+    want = kernels.qk_norm_rope_ref(y.clone(), cos, sin, 3, 2, qk_norm, 1e-6)
+    got = kernels.qk_norm_rope(y, cos, sin, 3, 2, qk_norm, 1e-6)
+    assert got.data_ptr() == y.data_ptr()
+    tol = GLUE_TOL[dtype] | ({"atol": 3e-2} if dtype == torch.bfloat16 else {})  # normed values up to ~4: steps of 2^-6
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[..., 5 * D:], want[..., 5 * D:])
+    assert (want - rotated)[..., :5 * D].abs().max() > 0.5  # normalised, not only rotated
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_kernel_matches_reference(dtype):
     x = (torch.randn(3, 2, 2 * 1100, generator=torch.Generator().manual_seed(0)) * 3).to(dtype).to(DEVICE)
     out = kernels.silu_mul(x)

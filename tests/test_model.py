@@ -62,7 +62,8 @@ def randomize(hf):
 
 
 def save_tiny(kind, path, shard=None):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":  # tied embeddings, llama3 rope scaling, kv heads < heads
@@ -70,6 +71,10 @@ def save_tiny(kind, path, shard=None):
                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
         hf = randomize(LlamaForCausalLM(cfg))
+    elif kind == "qwen3":  # q/k head norms, heads of 16 (not 64 / 8), tied embeddings
+        hf = randomize(Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)))
+    elif kind == "mistral":  # llama's layers without a sliding window, separate head
+        hf = randomize(MistralForCausalLM(MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)))
     else:  # q/k/v biases, separate head
         hf = randomize(Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False)))
     hf.eval().save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
@@ -79,16 +84,115 @@ def save_tiny(kind, path, shard=None):
     return hf
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
     hf = save_tiny(request.param, path, shard="60KB" if request.param == "llama" else None)
     return hf, path
 
 
+def byte_level_vocabulary(size):
+    """(tokens, merges) of a byte-level BPE vocabulary of `size`: space and printable ASCII, then merges of a space
+    and a letter (GPT-2's byte alphabet writes a space as 'Ġ')."""
+    tokens = ["Ġ"] + [chr(i) for i in range(33, 127)]
+    merges = [f"Ġ {c}" for c in "abcdefghijklmnopqrstuvwxyz"[:size - len(tokens)]]
+    tokens += [m.replace(" ", "") for m in merges]
+    assert len(tokens) == size
+    return tokens, merges
+
+
+def llama3_rope_factors(rope, D):
+    """llama.cpp's rope_freqs for llama3's scaling, as its converter computes them: what each frequency is divided by
+    (1 for short wavelengths, `factor` for long ones, a smooth ramp between)."""
+    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    ramp = ((rope["original_max_position_embeddings"] * inv / (2 * math.pi) - low) / (high - low)).clamp(0, 1)
+    return (1 / ((1 - ramp) / rope["factor"] + ramp)).numpy()
+
+
+def gguf_name(name):
+    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight': loading.hf_name's inverse."""
+    out = name.replace("model.layers.", "blk.")
+    for g, h in loading.GGUF_NAMES.items():
+        if g != "blk":
+            out = out.replace(h + ".", g + ".")
+    assert loading.hf_name(out) == name, name
+    return out
+
+
+def write_gguf_of(hf, path):
+    """A GGUF file of transformers model hf in F32, as llama.cpp's converter writes one: mistral as llama, llama's q and
+    k rows permuted for llama.cpp's RoPE and llama3's scaling as rope_freqs, qwen2 and qwen3 as themselves; a byte-level
+    vocabulary (byte_level_vocabulary's) with llama 3's or qwen2's pre-tokenizer."""
+    import gguf
+    cfg, rope = hf.config, hf.config.rope_parameters
+    arch = "llama" if cfg.model_type == "mistral" else cfg.model_type
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # qwen2's config has none
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers), w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size), w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads), w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(D), w.add_value_length(D), w.add_rope_dimension_count(D)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps), w.add_rope_freq_base(rope["rope_theta"])
+    tokens, merges = byte_level_vocabulary(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    w.add_token_list(tokens), w.add_token_types([1] * len(tokens)), w.add_token_merges(merges)
+    if rope["rope_type"] == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, D))
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        projection = name.split(".")[-2]
+        if arch == "llama" and projection in heads:  # each head's two rotary halves interleaved, as llama.cpp's
+            n = heads[projection]
+            t = t.reshape(n, 2, len(t) // n // 2, -1).transpose(1, 2).reshape(t.shape)
+        w.add_tensor(gguf_name(name), t.float().numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def qwen3_files(root):
+    """A tiny random Qwen3 as transformers saves it and as a GGUF file of it -> (the model, directory, GGUF path)."""
+    path = os.path.join(root, "qwen3")
+    hf = save_tiny("qwen3", path)
+    save_byte_level_tokenizer(hf.config.vocab_size, path)  # the GGUF's tokens: a draft of the target's tokenizer
+    return hf, path, write_gguf_of(hf, path + ".gguf")
+
+
+def save_byte_level_tokenizer(size, path):
+    """tokenizer.json in path of byte_level_vocabulary(size), as a GGUF file of write_gguf_of holds it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokens, merges = byte_level_vocabulary(size)
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges])
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny):
+    """A GGUF file of the tiny model, beside its directory."""
+    hf, path = tiny
+    return write_gguf_of(hf, path + ".gguf")
+
+
 def test_sharded_checkpoint_is_used(tmp_path):
     save_tiny("llama", str(tmp_path), shard="60KB")
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
+
+
+@pytest.fixture
+def one_thread():
+    """One thread: a tiny model's steps drown in thread hand-offs (on a busy machine, 10x their time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def hf_logits(hf, ids):
@@ -105,7 +209,7 @@ def test_full_forward_matches_transformers_float32(tiny):
     assert (ours - hf_logits(hf, ids)).abs().max() < 1e-4
 
 
-def test_cached_decoding_matches_transformers_float32(tiny):
+def test_cached_decoding_matches_transformers_float32(tiny, one_thread):
     hf, path = tiny
     m, _ = platforms.load(path, dtype=torch.float32)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -134,6 +238,53 @@ def test_bfloat16_as_close_as_transformers_own_bfloat16(tiny):
     m.prefill(torch.tensor(ids[:8]), cache)
     steps = m.step(torch.tensor([[ids[8:]]]), cache)[0, 0]
     assert (steps - ref[8:]).abs().max() < tol
+
+
+def built(path, backend, dtype):
+    """The model of a directory or GGUF file in dtype, on the CPU wing's backend ("cpu") or on kernels.py's
+    ("kernels": its references on a CPU), each with its own platform's weights."""
+    c, get, _ = loading.open_weights(path)
+    if backend == "cpu":
+        return cpu_formats.build(c, get, dtype, backend=cpu_backend.Backend())
+    return formats.build(c, get, "cpu", dtype, backend=kernels.Backend())
+
+
+def greedy(m, prompt, n):
+    """n greedy tokens after prompt, by a prefill and one-token steps -> (tokens, the logits each was chosen by
+    [n, V])."""
+    cache = model.KVCache(m.config, 1, len(prompt), n, "cpu", m.embed.dtype)
+    logits = [m.prefill(torch.tensor(prompt), cache)]
+    tokens = [int(logits[0].argmax())]
+    for _ in range(n - 1):
+        logits.append(m.step(torch.tensor([[tokens[-1:]]]), cache)[0, 0, 0])
+        cache.suffix_len += 1
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("backend", ["cpu", "kernels"])
+@pytest.mark.parametrize("source", ["directory", "gguf"])
+def test_greedy_decoding_matches_transformers(tiny, tiny_gguf, source, backend, dtype, one_thread):
+    """Each family from its Hugging Face directory and from a GGUF file of it, on either backend, in float32 and
+    bf16: greedy tokens are transformers' (wherever its top two logits lie more than twice the tolerance apart: in
+    float32 everywhere) and their logits within the tests' tolerance above (float32: 1e-4; bf16: 1.5x transformers'
+    own bf16 error)."""
+    hf, path = tiny
+    m = built(path if source == "directory" else tiny_gguf, backend, dtype)
+    assert m.config.qk_norm == (hf.config.model_type == "qwen3") and m.embed.dtype == dtype
+    prompt = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(8)).tolist()
+    tokens, logits = greedy(m, prompt, 24)
+    full = hf_logits(hf, prompt + tokens)
+    ref = full[len(prompt) - 1:-1]  # [24, V]: the rows that chose each token
+    tol = 1e-4
+    if dtype == torch.bfloat16:
+        tol = 1.5 * (hf_logits(copy.deepcopy(hf).to(dtype), prompt + tokens) - full).abs().max()
+    assert (logits - ref).abs().max() < tol
+    top2 = ref.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * tol  # closer, logits within the tolerance may choose either
+    assert torch.equal(torch.tensor(tokens)[clear], ref.argmax(-1)[clear])
+    assert clear.all() if dtype == torch.float32 else clear.any()
 
 
 def mapped(path):
@@ -522,6 +673,27 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
         assert all(torch.equal(a, b) for a, b in zip(together, one_by_one)), case
 
 
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+def test_w4a8_steps_qwen3_by_its_calls_one_by_one_and_says_so_once(tmp_path, monkeypatch, caplog, one_thread):
+    """The compiled decoder layer has no q/k head norms: a w4a8 Qwen3 steps by the layer's calls (w4a8's matmuls
+    among them), the same logits as its prefill's to w4a8's rounding, and the log says why once."""
+    m = platforms.load(qwen3_files(str(tmp_path))[1], weights="w4a8")[0]
+    assert m.layers[0].wqkv.fmt == "w4a8"
+    monkeypatch.setattr(native, "decoder_layers", None)  # never called
+    cpu_backend.say_once.cache_clear()
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(9))
+    cache = model.KVCache(m.config, 1, 16, 16, "cpu", torch.float32)
+    full = m.prefill(ids, cache, logits="all")
+    m.prefill(ids[:4], cache)
+    with caplog.at_level("INFO", logger="smcsd"):
+        for t in range(4, 12):
+            one = m.step(ids[t].view(1, 1, 1), cache)[0, 0, 0]
+            cache.suffix_len += 1
+            assert (one - full[t]).abs().max() < 0.02 * (full.max() - full.min()), t
+    assert [r.getMessage() for r in caplog.records] == [
+        "qwen3's q and k head norms are not in the compiled decoder layer: its calls run one by one"]
+
+
 def test_weight_bytes_follow_the_format(tiny):
     """A forward reads 4, 2, 1 or 1/2 bytes a matmul weight (the head's, tied or not, included; the embedding's
     lookup excluded), int8's bf16 scale a row, int4's bf16 scale and zero a group of 32, w4a8's int8 q of both a
@@ -797,10 +969,11 @@ def test_cli_reports_one_line(tmp_path):
     assert run.stderr.strip().splitlines() == [f"error: {tmp_path / 'x'}: no such file or directory"]
 
 
-def random_qwen2(device="cpu"):
-    """A tiny qwen2-shaped model with random weights, built without transformers (absent on the GPU image)."""
-    c = model.Config(arch="qwen2", vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16,
-                     ffn_dim=96, qkv_bias=True, max_seq_len=64)
+def random_qwen(arch="qwen2", device="cpu"):
+    """A tiny qwen2- or qwen3-shaped model with random weights, built without transformers (absent on the GPU
+    image)."""
+    c = model.Config(arch=arch, vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16,
+                     ffn_dim=96, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", max_seq_len=64)
     m = model.Transformer(c, device, torch.float32)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -816,15 +989,16 @@ def test_device_prefill_gives_attention_4d_inputs(monkeypatch):
     dims, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: dims.append((q.dim(), k.dim(), v.dim())) or sdpa(q, k, v, **kw))
-    c = random_qwen2().config
+    c = random_qwen().config
     cache = model.KVCache(c, 1, 16, 4, "meta", torch.bfloat16)
     assert model.Transformer(c, "meta").prefill(torch.zeros(12, dtype=torch.long, device="meta"), cache).shape == (96,)
     assert dims == [(4, 4, 4)] * c.n_layers
 
 
-def test_model_through_triton_kernels(monkeypatch):
-    """The same particle steps through the Triton kernels (attention and the layers' glue; compiled on a GPU,
-    interpreted on CPU) give the references' logits."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_model_through_triton_kernels(monkeypatch, arch):
+    """The same particle steps through the Triton kernels (attention and the layers' glue, qwen3's head norms in its
+    RoPE's launch; compiled on a GPU, interpreted on CPU) give the references' logits."""
     g = torch.Generator().manual_seed(6)
     prompt, suffixes = torch.randint(0, 96, (5,), generator=g), torch.randint(0, 96, (1, 3, 3), generator=g)
 
@@ -833,9 +1007,9 @@ def test_model_through_triton_kernels(monkeypatch):
         m.prefill(prompt.to(m.device), cache)
         return m.step(suffixes.to(m.device), cache).cpu()
     monkeypatch.setattr(kernels, "INTERPRET", False)  # CPU tensors take the references
-    reference = run(random_qwen2())
+    reference = run(random_qwen(arch))
     monkeypatch.setattr(kernels, "INTERPRET", not torch.cuda.is_available())
-    on_device = random_qwen2().to("cuda" if torch.cuda.is_available() else "cpu")
+    on_device = random_qwen(arch).to("cuda" if torch.cuda.is_available() else "cpu")
     assert (run(on_device) - reference).abs().max() < 1e-4
 
 
@@ -863,6 +1037,14 @@ def test_unsupported_gguf(tmp_path, arch, full, pre, problem):
     assert problem in load_error(write_gguf(tmp_path / "m.gguf", arch, full, pre))
 
 
+def test_llama3s_gguf_pre_tokenizer_splits_digits_in_threes():
+    """llama-bpe (Llama 3's) splits as qwen2's but for runs of digits: up to three a piece, where qwen2 has one."""
+    pieces = {name: [p for p, _ in loading.gguf_pre_tokenizer(name, "m.gguf")[1].pre_tokenize_str("it's 12345 abc")]
+              for name in ("llama-bpe", "qwen2")}
+    assert pieces == {"llama-bpe": ["it", "'s", "Ġ", "123", "45", "Ġabc"],
+                      "qwen2": ["it", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġabc"]}
+
+
 def test_gguf_missing_tensor(tmp_path):
     assert "missing tensor model.norm.weight" in load_error(write_gguf(tmp_path / "m.gguf", "llama", True))
 
@@ -888,7 +1070,15 @@ def test_gguf_zero_heads(tmp_path):
     (lambda w, gguf, np: w.add_uint32("general.alignment", 24), "general.alignment is 24, not a power of two"),
     (lambda w, gguf, np: w.add_tensor("output_norm.weight", np.zeros(8, np.int8)),
      "the gguf package cannot dequantize I8 tensors"),
-], ids=["yarn", "linear factor", "partial rotary", "rope theta", "bos id", "alignment", "type"])
+    (lambda w, gguf, np: w.add_tensor("rope_freqs.weight", np.ones(3, np.float32)),
+     "rope_freqs holds 3 factors, expected head_dim / 2 = 2"),
+    (lambda w, gguf, np: w.add_tensor("rope_freqs.weight", np.array([1, -2], np.float32)),
+     "a rope_freqs factor is -2.0, expected a positive number"),
+    (lambda w, gguf, np: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0),
+                          w.add_tensor("rope_freqs.weight", np.ones(2, np.float32))),
+     "GGUF rope scaling is both linear and rope_freqs"),
+], ids=["yarn", "linear factor", "partial rotary", "rope theta", "bos id", "alignment", "type", "rope_freqs count",
+        "rope_freqs factor", "rope_freqs and linear"])
 def test_gguf_bad_config(tmp_path, edit, problem):
     assert problem in load_error(write_gguf(tmp_path / "m.gguf", "llama", True, edit=edit))
 
@@ -982,6 +1172,7 @@ def write_config(path, **edits):
     ({"eos_token_id": 96}, "eos token id 96 lies outside the vocabulary of 96"),
     ({"bos_token_id": -1}, "bos token id -1 lies outside the vocabulary of 96"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
+    ({"use_sliding_window": True}, "sliding-window attention is not supported"),
 ])
 def test_bad_config_sizes(tmp_path, edits, problem):
     assert problem in load_error(write_config(tmp_path, **edits))

@@ -19,6 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import engine
+
 from test_engine import save, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,6 +273,24 @@ def test_overlap_and_racer_servers(pair, server):
     greedy = dict(prompt="w5 w6 w5 w6 w5", max_tokens=12, temperature=0)
     with serve(pair, "--draft", "racer", "--tree", "6") as s:
         assert run(s, greedy) == run(server, greedy | {"extra_body": {"method": "ar"}})
+
+
+@pytest.mark.slow
+def test_a_qwen3_gguf_file_and_directory_serve_every_method(tmp_path):
+    """transformers' Qwen3 as a GGUF file (the target, whose byte-level vocabulary reads the prompt) and as its
+    directory (the draft): every method completes a prompt; greedy, each the same text."""
+    from test_model import qwen3_files
+    _, directory, gguf = qwen3_files(str(tmp_path))
+    greedy = set()
+    with serve((gguf, directory), "--slots", "2") as s:
+        for method in engine.METHODS:
+            temperature = 0.7 if method == "smc" else 0  # smc weighs draws: it has no greedy form
+            r = s.client.completions.create(model="target", prompt="Hello world", max_tokens=8, seed=1,
+                                            temperature=temperature, extra_body={"method": method})
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8, method
+            if temperature == 0:
+                greedy.add(r.choices[0].text)
+    assert len(greedy) == 1, greedy
 
 
 BAD = [  # (body, param or None, words of the message)

@@ -70,8 +70,8 @@ def on_two_ranks(tmp_path, scenario, *args, timeout=60):
 
 def tiny_config(arch="qwen2", **changes):
     return model.Config(**{"arch": arch, "vocab_size": 96, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2,
-                           "head_dim": 16, "ffn_dim": 96, "qkv_bias": arch == "qwen2", "max_seq_len": 64,
-                           "tie_embeddings": arch == "llama", **changes})
+                           "head_dim": 16, "ffn_dim": 96, "qkv_bias": arch == "qwen2", "qk_norm": arch == "qwen3",
+                           "max_seq_len": 64, "tie_embeddings": arch != "qwen2", **changes})
 
 
 def random_model(c, seed):
@@ -85,10 +85,12 @@ def random_model(c, seed):
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    """qwen2 (q/k/v biases, own head) and llama (tied embeddings) targets, and a smaller llama draft."""
+    """qwen2 (q/k/v biases, own head), llama (tied embeddings) and qwen3 (q/k head norms, which every rank holds
+    whole; heads of 16 though 64 / 8 = 8) targets, and a smaller llama draft."""
     root = tmp_path_factory.mktemp("tp")
     return {"qwen2": save(random_model(tiny_config(), 0), root / "qwen2"),
             "llama": save(random_model(tiny_config("llama"), 1), root / "llama"),
+            "qwen3": save(random_model(tiny_config("qwen3"), 3), root / "qwen3"),
             "draft": save(random_model(tiny_config("llama", n_heads=2, n_kv_heads=1, n_layers=1), 2), root / "d")}
 
 
@@ -105,7 +107,7 @@ def tiny_logits(rank, dirs):
     g = torch.Generator().manual_seed(3)
     prompt, particles = torch.randint(0, 96, (9,), generator=g), torch.randint(0, 96, (1, 4, 5), generator=g)
     out = {}
-    for arch in ("qwen2", "llama"):
+    for arch in ("qwen2", "llama", "qwen3"):
         shard = platforms.load(dirs[arch], dtype=torch.float32, tp=(rank, 2))[0]
         whole = platforms.load(dirs[arch], dtype=torch.float32)[0]
         out[arch] = logits_of(shard, prompt, particles), logits_of(whole, prompt, particles)
@@ -115,7 +117,7 @@ def tiny_logits(rank, dirs):
 
 def test_tiny_logits_match_one_process(tmp_path, tiny_dirs):
     ranks = on_two_ranks(tmp_path, tiny_logits, tiny_dirs)
-    for arch in ("qwen2", "llama"):
+    for arch in ("qwen2", "llama", "qwen3"):
         assert ranks[0][arch + " shard"] == [4, 1, 48]  # each rank's share of heads, KV heads, FFN columns
         (shard0, whole), (shard1, _) = ranks[0][arch], ranks[1][arch]
         for a, b, ref in zip(shard0, shard1, whole):
