@@ -418,7 +418,7 @@ def open_gguf(path):
         rows = range(shape[0])[index[0]]
         g = kernels.INT4_GROUP if four else 16  # values a scale
         out_shape = torch.empty(shape, device="meta")[index].shape
-        out = torch.empty(out_shape, dtype=torch.int32 if codes else dtype or torch.float32)
+        out = torch.empty(out_shape, dtype=torch.uint8 if codes else dtype or torch.float32)
         groups = None
         if codes:  # [rows, columns / g, (scale, zero) | (scale,)]
             groups = torch.empty(len(out), out.shape[1] // g, 2 if four else 1)

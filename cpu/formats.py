@@ -15,6 +15,7 @@ log = logging.getLogger("smcsd")
 # The input channels w4a8 keeps out of its activations' rounding: a model's few massive activations (a channel of
 # Qwen2.5's residual stream) set their groups' steps and round the other inputs there to a step or two.
 W4A8_OUTLIERS = 2
+PACK_ROWS = 4096  # rows of a weight packed at a time (a multiple of native.PANEL)
 
 
 def usable(fmt):
@@ -91,14 +92,35 @@ def w4a8(w, blocks=None, bits=4):
     if w.shape[0] % native.PANEL or w.shape[1] % native.GROUP:  # the kernel's tiles
         raise errors.LoadError(f"w4a8 needs matmul weights of 16k x 32k, not {tuple(w.shape)}; use int8")
     codes, scale, low = blocks or native.quantize(w, bits)
-    return W4A8({"packed": native.pack(codes, scale, low, bits)}, bits)
+    return W4A8({"packed": pack_rows(codes, scale, low, bits)}, bits)
 
 
 def w4a8_in_two(head, tail):
     """W4A8 of a weight whose first rows are a file's 4-bit blocks and the rest its 6-bit ones, each given as w4a8's
     (codes, scale, low) and kept as it is: the rest is its tail."""
-    tensors = {"packed": native.pack(*head, 4), "tail_packed": native.pack(*tail, 6)}
+    tensors = {"packed": pack_rows(*head, 4), "tail_packed": pack_rows(*tail, 6)}
     return W4A8(tensors, 4, tail_bits=6)
+
+
+def pack_rows(codes, scale, low, bits):
+    """native.pack's layout of codes [out, in] (scale and low [out, in / 32]), PACK_ROWS rows at a time: its
+    temporaries, several times a weight's codes, stay small."""
+    out, n = codes.shape
+    if out % native.PANEL or n % native.GROUP:
+        return native.pack(codes, scale, low, bits)  # its error names the shape
+    packed = torch.empty(out // native.PANEL, w4a8_bytes(native.PANEL, n, bits), dtype=torch.uint8)
+    for i in range(0, out, PACK_ROWS):
+        rows = slice(i, i + PACK_ROWS)
+        packed[i // native.PANEL:(i + PACK_ROWS) // native.PANEL] = native.pack(codes[rows], scale[rows], low[rows],
+                                                                                bits)
+    return packed
+
+
+def stacked(tensors):
+    """The tensors one after another along their rows (one alone as it is: no copy of a big one)."""
+    if len(tensors) == 1:
+        return tensors[0]
+    return torch.cat(tensors)
 
 
 def packed(w):
@@ -114,10 +136,54 @@ def converted(w, fmt, wide=0):
         return w4a8(w, bits=wide or 4)
     if fmt not in ("bf16", "float32"):
         return formats.converted(w, fmt, wide)
-    packs = w.dtype == torch.float32 or w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if torch.backends.mkldnn.is_available() and packs:
+    if packs(w.dtype):
         return packed(w)
     return w
+
+
+def packs(dtype):
+    """Whether oneDNN packs plain weights of dtype here."""
+    supported = dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.backends.mkldnn.is_available() and supported
+
+
+# ---------------------------------------------------------------- what a model takes in each format
+def w4a8_bytes(out, n, bits):
+    """Bytes native.pack's layout takes for [out, n] in codes of `bits` bits: each panel of PANEL columns a
+    superblock's head of f16 d (of the scales, and of the lows but at 6 bits) and each group's codes and int8 q."""
+    groups = n // native.GROUP
+    superblocks = -(-groups // native.SUPER)
+    head = 2 * native.PANEL * (1 if bits == 6 else 2)
+    group = native.GROUP * native.PANEL * bits // 8 + 2 * native.PANEL
+    return out // native.PANEL * (superblocks * head + groups * group)
+
+
+def matmul_bytes(fmt, out, n, bits=0):
+    """formats.matmul_bytes, and w4a8's: its packed codes (bits: 4 unless its file's are wider) and the calibrated
+    outlier channels' float32 columns; bf16 and float32 in oneDNN's blocked layout take their plain bytes."""
+    if fmt != "w4a8":
+        return formats.matmul_bytes(fmt, out, n, bits)
+    return w4a8_bytes(out, n, bits or 4) + W4A8_OUTLIERS * (4 + 4 * out)
+
+
+def held_bits(fmt, kinds, wider):
+    """formats.held_bits, and w4a8's, as file_blocks keeps them: 4-bit blocks in 4 bits, 6-bit ones (wider) in 6,
+    alone or after 4-bit ones; anything else wider in 8 (wider), else in 4."""
+    if fmt != "w4a8":
+        return formats.held_bits(fmt, kinds, wider)
+    fours = kinds.count("int4")
+    if fours == len(kinds) or not wider:
+        return [4] * len(kinds)
+    if kinds == ["int4"] * fours + ["int6"] * (len(kinds) - fours):
+        return [4] * fours + [6] * (len(kinds) - fours)
+    if set(kinds) & {"int6", "int8"}:
+        return [8] * len(kinds)
+    return [4] * len(kinds)
+
+
+def model_bytes(c, fmt, kinds=None, wider=True):
+    """formats.model_bytes on the CPU: w4a8 priced too, and a tied head packed (oneDNN) a copy of its own."""
+    return formats.model_bytes(c, fmt, kinds, wider, matmul_bytes, held_bits, packs(formats.FORMATS[fmt]))
 
 
 # ---------------------------------------------------------------- a model from a file's tensors
@@ -135,8 +201,8 @@ def file_blocks(get, fmt, names, part, wide, wider, dst):
     if not wider or kinds != ["int4"] * fours + ["int6"] * (len(kinds) - fours):
         return None
     codes, scale = zip(*(get(name, part, "int6") for name in names[fours:]))
-    codes = torch.cat(codes).to(torch.uint8)
-    scale = torch.cat(scale)
+    codes = stacked(codes)
+    scale = stacked(scale)
     if fours == 0 and wide == 6:  # Q6_K's codes and scales as they are
         return w4a8(dst, (codes, scale, -32 * scale), bits=6)
     if fours == 0 or len(codes) % native.PANEL:
@@ -153,7 +219,7 @@ def four_bit_blocks(get, names, part):
     packing keeps exactly."""
     q, scale_low = zip(*(get(name, part, "int4") for name in names))
     scale, low = torch.cat(scale_low, 1).unbind(-1)  # [in / 32, out]
-    return torch.cat(q).to(torch.uint8), scale.T, low.T
+    return stacked(q), scale.T, low.T
 
 
 class Probe(torch.nn.Module):
