@@ -17,6 +17,7 @@ FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloa
            "fp8": torch.bfloat16, "w4a8": torch.float32}
 QUANTIZED = ("int8", "int4", "fp8")  # the formats of Quantized weights
 MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")  # a block's matmul weights, then the model's head
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def weight_format(fmt, device="cpu"):
@@ -97,12 +98,13 @@ def matmuls(transformer):
 
 
 def file_kinds(c, get):
-    """{matmul weight ('layers.3.wqkv', 'lm_head'): [the weight format holding each of its file tensors as the file
-    quantized it (get's "format": int4, int6, int8, or None for floats)]}, from the headers alone."""
+    """{matmul weight ('layers.3.wqkv', 'lm_head') or the embedding ('embed', or 'lm_head' where it is the head too):
+    [the weight format holding each of its file tensors as the file quantized it (get's "format": int4, int6, int8,
+    or None for floats)]}, from the headers alone."""
     kinds = {}
     for param, tensors, _ in model.layout(c):
-        if param.endswith(MATMULS) or param == "embed" and c.tie_embeddings:
-            name = "lm_head" if param == "embed" else param
+        if param.endswith(MATMULS) or param == "embed":
+            name = "lm_head" if param == "embed" and c.tie_embeddings else param
             kinds[name] = [get(tensor, (0, 0, 1), "format") for tensor, _ in tensors]
     return kinds
 
@@ -113,6 +115,8 @@ def held_wide(c, get):
     of as many bits."""
     held = {}
     for name, kinds in file_kinds(c, get).items():
+        if name == "embed":
+            continue
         if set(kinds) == {"int6"}:
             held[name] = 6
         elif set(kinds) & {"int6", "int8"}:
@@ -170,8 +174,9 @@ def model_bytes(c, fmt, kinds=None, wider=True, price=matmul_bytes, bits=held_bi
 # ---------------------------------------------------------------- a model from a file's tensors
 def file_blocks(get, fmt, names, part, wide, wider, dst):
     """int4's Quantized of matmul weight dst (its shape, device and dtype) whose tensors (names, in order) the file
-    holds in 4-bit blocks, kept as they are; else None (the other arguments: w4a8's, cpu/formats.py)."""
-    if fmt != "int4" or any(get(name, part, "format") != "int4" for name in names):
+    holds in 4-bit blocks, kept as they are; else None, and for the embedding (the other arguments: w4a8's,
+    cpu/formats.py)."""
+    if fmt != "int4" or names == [EMBEDDING] or any(get(name, part, "format") != "int4" for name in names):
         return None
     q, scale_low = zip(*(get(name, part, "int4") for name in names))
     scale, low = torch.cat(scale_low, 1).unbind(-1)  # [in / 32, out]: w = q x scale + low
@@ -183,8 +188,9 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True, blocks=file_blo
     """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
     fused q/k/v and gate/up weights: no tensor is held twice in full. A tensor-parallel rank reads only its chunks
     (model.layout's); a terminal shows a progress bar. A matmul weight the file holds in blocks that format fmt keeps
-    as they are (blocks(get, fmt, names, part, wide, wider, dst) -> its weight, or None) is kept so, one in more bits
-    wide (held_wide; wider=False: cut to 4 too): the returned {name: bits}, for convert_weights."""
+    as they are (blocks(get, fmt, names, part, wide, wider, dst) -> its weight, or None; an untied embedding is asked
+    too) is kept so, one in more bits wide (held_wide; wider=False: cut to 4 too): the returned {name: bits}, for
+    convert_weights."""
     from tqdm import tqdm
     c = transformer.config
     total = sum(p.numel() for p in transformer.parameters())  # a tied head is the embedding: counted once
@@ -196,7 +202,7 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True, blocks=file_blo
             dst = transformer.get_parameter(param)
             part = (0, 0, 1) if dim is None else (dim, rank, c.tp)
             as_they_are = None
-            if param.endswith(MATMULS):
+            if param.endswith(MATMULS) or param == "embed" and not c.tie_embeddings:
                 as_they_are = blocks(get, fmt, [name for name, _ in tensors], part, held.get(param), wider, dst)
             if as_they_are is not None:
                 owner, _, attr = param.rpartition(".")

@@ -123,6 +123,55 @@ def stacked(tensors):
     return torch.cat(tensors)
 
 
+class Rows(torch.nn.Module):
+    """An embedding table [vocab, dim] held as a file's 4-bit blocks: codes two a byte (the even column's the low
+    nibble), float32 scale and low [vocab, dim / 32]. rows[tokens] are their values (code x scale + low) in dtype,
+    the file's own, as the model's embedding gives them. Parameters, so the weight cache keeps them."""
+
+    def __init__(self, tensors, dtype):
+        super().__init__()
+        self.values_dtype = dtype
+        for name, t in tensors.items():
+            setattr(self, name, torch.nn.Parameter(t, requires_grad=False))
+
+    @property
+    def dtype(self):
+        return self.values_dtype
+
+    @property
+    def device(self):
+        return self.codes.device
+
+    def __getitem__(self, tokens):
+        pairs = self.codes[tokens]  # [..., dim / 2]
+        codes = torch.stack([pairs & 15, pairs >> 4], -1).flatten(-2).unflatten(-1, (-1, native.GROUP))
+        values = codes.float() * self.scale[tokens][..., None] + self.low[tokens][..., None]  # [..., dim / 32, 32]
+        return values.flatten(-2).to(self.values_dtype)
+
+    def tensors(self):
+        """-> {name: tensor}: what these rows are built from again (Rows(tensors, dtype))."""
+        return dict(self.named_parameters())
+
+
+def keeps_rows(fmt, kinds):
+    """Whether w4a8 holds an untied embedding its file has in 4-bit blocks (kinds: file_kinds' of it) as Rows."""
+    return fmt == "w4a8" and kinds == ["int4"]
+
+
+def rows_bytes(vocab, dim):
+    return vocab * dim // 2 + 8 * vocab * (dim // native.GROUP)
+
+
+def embedding_rows(get, fmt, part, dst):
+    """The Rows of the embedding dst (its dtype) where keeps_rows, the file's blocks as they are; else None."""
+    if not keeps_rows(fmt, [get(formats.EMBEDDING, part, "format")]):
+        return None
+    q, scale_low = get(formats.EMBEDDING, part, "int4")
+    scale, low = scale_low.unbind(-1)  # [dim / 32, vocab]
+    codes = q[:, 0::2] | q[:, 1::2] << 4
+    return Rows({"codes": codes, "scale": scale.T.contiguous(), "low": low.T.contiguous()}, dst.dtype)
+
+
 def packed(w):
     """w [out, in] bf16 or float32 as a parameter in oneDNN's blocked layout (`.to_dense()` gives w back)."""
     return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
@@ -182,8 +231,12 @@ def held_bits(fmt, kinds, wider):
 
 
 def model_bytes(c, fmt, kinds=None, wider=True):
-    """formats.model_bytes on the CPU: w4a8 priced too, and a tied head packed (oneDNN) a copy of its own."""
-    return formats.model_bytes(c, fmt, kinds, wider, matmul_bytes, held_bits, packs(formats.FORMATS[fmt]))
+    """formats.model_bytes on the CPU: w4a8 priced too, an embedding it keeps as Rows so, and a tied head packed
+    (oneDNN) a copy of its own."""
+    total = formats.model_bytes(c, fmt, kinds, wider, matmul_bytes, held_bits, packs(formats.FORMATS[fmt]))
+    if keeps_rows(fmt, (kinds or {}).get("embed")):
+        total += rows_bytes(c.vocab_size, c.dim) - c.vocab_size * c.dim * formats.FORMATS[fmt].itemsize
+    return total
 
 
 # ---------------------------------------------------------------- a model from a file's tensors
@@ -192,6 +245,8 @@ def file_blocks(get, fmt, names, part, wide, wider, dst):
     blocks it keeps as they are: 4-bit ones; with wider, 6-bit ones (wide: held_wide's 6 for them) and 4-bit then
     6-bit ones (q/k/v whose v a Q4_K_M file holds in Q6_K: the wider rows its tail, where the kernel's panels of 16
     divide both). None where it keeps none."""
+    if names == [formats.EMBEDDING]:
+        return embedding_rows(get, fmt, part, dst)
     if fmt != "w4a8":
         return formats.file_blocks(get, fmt, names, part, wide, wider, dst)
     kinds = [get(name, part, "format") for name in names]

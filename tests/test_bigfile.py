@@ -104,17 +104,22 @@ def test_a_real_tokenizer_is_copied_whole(tmp_path):
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
 def test_the_engine_runs_a_made_file_in_w4a8(made):
-    """The engine loads a made file in w4a8 (its 4- and 6-bit blocks as they are), its embedding the file's, and
-    decodes; its text is noise."""
+    """The engine loads a made file in w4a8: its 4- and 6-bit blocks as they are, its Q4_K embedding's rows the
+    file's values (held as its blocks), the same read back from the weight cache; it decodes the same tokens from
+    the cache; its text is noise."""
     import gguf
-    e = engine.Engine(made[False], draft="racer", weights="w4a8").load()
     reader = gguf.GGUFReader(made[False])
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     want = torch.tensor(gguf.quants.dequantize(embd.data, embd.tensor_type))
-    assert torch.equal(e.target.embed.reshape(want.shape), want)
-    assert e.target.layers[0].w2.bits == (6 if 0 in make_gguf.six_bit_layers(4) else 4)
-    r = e.generate([0, 1, 2], method="ar", max_new_tokens=6, temperature=0)
-    assert len(r.tokens) == 6 and all(0 <= t < tiny().vocab for t in r.tokens)
+    tokens = []
+    for start in ("converted", "read back"):
+        lines = []
+        e = engine.Engine(made[False], draft="racer", weights="w4a8", on_line=lines.append).load()
+        assert any(line.startswith("weights kept in" if start == "converted" else "weights read back") for line in lines)
+        assert torch.equal(e.target.embed[torch.arange(tiny().vocab)], want), start
+        assert e.target.layers[0].w2.bits == (6 if 0 in make_gguf.six_bit_layers(4) else 4)
+        tokens.append(e.generate([0, 1, 2], method="ar", max_new_tokens=6, temperature=0).tokens)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6 and all(0 <= t < tiny().vocab for t in tokens[0])
 
 
 def test_bench_makes_files_and_says_their_weights_are_random(made, tmp_path, capsys):

@@ -13,7 +13,8 @@ import platforms
 import scheduler
 from cpu import formats as cpu_formats
 from cpu import native
-from test_model import write_mixed_gguf
+from test_model import write_gguf, write_mixed_gguf
+from weights import make_gguf
 
 FORMATS = ["bf16", "float32", "int8", "int4", "fp8", "w4a8"]
 NEEDS_NATIVE = pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
@@ -58,6 +59,23 @@ def test_each_format_is_priced_at_the_bytes_its_model_holds(tmp_path, fmt, wider
     if fmt != "w4a8":
         gpu = formats.build(c, get, "cpu", weights=fmt, wider=wider)
         assert formats.model_bytes(c, fmt, kinds, wider) == pytest.approx(held_bytes(gpu), rel=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["w4a8", "int4", "bf16"])
+def test_a_q4_k_m_file_is_priced_at_what_its_model_holds(tmp_path, fmt):
+    """A file of Q4_K_M's types (make_gguf's: Q4_K, Q6_K in v, down and the head, an untied Q4_K embedding, which
+    w4a8 holds as its blocks, a third of its float32 bytes): priced at what its model holds; w4a8 near the file."""
+    if fmt == "w4a8" and native.library()[0] is None:
+        pytest.skip("no C compiler: w4a8 falls back to int4")
+    words = str(write_gguf(tmp_path / "words.gguf", "llama", True))
+    s = make_gguf.Shape(1024, 256, 4, 4, 2, 512, False, context=64)
+    path = make_gguf.write(str(tmp_path / "m.gguf"), "tiny", s, words, progress=False)
+    c, get, _ = loading.open_weights(path)
+    m = platforms.Cpu(torch.device("cpu")).convert(c, get, weights=fmt)
+    price = cpu_formats.model_bytes(c, fmt, formats.file_kinds(c, get))
+    assert price == pytest.approx(held_bytes(m), rel=1e-3)
+    if fmt == "w4a8":
+        assert isinstance(m.embed, cpu_formats.Rows) and price < 1.1 * make_gguf.file_bytes(s)
 
 
 @NEEDS_NATIVE
