@@ -2,6 +2,7 @@
 each matmul's largest input channels calibrated and kept in float32), bf16 and float32 in oneDNN's packed layout,
 and a model file made into a model in them (formats.py's steps, with a GGUF file's 4- and 6-bit blocks kept as
 they are)."""
+import contextlib
 import logging
 
 import torch
@@ -330,12 +331,24 @@ def convert_weights(transformer, fmt=None, held=None):
             getattr(m, attr).keep_outliers(amax[name])
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread in the block, then as many as before."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def build(c, get, dtype=None, tp=(0, 1), weights=None, wider=True, backend=None):
     """formats.build's Transformer on the CPU, in any format of formats.FORMATS (w4a8's kernel: `usable`)."""
     weights = weights or ("float32" if dtype == torch.float32 else "bf16")
     rank, world = tp
     dtype = formats.weight_format(weights, "cpu")
     transformer = model.Transformer(model.shard_config(c, world), "cpu", dtype, backend)
-    held = formats.fill_weights(transformer, get, rank, weights, wider, file_blocks)
+    with one_thread():  # reading and packing: many short operations, each of which would wait on a busy core
+        held = formats.fill_weights(transformer, get, rank, weights, wider, file_blocks)
     convert_weights(transformer, weights, held)
     return transformer
