@@ -115,7 +115,8 @@ def test_the_engine_runs_a_made_file_in_w4a8(made):
     for start in ("converted", "read back"):
         lines = []
         e = engine.Engine(made[False], draft="racer", weights="w4a8", on_line=lines.append).load()
-        assert any(line.startswith("weights kept in" if start == "converted" else "weights read back") for line in lines)
+        said = "weights kept in" if start == "converted" else "weights read back"
+        assert any(line.startswith(said) for line in lines)
         assert torch.equal(e.target.embed[torch.arange(tiny().vocab)], want), start
         assert e.target.layers[0].w2.bits == (6 if 0 in make_gguf.six_bit_layers(4) else 4)
         tokens.append(e.generate([0, 1, 2], method="ar", max_new_tokens=6, temperature=0).tokens)

@@ -12,6 +12,7 @@ import torch
 
 import errors
 import loading
+from cpu import formats as cpu_formats
 
 RANDOM_KEY = "smcsd.random_weights"  # true in every file made here: bench.py's tables say "random weights"
 RANDOM_NOTE = "random weights: speed only (the text is noise; sd's acceptance means nothing)"
@@ -107,9 +108,9 @@ def q4_k_blocks(x):
 
 def q6_k_blocks(x):
     """x float32 [rows, columns] -> Q6_K blocks uint8 [rows, columns / 256 x 210]: each 16 values are (code - 32) x
-    d x sc, their largest within 31 steps, d a block's f16 and sc its int8 multiples (rounded up). A block: in each half of 128,
-    quarter j's low 4 bits in ql[(j % 2) x 32 + l]'s nibble j // 2, its high 2 in qh[l] at bit 2j (loading.q6_groups
-    reads them so); then the 16 sc, then d."""
+    d x sc, their largest within 31 steps, d a block's f16 and sc its int8 multiples (rounded up). A block: in each
+    half of 128, quarter j's low 4 bits in ql[(j % 2) x 32 + l]'s nibble j // 2, its high 2 in qh[l] at bit 2j
+    (loading.q6_groups reads them so); then the 16 sc, then d."""
     g = x.unflatten(1, (-1, 16, 16))  # [rows, blocks, 16, 16]
     scale = (g.abs().amax(-1) / 31).clamp(min=1e-6)  # [rows, blocks, 16]
     d = (scale.amax(-1, keepdim=True) / 127).half()  # [rows, blocks, 1]
@@ -191,7 +192,8 @@ def file_bytes(s):
 
 def write(path, name, s, tokenizer_path, seed=0, progress=True):
     """A GGUF file of shape s at path: the header first (every tensor's size follows from the shapes), then each
-    tensor's blocks as they are made, under a temporary name renamed into place at the end."""
+    tensor's blocks as they are made (on one thread: short operations, as cpu/formats.build's), under a temporary
+    name renamed into place at the end."""
     import gguf
     from tqdm import tqdm
     meta, _ = loading.read_gguf_header(tokenizer_path)
@@ -214,8 +216,9 @@ def write(path, name, s, tokenizer_path, seed=0, progress=True):
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         f = w.fout[0]
-        with tqdm(total=file_bytes(s), desc=f"making {os.path.basename(path)}", unit="B", unit_scale=True,
-                  disable=not progress) as bar:
+        bar = tqdm(total=file_bytes(s), desc=f"making {os.path.basename(path)}", unit="B", unit_scale=True,
+                   disable=not progress)
+        with cpu_formats.one_thread(), bar:
             for tensor, shape, kind in tensors(s):
                 w.write_padding(f, f.tell())
                 for data in chunks(tensor, shape, kind, generator):
