@@ -426,12 +426,15 @@ def unread_bytes(e, fmts=None):
         if not opened:
             continue
         kinds = formats.file_kinds(c, opened.get)
-        runs = [f for f in formats.FORMATS if runs_on(f, e.device)]
-        total += min(e.platform.model_bytes(c, f, kinds, wider) for f in (runs if fmt == "auto" else [fmt]))
+        candidates = [fmt]
+        if fmt == "auto":
+            candidates = [f for f in formats.FORMATS if runs_on(f, e.device)]
+        total += min(e.platform.model_bytes(c, f, kinds, wider) for f in candidates)
     return total
 
 
 def runs_on(fmt, device):
+    """Whether weight format fmt runs on device (formats.weight_format's check)."""
     try:
         formats.weight_format(fmt, device)
     except LoadError:

@@ -1,7 +1,7 @@
 """The CPU's weight formats: w4a8 (W4A8: native.py's packed 4-, 6- or 8-bit codes, multiplied by int8 activations,
 each matmul's largest input channels calibrated and kept in float32), bf16 and float32 in oneDNN's packed layout,
 and a model file made into a model in them (formats.py's steps, with a GGUF file's 4- and 6-bit blocks kept as
-they are)."""
+they are, an untied embedding's too: Rows); what a model takes in each (model_bytes)."""
 import contextlib
 import logging
 
@@ -160,6 +160,7 @@ def keeps_rows(fmt, kinds):
 
 
 def rows_bytes(vocab, dim):
+    """Bytes Rows takes for an embedding of vocab x dim."""
     return vocab * dim // 2 + 8 * vocab * (dim // native.GROUP)
 
 
@@ -245,7 +246,7 @@ def file_blocks(get, fmt, names, part, wide, wider, dst):
     """formats.file_blocks, and w4a8's W4A8 of matmul weight dst whose tensors (names, in order) the file holds in
     blocks it keeps as they are: 4-bit ones; with wider, 6-bit ones (wide: held_wide's 6 for them) and 4-bit then
     6-bit ones (q/k/v whose v a Q4_K_M file holds in Q6_K: the wider rows its tail, where the kernel's panels of 16
-    divide both). None where it keeps none."""
+    divide both). None where it keeps none. The embedding's Rows where it keeps those (embedding_rows)."""
     if names == [formats.EMBEDDING]:
         return embedding_rows(get, fmt, part, dst)
     if fmt != "w4a8":
