@@ -6,6 +6,7 @@ import torch
 
 import bench
 import engine
+import errors
 import kernels
 import loading
 from benches import common
@@ -138,6 +139,13 @@ def test_bench_makes_files_and_says_their_weights_are_random(made, tmp_path, cap
     text = report.report_tables({"random_weights": True, "speed": rows, "copy_bandwidth_gbs": 10.0, "peer": rows})
     assert text.count(make_gguf.RANDOM_NOTE) == 2
     assert make_gguf.RANDOM_NOTE not in report.report_tables({"speed": rows, "copy_bandwidth_gbs": 10.0})
+
+
+def test_a_width_of_part_blocks_is_refused(tmp_path):
+    """A width that is not whole Q4_K blocks (Qwen2.5-0.5B's 896) is refused in one line, before any file is made."""
+    with pytest.raises(errors.LoadError, match=r"^tiny: dim 896 and ffn 512 must be multiples of 256, the values of "):
+        make_gguf.write(str(tmp_path / "m.gguf"), "tiny", tiny()._replace(dim=896), smollm_gguf(), progress=False)
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_7b_file_is_sized_as_q4_k_m():

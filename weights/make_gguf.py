@@ -37,8 +37,7 @@ class Shape(typing.NamedTuple):
     eps: float = 1e-6
 
 
-SHAPES = {  # Qwen2.5's, as their config.json files give them
-    "qwen2.5-0.5b": Shape(151936, 896, 24, 14, 2, 4864, True),
+SHAPES = {  # Qwen2.5's, as their config.json files give them (widths of whole 256-value blocks: not the 0.5B's)
     "qwen2.5-1.5b": Shape(151936, 1536, 28, 12, 2, 8960, True),
     "qwen2.5-3b": Shape(151936, 2048, 36, 16, 2, 11008, True),
     "qwen2.5-7b": Shape(152064, 3584, 28, 28, 4, 18944, False),
@@ -196,6 +195,9 @@ def write(path, name, s, tokenizer_path, seed=0, progress=True):
     name renamed into place at the end."""
     import gguf
     from tqdm import tqdm
+    if s.dim % 256 or s.ffn % 256:
+        raise errors.LoadError(f"{name}: dim {s.dim} and ffn {s.ffn} must be multiples of 256, the values of a Q4_K "
+                               "or Q6_K block")
     meta, _ = loading.read_gguf_header(tokenizer_path)
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise errors.LoadError(f"{tokenizer_path}: no byte-level BPE tokenizer to copy; give a Qwen2.5 GGUF file")
