@@ -10,6 +10,7 @@ import torch
 
 import model
 from benches import batch, common, formats, lengths, parts, peers, profile, quality, racer, report, requests, speed
+from weights import make_gguf
 
 COMMANDS = {"speed": speed, "parts": parts, "profile": profile, "lengths": lengths, "requests": requests,  # benches/
             "racer": racer, "batch": batch, "peers": peers, "quality": quality, "formats": formats}
@@ -22,7 +23,8 @@ EPILOG = """examples:
   python bench.py lengths --prompt-lengths 100,4000
   python bench.py batch --methods ar,sd,smc,sd+overlap,smc+overlap --concurrency 2,4
   python bench.py quality --methods ar,sd,easd,mdsd,smc,draft --problems 40 --samples 1
-  python bench.py report bench-speed.json              # its tables again, as markdown"""
+  python bench.py report bench-speed.json              # its tables again, as markdown
+  python bench.py make-gguf qwen2.5-7b --dir /data     # a 7B's shape, random weights: for speed and peers' --target"""
 
 
 def parser(argv):
@@ -38,6 +40,7 @@ def parser(argv):
         if "--quick" in argv:
             sub.set_defaults(**bench.QUICK)
     report.options(commands.add_parser("report", help=report.HELP))
+    make_gguf.options(commands.add_parser("make-gguf", help=make_gguf.HELP, description=make_gguf.HELP))
     return p
 
 
@@ -46,7 +49,7 @@ def parse(argv=None):
         argv = sys.argv[1:]
     p = parser(argv)
     args = p.parse_args(argv)
-    if args.command == "report":
+    if args.command in ("report", "make-gguf"):
         return args
     if args.out is None:
         args.out = f"bench-{args.command}.json"
@@ -62,6 +65,9 @@ def main(argv=None):
     if args.command == "report":
         report.run(args)
         return None
+    if args.command == "make-gguf":
+        make_gguf.run(args)
+        return None
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rank, world = model.init_distributed(device)  # torchrun: every rank runs the same, rank 0 reports
@@ -70,6 +76,9 @@ def main(argv=None):
     made = {"command": args.command, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": common.machine(device), "settings": dict(vars(args)), "tensor_parallel": world}
     print(common.machine_line(made["machine"]) + "\n", flush=True)
+    if common.random_weights([args.target, args.draft]):
+        made["random_weights"] = True
+        print(common.caption(made), end="", flush=True)
     COMMANDS[args.command].run(args, device, rank, world, made)
     common.write(made, args.out, rank)
     print(f"wrote {os.path.abspath(args.out)}")

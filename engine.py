@@ -227,7 +227,8 @@ class Engine:
         scheduler.check_fits(unread, self.device, "the weights", "try a smaller model or another --device")
         self.measurement = None  # weights auto's: asked by load() and by request() for smc's and sd's shapes
         if self.auto:
-            self.measurement = self.platform.measurement(self.opened, self.draft_config, unread,
+            price = functools.partial(scheduler.unread_bytes, self)  # of (the target's format, the draft's)
+            self.measurement = self.platform.measurement(self.opened, self.draft_config, price,
                                                          scheduler.free_bytes(self.device), self.paths, remeasure,
                                                          self.say)
 

@@ -2,6 +2,8 @@
 kernels run on a CPU and on CUDA); a model built from a file's tensors in one of them, its rows filled as read and
 its matmul weights converted. w4a8, the CPU's own format, is the CPU wing's (cpu/formats.py), built on these steps.
 Which format runs fastest on a machine is cpu/auto.py's question."""
+import math
+
 import torch
 
 import errors
@@ -15,6 +17,7 @@ FORMATS = {"bf16": torch.bfloat16, "float32": torch.float32, "int8": torch.bfloa
            "fp8": torch.bfloat16, "w4a8": torch.float32}
 QUANTIZED = ("int8", "int4", "fp8")  # the formats of Quantized weights
 MATMULS = ("wqkv", "wo", "w13", "w2", "lm_head")  # a block's matmul weights, then the model's head
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def weight_format(fmt, device="cpu"):
@@ -69,7 +72,7 @@ def quantized(fmt, w, blocks=None):
     q = q.to(w.device)
     scale = scale.to(w.device, w.dtype)
     if fmt == "int4":  # uint8 [out, in / 2], packed for the device's kernel
-        q = torch._convert_weight_to_int4pack_for_cpu(q, 1) if w.is_cpu else kernels.pack_int4(q)
+        q = torch._convert_weight_to_int4pack_for_cpu(q.int(), 1) if w.is_cpu else kernels.pack_int4(q)
     return Quantized(fmt, {"q": q, "scale": scale})
 
 
@@ -94,28 +97,86 @@ def matmuls(transformer):
     return blocks + [("lm_head", transformer, "lm_head")]
 
 
+def file_kinds(c, get):
+    """{matmul weight ('layers.3.wqkv', 'lm_head') or the embedding ('embed', or 'lm_head' where it is the head too):
+    [the weight format holding each of its file tensors as the file quantized it (get's "format": int4, int6, int8,
+    or None for floats)]}, from the headers alone."""
+    kinds = {}
+    for param, tensors, _ in model.layout(c):
+        if param.endswith(MATMULS) or param == "embed":
+            name = "lm_head" if param == "embed" and c.tie_embeddings else param
+            kinds[name] = [get(tensor, (0, 0, 1), "format") for tensor, _ in tensors]
+    return kinds
+
+
 def held_wide(c, get):
     """{matmul weight ('layers.3.w2', 'lm_head'): bits} of those in a file's wider blocks (get's "format"): 6 where
     all of it is in 6-bit blocks (Q6_K, which w4a8 holds as they are), else 8. int4 holds them in int8, w4a8 in codes
     of as many bits."""
     held = {}
-    for param, tensors, _ in model.layout(c):
-        if not (param.endswith(MATMULS) or param == "embed" and c.tie_embeddings):
+    for name, kinds in file_kinds(c, get).items():
+        if name == "embed":
             continue
-        kinds = {get(name, (0, 0, 1), "format") for name, _ in tensors}
-        name = "lm_head" if param == "embed" else param
-        if kinds == {"int6"}:
+        if set(kinds) == {"int6"}:
             held[name] = 6
-        elif kinds & {"int6", "int8"}:
+        elif set(kinds) & {"int6", "int8"}:
             held[name] = 8
     return held
+
+
+# ---------------------------------------------------------------- what a model takes in each format
+def matmul_bytes(fmt, out, n, bits=0):
+    """Bytes matmul weight [out, n] takes in format fmt as `converted` holds it (bits: its file's wider blocks', which
+    int4 holds in int8): int8 a bf16 scale a row, fp8 a float32 one, int4 two codes a byte and a bf16 scale and
+    zero a group of INT4_GROUP."""
+    if fmt == "int4" and bits:
+        fmt = "int8"
+    if fmt == "int4":
+        return out * n // 2 + 4 * out * (n // kernels.INT4_GROUP)
+    if fmt == "int8":
+        return out * n + 2 * out
+    if fmt == "fp8":
+        return out * n + 4 * out
+    return out * n * FORMATS[fmt].itemsize
+
+
+def held_bits(fmt, kinds, wider):
+    """[the bits each tensor of a matmul weight is held in, 0 for fmt's own], from the file's kinds (file_kinds'):
+    int4 keeps a file's 4-bit blocks, and holds wider ones (wider) in int8."""
+    if wider and fmt == "int4" and set(kinds) & {"int6", "int8"}:
+        return [8] * len(kinds)
+    return [0] * len(kinds)
+
+
+def model_bytes(c, fmt, kinds=None, wider=True, price=matmul_bytes, bits=held_bits, tied_copy=False):
+    """Bytes a Transformer of Config c takes with its matmul weights in format fmt: each priced by price(fmt, out, n,
+    bits) in the bits(fmt, kinds, wider) its file's tensors are held in (kinds: file_kinds'; None: a file of floats),
+    everything else in fmt's activations dtype; a tied head converted (tied_copy: a plain one too) is a copy."""
+    kinds = kinds or {}
+    size = FORMATS[fmt].itemsize
+    total = 0
+    for param, tensors, _ in model.layout(c):
+        name = param
+        if param == "embed" and c.tie_embeddings:
+            name = "lm_head"
+        if not name.endswith(MATMULS):
+            total += size * sum(math.prod(shape) for _, shape in tensors)
+            continue
+        if name != param:  # the embedding stays, its head a copy where converted
+            total += size * math.prod(tensors[0][1])
+            if fmt not in QUANTIZED + ("w4a8",) and not tied_copy:
+                continue
+        held = bits(fmt, kinds.get(name, [None] * len(tensors)), wider)
+        total += sum(price(fmt, *shape, b) for (_, shape), b in zip(tensors, held))
+    return total
 
 
 # ---------------------------------------------------------------- a model from a file's tensors
 def file_blocks(get, fmt, names, part, wide, wider, dst):
     """int4's Quantized of matmul weight dst (its shape, device and dtype) whose tensors (names, in order) the file
-    holds in 4-bit blocks, kept as they are; else None (the other arguments: w4a8's, cpu/formats.py)."""
-    if fmt != "int4" or any(get(name, part, "format") != "int4" for name in names):
+    holds in 4-bit blocks, kept as they are; else None, and for the embedding (the other arguments: w4a8's,
+    cpu/formats.py)."""
+    if fmt != "int4" or names == [EMBEDDING] or any(get(name, part, "format") != "int4" for name in names):
         return None
     q, scale_low = zip(*(get(name, part, "int4") for name in names))
     scale, low = torch.cat(scale_low, 1).unbind(-1)  # [in / 32, out]: w = q x scale + low
@@ -127,8 +188,9 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True, blocks=file_blo
     """Copy every tensor into the model, in RAM (never left memory-mapped) and its dtype, straight into its rows of the
     fused q/k/v and gate/up weights: no tensor is held twice in full. A tensor-parallel rank reads only its chunks
     (model.layout's); a terminal shows a progress bar. A matmul weight the file holds in blocks that format fmt keeps
-    as they are (blocks(get, fmt, names, part, wide, wider, dst) -> its weight, or None) is kept so, one in more bits
-    wide (held_wide; wider=False: cut to 4 too): the returned {name: bits}, for convert_weights."""
+    as they are (blocks(get, fmt, names, part, wide, wider, dst) -> its weight, or None; an untied embedding is asked
+    too) is kept so, one in more bits wide (held_wide; wider=False: cut to 4 too): the returned {name: bits}, for
+    convert_weights."""
     from tqdm import tqdm
     c = transformer.config
     total = sum(p.numel() for p in transformer.parameters())  # a tied head is the embedding: counted once
@@ -140,7 +202,7 @@ def fill_weights(transformer, get, rank=0, fmt=None, wider=True, blocks=file_blo
             dst = transformer.get_parameter(param)
             part = (0, 0, 1) if dim is None else (dim, rank, c.tp)
             as_they_are = None
-            if param.endswith(MATMULS):
+            if param.endswith(MATMULS) or param == "embed" and not c.tie_embeddings:
                 as_they_are = blocks(get, fmt, [name for name, _ in tensors], part, held.get(param), wider, dst)
             if as_they_are is not None:
                 owner, _, attr = param.rpartition(".")

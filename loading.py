@@ -201,7 +201,10 @@ def q4_groups(raw, kind):
     b = torch.from_numpy(raw).view(len(raw), -1, size)  # [n, blocks, bytes a block]
     run = 16 if values == 32 else 32
     qs = b[..., size - values // 2:].unflatten(-1, (-1, run))  # [n, blocks, runs, 16 | 32]
-    codes = torch.stack([qs & 15, qs >> 4], -2).flatten(1)
+    codes = torch.empty(*qs.shape[:-1], 2, run, dtype=torch.uint8)  # [n, blocks, runs, nibble, 16 | 32]
+    torch.bitwise_and(qs, 15, out=codes[..., 0, :])  # written in place: a stack would copy both halves again
+    torch.bitwise_right_shift(qs, 4, out=codes[..., 1, :])
+    codes = codes.flatten(1)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
     d2 = b[..., 2:4].contiguous().view(torch.float16).float()
     if kind.name == "Q4_K":
@@ -424,7 +427,7 @@ def open_gguf(path):
         rows = range(shape[0])[index[0]]
         g = kernels.INT4_GROUP if four else 16  # values a scale
         out_shape = torch.empty(shape, device="meta")[index].shape
-        out = torch.empty(out_shape, dtype=torch.int32 if codes else dtype or torch.float32)
+        out = torch.empty(out_shape, dtype=torch.uint8 if codes else dtype or torch.float32)
         groups = None
         if codes:  # [rows, columns / g, (scale, zero) | (scale,)]
             groups = torch.empty(len(out), out.shape[1] // g, 2 if four else 1)

@@ -267,7 +267,7 @@ class Transformer(torch.nn.Module):
     def weight_bytes(self):
         """Bytes one full forward reads from weights (a tensor-parallel rank's: its shard's), all but the embedding
         table's (a few rows read) unless that is also the head: the memory-bandwidth roofline's numerator."""
-        read = [p for p in self.parameters() if p is not self.embed or p is self.lm_head]
+        read = [p for name, p in self.named_parameters() if name.partition(".")[0] != "embed" or p is self.lm_head]
         return sum(p.numel() * p.element_size() for p in read)
 
     def _logits(self, h):

@@ -39,6 +39,7 @@ class Gpu:
         return None
 
     convert_weights = staticmethod(formats.convert_weights)  # a model's matmul weights into a format, in place
+    model_bytes = staticmethod(formats.model_bytes)  # what a model takes in a format, from its file's headers
 
 
 class Cpu(Gpu):
@@ -68,6 +69,7 @@ class Cpu(Gpu):
         return auto.Measurement(*args)
 
     convert_weights = staticmethod(cpu_formats.convert_weights)
+    model_bytes = staticmethod(cpu_formats.model_bytes)
 
 
 def for_device(device):

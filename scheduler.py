@@ -13,7 +13,7 @@ import torch
 import decode
 import formats
 import model
-from errors import DeviceFailed, UsageError, require
+from errors import DeviceFailed, LoadError, UsageError, require
 
 IDLE_S = 60.0  # a batch without a request for this long is dropped with its caches
 
@@ -416,12 +416,30 @@ def free_bytes(device):
 
 
 
-def unread_bytes(e):
-    """Memory the weights not yet read will take (on a CPU a tied head gets a packed copy of its own)."""
-    configs = [c for c, o in zip((e.config, e.draft_config), e.opened) if o]
-    n = sum(math.prod(s) for c in configs for s in model.expected_shapes(c).values())
-    return (n + sum(c.vocab_size * c.dim for c in configs if c.tie_embeddings and e.device.type == "cpu")) \
-        * e.dtype.itemsize
+def unread_bytes(e, fmts=None):
+    """Memory the weights not yet read will take: each model's in its format (fmts: (the target's, the draft's); None:
+    the engine's) as the platform holds it (model_bytes, from the file's headers); "auto" not yet chosen: the least of
+    any format the platform runs."""
+    total = 0
+    fmts = fmts or (e.weights, e.draft_weights)
+    for c, opened, fmt, wider in zip((e.config, e.draft_config), e.opened, fmts, (True, False)):
+        if not opened:
+            continue
+        kinds = formats.file_kinds(c, opened.get)
+        candidates = [fmt]
+        if fmt == "auto":
+            candidates = [f for f in formats.FORMATS if runs_on(f, e.device)]
+        total += min(e.platform.model_bytes(c, f, kinds, wider) for f in candidates)
+    return total
+
+
+def runs_on(fmt, device):
+    """Whether weight format fmt runs on device (formats.weight_format's check)."""
+    try:
+        formats.weight_format(fmt, device)
+    except LoadError:
+        return False
+    return True
 
 
 def batch_bytes(e, shape, slots, caps):

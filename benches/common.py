@@ -19,6 +19,7 @@ import model
 import platforms
 import settings
 from cpu import store
+from weights import make_gguf
 
 CODE_PROMPT = '''def merge_intervals(intervals):
     """Merge overlapping [start, end] intervals; return them sorted by start.
@@ -40,6 +41,19 @@ SHAPES = {  # name: vocab, dim, layers, query heads, kv heads, head dim, ffn dim
 }
 ROPE_THETA = {"llama": 500000.0, "qwen3": 1000000.0}  # each architecture's, as its real configs set it
 DTYPE_FORMATS = {"bfloat16": "bf16", "float32": "float32"}  # the engine's weight format for each --dtype
+
+
+def random_weights(paths):
+    """Whether any of paths (model files given, or None) is a GGUF file of random weights (bench.py make-gguf's)."""
+    files = [p for p in paths if p and p.endswith(".gguf") and os.path.isfile(p)]
+    return any(loading.read_gguf_header(p)[0].get(make_gguf.RANDOM_KEY) for p in files)
+
+
+def caption(report):
+    """What goes above each table of a report: that its weights are random, where they are."""
+    if report.get("random_weights"):
+        return make_gguf.RANDOM_NOTE + "\n\n"
+    return ""
 
 
 def cpu_flags():

@@ -38,4 +38,4 @@ def run(args, device, rank, world, report):
     if not rows:
         sys.exit("bench.py peers: no peer to run: install transformers (or llama-cpp-cffi, on a CPU)")
     report["peer"] = rows
-    common.show(peer_table(rows))
+    common.show(common.caption(report) + peer_table(rows))

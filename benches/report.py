@@ -28,9 +28,9 @@ def report_tables(report):
         if not report.get(key):
             continue
         if key == "speed":  # its roofline columns need the run's copy bandwidth
-            tables.append(speed.speed_table(report["speed"], report["copy_bandwidth_gbs"]))
+            tables.append(common.caption(report) + speed.speed_table(report["speed"], report["copy_bandwidth_gbs"]))
         else:
-            tables.append(table(report[key]))
+            tables.append(common.caption(report) + table(report[key]))
     return "\n\n".join(tables)
 
 

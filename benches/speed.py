@@ -193,9 +193,9 @@ def run(args, device, rank, world, report):
     annotate(e, rows, ids_by_prompt, args, bandwidth, ar)
     report["copy_bandwidth_gbs"] = bandwidth
     report["speed"] = rows
-    common.show(speed_table(rows, bandwidth))
+    common.show(common.caption(report) + speed_table(rows, bandwidth))
     if "smc" in args.methods:
         first = next(iter(ids_by_prompt.values()))
         tokens = min(args.new_tokens, 64)  # enough cycles for a steady mean, in less time
         report["phases"] = [profile_phases(e, first, N, K, tokens) for N, K in args.grid]
-        common.show(phase_table(report["phases"]))
+        common.show(common.caption(report) + phase_table(report["phases"]))

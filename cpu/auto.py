@@ -32,8 +32,6 @@ def cache_bytes():
 
 
 # ---------------------------------------------------------------- the formats this machine runs fastest
-# a weight's bytes (w4a8: its int8 q of scale and low a group of 32, their f16 d a superblock of 256)
-BYTES = {"float32": 4, "bf16": 2, "int8": 1, "fp8": 1, "int4": 0.5, "w4a8": 0.58}
 FOUR_BITS = ("int4", "w4a8")  # the formats that hold a file's 4-bit blocks as they are, its wider ones wide
 
 
@@ -107,11 +105,12 @@ class Measurement:
 
     Built when the engine opens its files, from what they hold: opened, the engine's [target, draft] as
     loading.open_weights opened them (the draft's None: a draft model given, or none); draft_config, the draft's
-    Config, file or model, or None; unread_bytes, what the files' weights take in bf16; free_bytes, the memory free;
+    Config, file or model, or None; price((the target's format, the draft's)), what the files' weights take in them
+    (scheduler.unread_bytes); free_bytes, the memory free;
     paths, the [target, draft] files (the target's None: nothing kept); remeasure: measure what the file keeps again;
     say(line): where its one-time lines go (measuring, read back, not kept)."""
 
-    def __init__(self, opened=(None, None), draft_config=None, unread_bytes=0, free_bytes=math.inf, paths=(None, None),
+    def __init__(self, opened=(None, None), draft_config=None, price=None, free_bytes=math.inf, paths=(None, None),
                  remeasure=False, say=None):
         target_file = opened[0]
         draft_file = opened[1]
@@ -127,7 +126,7 @@ class Measurement:
             self.wide = max(held.values(), default=8)
         self.draft_home = file_format(draft_file) if draft_file else None  # None: no draft file to choose a format of
         self.draft_config = draft_config
-        self.unread_bytes = unread_bytes
+        self.price = price or (lambda fmts: 0)
         self.free_bytes = free_bytes
         self.timings = {}  # (out, in, format, threads, rows) -> seconds of one call of the CPU backend's linear
         self.remeasure = remeasure
@@ -201,10 +200,7 @@ class Measurement:
             values = torch.linspace(-0.05, 0.05, shape[1], dtype=formats.FORMATS[fmt])  # they alter no timing
             w = values.repeat(shape[0], 1)
             first = cpu_formats.converted(w, fmt, wide=wide)
-            per_weight = BYTES[fmt]
-            if wide:  # w4a8's codes of `wide` bits and their scales
-                per_weight = (wide + 0.6) / 8
-            copies = min(255, int(1.5 * cache_bytes() // (w.numel() * per_weight)))
+            copies = min(255, int(1.5 * cache_bytes() // cpu_formats.matmul_bytes(fmt, *shape, wide)))
             linear = cpu_backend.Backend().linear
             ws = [first]
             for _ in range(copies):  # oneDNN's packed tensors cannot be copied: packed again
@@ -251,9 +247,16 @@ class Measurement:
         return costs
 
     def fits(self, fmt):
-        """Whether the weights in format fmt fit the memory free (its activations' dtype for every weight: an upper
-        bound for int8 and int4)."""
-        return self.unread_bytes * formats.FORMATS[fmt].itemsize / torch.bfloat16.itemsize <= self.free_bytes
+        """Whether both models' weights in format fmt fit the memory free, each weight at its format's bytes."""
+        return self.price((fmt, fmt)) <= self.free_bytes
+
+    def left_out(self, fmt):
+        """One line on why auto does not time fmt (a 4-bit file's), where it does not: the memory, w4a8's kernel."""
+        if fmt == "w4a8" and native.library()[0] is None:
+            self.say_once(fmt, f"weights auto: w4a8 not timed: {native.library()[1]}")
+        elif not self.fits(fmt):
+            self.say_once(fmt, f"weights auto: {fmt} not timed: its weights need {self.price((fmt, fmt)) / 2**30:.2f} "
+                          f"GiB, {self.free_bytes / 2**30:.2f} GiB is free")
 
     def candidates(self):
         """-> (the formats auto times for the target: bf16, float32 and int8 where they fit, and int4 and w4a8 for a
@@ -264,6 +267,8 @@ class Measurement:
         tried = ("bf16", "float32", "int8")
         if self.home in FOUR_BITS:
             tried += four
+            for fmt in FOUR_BITS:
+                self.left_out(fmt)
         fits = [f for f in tried if self.fits(f)]
         drafts = fits + [f for f in four if f not in fits]
         return fits, drafts

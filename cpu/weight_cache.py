@@ -79,9 +79,13 @@ def cache_path(path, fmt, role):
 def kept_tensors(transformer):
     """-> ({name: tensor} the transformer is rebuilt from, {matmul name: recipe}): each matmul weight "plain",
     "onednn" (kept plain, packed again), "tied" (the embedding itself), "quantized" (formats.Quantized's tensors) or
-    "w4a8" (cpu/formats.W4A8's)."""
+    "w4a8" (cpu/formats.W4A8's); the embedding "rows" where it is cpu/formats.Rows."""
     tensors = {}
     recipes = {}
+    if isinstance(transformer.embed, cpu_formats.Rows):
+        parts = transformer.embed.tensors()
+        recipes["embed"] = {"kind": "rows", "tensors": sorted(parts)}
+        tensors |= {f"embed.{part}": t for part, t in parts.items()}
     for name, m, attr in formats.matmuls(transformer):
         w = getattr(m, attr)
         if isinstance(w, formats.Quantized):
@@ -223,6 +227,9 @@ def rebuilt(c, fmt, tensors, recipes, backend):
             raise Damaged(f"{name} missing or of another shape")
         owner, _, attr = name.rpartition(".")
         formats.replace(transformer.get_submodule(owner), attr, torch.nn.Parameter(t, requires_grad=False))
+    if "embed" in recipes:
+        parts = {part: tensors[f"embed.{part}"] for part in recipes["embed"]["tensors"]}
+        formats.replace(transformer, "embed", cpu_formats.Rows(parts, formats.FORMATS[fmt]))
     for name, m, attr in formats.matmuls(transformer):
         formats.replace(m, attr, restored(recipes[name], name, tensors, transformer))
     return transformer
