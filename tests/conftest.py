@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -15,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the tests build or keep (native's compiled kernel at collection, auto's choices) never goes to the user's
 # cache directory; each test gets a folder of its own below (measurement_cache)
 os.environ["SMCSD_MINI_CACHE"] = tempfile.mkdtemp(prefix="smcsd-tests-")
+atexit.register(shutil.rmtree, os.environ["SMCSD_MINI_CACHE"], ignore_errors=True)  # gone with the run
 sys.path.insert(0, ROOT)
 # Under pytest-xdist (-n) the workers share the cores: each worker, and what it starts, gets its share of threads.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
