@@ -1,9 +1,9 @@
 """The device side of decoding: the State a batch's cycles update in place, the methods' rules, and one cycle
-function per method over (engine, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it;
-then a slot's prefill and graph recording.
+function per method over (models, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it,
+named by the method's name in CYCLES; then a slot's prefill and graph recording.
 
-    cycle(m, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (one target forward, the
-                          method's rule, the flags the host reads)
+    cycle(m, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (the method's cycle: one
+                          target forward and the method's rule; then the flags the host reads)
 """
 import copy
 import math
@@ -21,7 +21,7 @@ import racer
 class Models:
     """What a cycle reads besides its State: the target, the draft (None: none, or racer's host-side drafts), the
     EOS table is_eos [V + 1] (torch.isin sorts, and syncs) and the pad id V, the token an ended particle appends: the
-    ids below it are those every method samples from, the pair's shared vocabulary (`shared`)."""
+    ids below it are those every method samples from, the pair's shared vocabulary (`target_logits`)."""
     target: model.Transformer
     draft: model.Transformer | None
     is_eos: torch.Tensor

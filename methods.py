@@ -172,7 +172,7 @@ class Smc(Ar):
 
 class RacerSd(Sd):
     """sd on racer's draft tree (or chain) from the host, verified in one target forward: no draft model."""
-    name = "racer"  # its cycle's (decode.CYCLES): --method sd with --draft racer
+    name = "racer"  # its key in decode.CYCLES (a user asks for --method sd with --draft racer)
     draft_model = False
 
     def shape_fields(self, settings):
