@@ -1,9 +1,9 @@
 """The device side of decoding: the State a batch's cycles update in place, the methods' rules, and one cycle
-function per method over (engine, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it;
-then a slot's prefill and graph recording.
+function per method over (models, state, shape) with fixed shapes and no host sync, so a CUDA graph can record it,
+named by the method's name in CYCLES; then a slot's prefill and graph recording.
 
-    cycle(m, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (one target forward, the
-                          method's rule, the flags the host reads)
+    cycle(m, st, shape) = draft_block (K draft steps for every particle) + verify_cycle (the method's cycle: one
+                          target forward and the method's rule; then the flags the host reads)
 """
 import copy
 import math
@@ -21,21 +21,16 @@ import racer
 class Models:
     """What a cycle reads besides its State: the target, the draft (None: none, or racer's host-side drafts), the
     EOS table is_eos [V + 1] (torch.isin sorts, and syncs) and the pad id V, the token an ended particle appends: the
-    ids below it are those every method samples from, the pair's shared vocabulary (`shared`)."""
+    ids below it are those every method samples from, the pair's shared vocabulary (`target_logits`)."""
     target: model.Transformer
     draft: model.Transformer | None
     is_eos: torch.Tensor
     pad: int
+    backend: object  # what runs the cycle's kernels: the target's (the engine builds both models with one)
 
     @property
     def device(self):
         return self.target.device
-
-    @property
-    def backend(self):
-        """What runs the cycle's kernels: the target's (the engine built both models with one)."""
-        return self.target.backend
-
 
 
 @dataclass
@@ -196,27 +191,6 @@ def smc_increments(x0, t, b, logp, logq, finished, is_eos, pad, log_bonus=0.0):
 # Each cycle function takes the Models m, the State and its batch's Shape.
 
 
-def cycle(m, st, shape):
-    """One cycle of shape's method over the slots of st, then their flags for the host: its phases in turn."""
-    for phase in phases(st):
-        phase(m, st, shape)
-
-
-def phases(st):
-    """The functions a cycle runs, in order: the draft block where a draft model drafts, then the verify."""
-    if st.dcache is None:
-        return (verify_cycle,)
-    return (draft_block, verify_cycle)
-
-
-def verify_cycle(m, st, shape):
-    """The cycle after drafting: the target's verify and the method's rule, then the flags."""
-    shape.method.rule(m, st, shape)
-    if st.dcache is not None:
-        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
-    publish(st)
-
-
 def pending(st):
     """-> (prev, x0) [R, N]: the history's last two entries."""
     R, N, _ = st.hist.shape
@@ -225,22 +199,15 @@ def pending(st):
     return x[..., 0], x[..., 1]
 
 
-def ids(m, tokens):
-    """Model inputs: an ended particle's pad as a real id (what it computes is never used)."""
-    return tokens.clamp(max=m.pad - 1)
-
-
-def shared(m, logits):
-    """A model's logits [..., rows] -> those of the ids the pair shares [..., V], in every method alike: the ids past
-    them (one model's extra rows, padding past the tokenizer) are never drawn, as if their logits were -inf."""
-    return logits[..., :m.pad]
-
-
-def restricted(logits, st, shape):
-    """The target's logits with top-k / top-p applied where some request of the batch asks for them."""
-    if not shape.restrict:
-        return logits
-    return restrict(logits, st.temp_t, st.top_k, st.top_p)
+def target_logits(m, st, shape, tokens, **tree):
+    """The target's step on tokens [R, N, T] (tree: its depth and tree, racer's) -> logits [R, N, T, V] of the ids the
+    pair shares, with top-k / top-p applied where some request of the batch asks for them. An ended particle's pad
+    goes in as a real id (what it computes is never used); the ids past the shared ones (one model's extra rows,
+    padding past the tokenizer) are never drawn, in every method alike, as if their logits were -inf."""
+    logits = m.target.step(tokens.clamp(max=m.pad - 1), st.tcache, **tree)[..., :m.pad]
+    if shape.restrict:
+        logits = restrict(logits, st.temp_t, st.top_k, st.top_p)
+    return logits
 
 
 def publish(st):
@@ -268,22 +235,14 @@ def append(m, st, tokens, kept):
     st.tcache.suffix_len += kept
 
 
-def ar_cycle(m, st, shape):
-    """One target step on the pending token."""
-    x0 = pending(st)[1]  # [R, N]
-    logits = restricted(shared(m, m.target.step(ids(m, x0[..., None]), st.tcache)[:, 0, 0]), st, shape)  # [R, V]
-    token = m.backend.sample(logits, st.temp_t, st.rng)[0]  # [R]
-    append(m, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
-
-
 def draft_block(m, st, shape):
     """K draft steps for every particle, the first on [prev, x0], whose draft K/V the last cycle left unwritten
     -> st.drafted [R, N, K], their log q st.logq, for sd the draft's logits st.q_logits [R, N, K, V]. Advances the
     draft's suffix_len by K + 1."""
     R, N = st.finished.shape
-    x = ids(m, torch.stack(pending(st), -1))  # [R, N, 2]
+    x = torch.stack(pending(st), -1).clamp(max=m.pad - 1)  # [R, N, 2]: an ended particle's pad as a real id
     for k in range(shape.draft_len):
-        out = shared(m, m.draft.step(x, st.dcache, last_only=True))  # [R, N, V]
+        out = m.draft.step(x, st.dcache, last_only=True)[..., :m.pad]  # [R, N, V]: the shared ids' (target_logits)
         st.dcache.suffix_len += x.shape[-1]
         t, logq = m.backend.sample(out.flatten(0, 1), st.temp_d, st.rng)  # [R * N]
         x = t.view(R, N, 1)
@@ -293,11 +252,12 @@ def draft_block(m, st, shape):
             st.q_logits[:, :, k] = out
 
 
-def verify(m, st, t, shape):
-    """One target forward over [x0, t_1..t_K] -> logits [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus."""
+def ar_cycle(m, st, shape):
+    """One target step on the pending token."""
     x0 = pending(st)[1]  # [R, N]
-    block = torch.cat([x0[..., None], t], -1)  # [R, N, K+1]
-    return restricted(shared(m, m.target.step(ids(m, block), st.tcache)), st, shape)
+    logits = target_logits(m, st, shape, x0[..., None])[:, 0, 0]  # [R, V]
+    token = m.backend.sample(logits, st.temp_t, st.rng)[0]  # [R]
+    append(m, st, token.view(-1, 1, 1), torch.ones_like(st.gen_len))
 
 
 def sd_cycle(m, st, shape):
@@ -311,7 +271,8 @@ def sd_cycle(m, st, shape):
     K = shape.draft_len
     R, N = st.finished.shape
     device = st.gen_len.device
-    p = probs(verify(m, st, st.drafted, shape), st.temp_t)  # [R, N, K+1, V]
+    block = torch.cat([pending(st)[1][..., None], st.drafted], -1)  # [R, N, K+1]: x0, t_1..t_K
+    p = probs(target_logits(m, st, shape, block), st.temp_t)  # [R, N, K+1, V]: row k - 1 scores t_k, row K the bonus
     q = probs(st.q_logits, st.temp_d)  # [R, N, K, V]
     rows = torch.arange(R, device=device)
     viable = torch.ones(R, N, dtype=torch.bool, device=device)  # [R, N] the drafts equal to what was accepted
@@ -385,8 +346,7 @@ def racer_cycle(m, st, shape):
     device = st.gen_len.device
     nodes = torch.cat([pending(st)[1][:, :1], st.nodes[:, 1:]], 1)  # [R, T]: -1 marks no node
     base = st.tcache.suffix_len.clone()
-    logits = m.target.step(ids(m, nodes.clamp(min=0))[:, None], st.tcache, depth=st.depth, tree=st.mask)[:, 0]
-    logits = restricted(shared(m, logits), st, shape)  # [R, T, V]
+    logits = target_logits(m, st, shape, nodes.clamp(min=0)[:, None], depth=st.depth, tree=st.mask)[:, 0]  # [R, T, V]
     y = m.backend.sample(logits.flatten(0, 1), st.temp_t, st.rng)[0].view(R, T)  # a draw from p at every node
     follows = (nodes == y.gather(1, st.parent)) | (torch.arange(T, device=device) == 0)  # [R, T]
     on_path = ~(st.mask & ~follows[:, None]).any(-1)  # [R, T]: the node and all its ancestors followed
@@ -412,11 +372,11 @@ def smc_cycle(m, st, shape):
     K = shape.draft_len
     R, N = st.finished.shape
     t = st.drafted  # [R, N, K]
-    logits = verify(m, st, t, shape)  # [R, N, K+1, V]
+    x0 = pending(st)[1]  # [R, N]
+    logits = target_logits(m, st, shape, torch.cat([x0[..., None], t], -1))  # [R, N, K+1, V]: row k - 1 scores t_k
     logp = m.backend.token_logprobs(logits[:, :, :K].flatten(0, 2), t.flatten(), st.temp_t).view(R, N, K)
     bonus, log_bonus = power_bonus(logits[:, :, K], st.temp_t, shape.power)
     b = m.backend.sample(bonus.flatten(0, 1), st.temp_t, st.rng)[0].view(R, N)
-    x0 = pending(st)[1]
     increments, tokens = smc_increments(x0, t, b, shape.power * logp, st.logq, st.finished, m.is_eos, m.pad,
                                         log_bonus)
     st.logw += increments
@@ -451,6 +411,32 @@ def resample(m, st, shape):
     st.ess_sum += ess
 
 
+# Each method's cycle after drafting, by its name (racer: sd on racer's drafts): its rule. The methods' objects
+# (methods.py) hold the rest: defaults, checks, State tensors, costs, statistics.
+CYCLES = {"ar": ar_cycle, "sd": sd_cycle, "mdsd": sd_cycle, "easd": sd_cycle, "racer": racer_cycle, "smc": smc_cycle}
+
+
+def verify_cycle(m, st, shape):
+    """The cycle after drafting: the method's (CYCLES), then the flags."""
+    CYCLES[shape.method.name](m, st, shape)
+    if st.dcache is not None:
+        st.dcache.suffix_len.mul_(st.live)  # a slot that is not live drafted into nothing
+    publish(st)
+
+
+def cycle(m, st, shape):
+    """One cycle of shape's method over the slots of st, then their flags for the host: its phases in turn."""
+    for phase in phases(st):
+        phase(m, st, shape)
+
+
+def phases(st):
+    """The functions a cycle runs, in order: the draft block where a draft model drafts, then the verify."""
+    if st.dcache is None:
+        return (verify_cycle,)
+    return (draft_block, verify_cycle)
+
+
 def record(fn):
     """-> the replay of a CUDA graph of fn(), run once first on a side stream (Triton compiles, cuBLAS picks its
     kernels) so that the capture records warm kernels. Each graph is captured on a stream of its own: cuBLAS keeps a
@@ -481,7 +467,7 @@ def prefill_slot(m, st, shape, r, req):
     settings = req.settings
     N = shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
-    logits = shared(m, m.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill))  # [V]
+    logits = m.target.prefill(prompt, st.tcache, r, on_layer=req.on_prefill)[:m.pad]  # [V]: the shared ids'
     st.rng[r] = torch.tensor([settings.seed, 0])
     st.temp_d[r] = settings.draft_temperature
     st.temp_t[r] = settings.target_temperature
@@ -512,8 +498,10 @@ def prefill_slot(m, st, shape, r, req):
     publish(st)
 
 
-def plant(st, trees):
-    """Racer: each slot's draft tree (None for an empty slot) into the cycle's tensors."""
+def plant(st, requests, shape):
+    """Racer, before a cycle: each busy slot's draft tree, grown on the host by its request's drafter, into the
+    cycle's tensors (requests: the batch's, None for an empty slot)."""
+    trees = [req and req.drafter.draft(shape.draft_len, shape.tree) for req in requests]
     for x, value in zip((st.nodes, st.parent, st.depth, st.mask), racer.plant(trees, st.nodes.shape[1])):
         x.copy_(value)
 

@@ -274,7 +274,7 @@ class Engine:
     @property
     def models(self):
         """What decode's cycles read of this engine (after load())."""
-        return decode.Models(self.target, self.draft, self.is_eos, self.pad)
+        return decode.Models(self.target, self.draft, self.is_eos, self.pad, self.target.backend)
 
     @contextlib.contextmanager
     def watching(self, observer):

@@ -1,6 +1,7 @@
 """Triton kernels, each beside the few-line PyTorch reference that documents it: attention over particles, sampling,
-resampling, the suffix gather, the int8 / int4 matmuls; and the Backend, what a model and its cycles call, which
-runs them. The methods' own rules live in decode.py; the CPU's own kernels in the CPU wing (cpu/backend.py)."""
+resampling, the suffix gather, the int8 / int4 matmuls; and the Backend, what a model and its cycles call: the
+references, or the kernels (TritonBackend), chosen once per device. The methods' own rules live in decode.py; the CPU's
+own kernels in the CPU wing (cpu/backend.py)."""
 import functools
 import os
 from types import SimpleNamespace
@@ -44,9 +45,12 @@ def make_rng(seed, device):
 
 def _uniforms(rng, M):
     """float32 [R * M, 1] for the references: request r's M rows from a generator keyed on rng[r]; counters + 1."""
-    gens = [torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64) for s, c in rng.tolist()]
+    rows = []
+    for s, c in rng.tolist():
+        g = torch.Generator(rng.device).manual_seed((s * 0x9E3779B97F4A7C15 + c) % 2**64)
+        rows.append(torch.rand(M, 1, generator=g, device=rng.device))
     rng[:, 1] += 1
-    return torch.cat([torch.rand(M, 1, generator=g, device=rng.device) for g in gens])
+    return torch.cat(rows)
 
 
 def _temperatures(temperature, device, R=None):
@@ -1033,9 +1037,10 @@ def silu_mul(x):
 
 # ---------------------------------------------------------------- the backend: what a model and its cycles call
 class Backend:
-    """The operations a model's forward and a cycle run, each the kernel above or its reference (`use_triton`).
-    The engine picks one per device when it is built and hands it down with the models (Transformer.backend); the CPU
-    wing's (cpu/backend.py) runs its own kernels where it has them, behind these same calls."""
+    """The operations a model's forward and a cycle run, each by its PyTorch reference above: what runs where Triton
+    does not (`TritonBackend` runs the kernels). The engine picks one per device when it is built (`for_device`) and
+    hands it down with the models (Transformer.backend); the CPU wing's (cpu/backend.py) runs its own kernels where it
+    has them, behind these same calls."""
 
     def linear(self, x, w, bias=None):
         """x [..., in] @ w.T + bias [out]; w a plain tensor, or a weight format's module that multiplies itself."""
@@ -1045,7 +1050,7 @@ class Backend:
 
     def normed_linear(self, x, norm, eps, w, bias=None, rope=None):
         """linear(rms_norm(x, norm, eps), w, bias), the output's first `heads` heads (of cos's width) rotated by rope =
-        (cos, sin, heads) as apply_rope rotates them."""
+        (cos, sin, heads) as rope_ref rotates them."""
         y = self.linear(self.rms_norm(x, norm, eps), w, bias)
         if rope is None:
             return y
@@ -1061,24 +1066,47 @@ class Backend:
         """linear(silu(gate) x up, w) for x = [gate | up] [..., 2 ffn] (SwiGLU)."""
         return self.linear(self.silu_mul(x), w)
 
-    def decoder_layers(self, blocks, x, cos, sin, cache, tree=None):
-        """x [R, N, T, dim] through every decoder layer of a step (model.Block each), their K/V written into cache at
-        suffix_len (its write_index); tree as Transformer.step takes it."""
-        attend = functools.partial(cache.attend_step, at=cache.write_index(x.shape[-2]), tree=tree,
-                                   attention=self.particle_attention)
-        for i, block in enumerate(blocks):
-            x = block(x, cos, sin, attend, i)
-        return x
+    def fused_layers(self, blocks, x, cache, tree=None):
+        """What every layer of a step of x [R, N, T, dim] shares where each runs in one call (`layer`'s fused): None
+        here, a layer runs by its block's calls (the CPU wing's compiled layer has one)."""
+        return None
 
+    def layer(self, block, i, x, cos, sin, attend, fused=None):
+        """Decoder layer i (block, a model.Block) of a step: the block's calls."""
+        return block.forward(x, cos, sin, attend, i)
+
+    rms_norm = staticmethod(rms_norm_ref)
+    add_rms_norm = staticmethod(add_rms_norm_ref)
+    rope = staticmethod(rope_ref)
+    qk_norm_rope = staticmethod(qk_norm_rope_ref)
+    silu_mul = staticmethod(silu_mul_ref)
+    prefill_attention = staticmethod(prefill_attention)
+    particle_attention = staticmethod(particle_attention_ref)
+    sample = staticmethod(sample_ref)
+    token_logprobs = staticmethod(token_logprobs_ref)
+    resample = staticmethod(resample_ref)
+    gather_suffix = staticmethod(gather_suffix_ref)
+    compact = staticmethod(compact)
+
+
+class TritonBackend(Backend):
+    """Backend by the Triton kernels, each of which takes its reference where `use_triton` says its tensors are not
+    Triton's (a CPU tensor, unless TRITON_INTERPRET=1 was set before import)."""
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rope = staticmethod(rope)
     qk_norm_rope = staticmethod(qk_norm_rope)
     silu_mul = staticmethod(silu_mul)
-    prefill_attention = staticmethod(prefill_attention)
     particle_attention = staticmethod(particle_attention)
     sample = staticmethod(sample)
     token_logprobs = staticmethod(token_logprobs)
     resample = staticmethod(resample)
     gather_suffix = staticmethod(gather_suffix)
-    compact = staticmethod(compact)
+
+
+def for_device(device):
+    """-> the Backend of a device (a torch.device or its name): Triton's kernels where they run (use_triton), else the
+    references."""
+    if use_triton(torch.empty(0, device=device)):
+        return TritonBackend()
+    return Backend()

@@ -1,12 +1,11 @@
 """The decoding methods, one object each: its defaults and checks, what it keeps in a batch's State beside every
-method's, the rule its cycle runs after drafting (decode.py's), the rows its verify reads, the tokens a cycle emits,
-and its statistics. METHODS is where a method's name is looked up, once, by the Settings; racer's drafts are a
+method's, the rows its verify reads, the tokens a cycle emits, and its statistics; its cycle is decode.py's (CYCLES,
+by the method's name). METHODS is where a method's name is looked up, once, by the Settings; racer's drafts are a
 draft kind: sd on them is a method of its own (`on_racer`)."""
 import math
 
 import torch
 
-import decode
 import racer
 from errors import require
 
@@ -23,7 +22,6 @@ class Ar:
     draft_model = False  # a draft model drafts K tokens a cycle on the device
     particles = False  # takes --particles
     weighted = False  # particles part at once, weighted and resampled
-    rule = staticmethod(decode.ar_cycle)
     auto_cells = ()  # the (N, K) --weights auto prices for a shape left open, and its default among them
     auto_home = None
     summary = ""  # the CLI's closing line's part of this method's (str.format of its statistics)
@@ -49,13 +47,6 @@ class Ar:
         """The target rows a slot's cycle verifies."""
         return 1
 
-    def before_cycle(self, st, requests, shape):
-        """The host's work before a cycle: none but racer's (each busy slot's draft tree, planted)."""
-
-    def cues(self, st):
-        """What the host reads back for its drafters after a round: none but racer's cues."""
-        return None
-
     def emits(self, K):
         """The tokens a cycle of K drafts emits: with ACCEPTANCE a draft token, (1 - a^(K+1)) / (1 - a) on average."""
         return (1 - ACCEPTANCE ** (K + 1)) / (1 - ACCEPTANCE)
@@ -72,7 +63,6 @@ class Sd(Ar):
     shapes = {"cpu": (1, 4), "gpu": (1, 4)}
     drafts = True
     draft_model = True
-    rule = staticmethod(decode.sd_cycle)
     auto_cells = tuple((1, k) for k in range(2, 7))
     auto_home = (1, 4)
     summary = ", {cycles} cycles, acceptance {acceptance:.2f}"
@@ -145,7 +135,6 @@ class Smc(Ar):
     draft_model = True
     particles = True
     weighted = True
-    rule = staticmethod(decode.smc_cycle)
     auto_cells = ((3, 2), (3, 4), (4, 2), (4, 4))  # the bench grid's cells that resample (N >= 3)
     auto_home = (3, 2)
     summary = ", {cycles} cycles, {resamples} resamples, mean ESS {mean_ess:.2f}/{particles}, log Z {log_z:.3f}"
@@ -183,8 +172,8 @@ class Smc(Ar):
 
 class RacerSd(Sd):
     """sd on racer's draft tree (or chain) from the host, verified in one target forward: no draft model."""
+    name = "racer"  # its key in decode.CYCLES (a user asks for --method sd with --draft racer)
     draft_model = False
-    rule = staticmethod(decode.racer_cycle)
 
     def shape_fields(self, settings):
         return super().shape_fields(settings) | {"tree": settings.tree or settings.draft_len}
@@ -198,12 +187,6 @@ class RacerSd(Sd):
 
     def rows(self, shape):
         return shape.tree + 1
-
-    def before_cycle(self, st, requests, shape):
-        decode.plant(st, [req and req.drafter.draft(shape.draft_len, shape.tree) for req in requests])
-
-    def cues(self, st):
-        return [x.tolist() for x in (st.cues, st.cue_p)]
 
 
 AR = Ar()

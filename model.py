@@ -179,17 +179,10 @@ class KVCache:
         self.prefix_v[layer, r, :, :len(q)] = v.transpose(0, 1)
         return attention(q, k, v, scale)
 
-    def write_index(self, T):
-        """-> int64 [R, N, Hkv, T, D]: where a step's T new keys and values go in a layer's suffix, read by
-        attend_step in every layer (the lengths do not move within a step)."""
-        _, R, N, H, _, D = self.suffix_k.shape
-        at = self.suffix_len.long()[:, None] + torch.arange(T, device=self.suffix_len.device)  # [R, T]
-        return at[:, None, None, :, None].expand(R, N, H, T, D)
-
     def attend_step(self, layer, q, k, v, scale, at, tree, attention):
-        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1 (at: their
-        write_index); tree bool [R, T, T] (None: causal): new token t sees new token j iff tree[r, t, j]; attention:
-        the backend's particle attention."""
+        """q [R, N, T, Hq, D], k/v [R, N, T, Hkv, D] at suffix positions suffix_len .. suffix_len+T-1 (at: those
+        positions, int64 [R, N, Hkv, T, D]); tree bool [R, T, T] (None: causal): new token t sees new token j iff
+        tree[r, t, j]; attention: the backend's particle attention."""
         self.suffix_k[layer].scatter_(3, at, k.transpose(2, 3))
         self.suffix_v[layer].scatter_(3, at, v.transpose(2, 3))
         return attention(q, self.prefix_k[layer], self.prefix_v[layer], self.suffix_k[layer], self.suffix_v[layer],
@@ -215,13 +208,8 @@ class Block(torch.nn.Module):
         self.backend = backend
 
     def forward(self, x, cos, sin, attend, layer):
-        """x [..., T, dim] -> the layer's output; attend(layer, q, k, v, scale) is the cache's."""
-        attended = self.all_reduce(self.attention(x, cos, sin, attend, layer))
-        x, up = self.backend.residual_normed_linear(x, attended, self.ffn_norm, self.c.norm_eps, self.w13)
-        return x + self.all_reduce(self.backend.gated_linear(up, self.w2))  # up [..., 2 ffn]: gate | up
-
-    def attention(self, x, cos, sin, attend, layer):
-        """x [..., T, dim] -> [..., T, dim], this rank's heads' share."""
+        """x [..., T, dim] -> the layer's output; attend(layer, q, k, v, scale) is the cache's. Under tensor
+        parallelism wo and w2 give this rank's heads' and columns' partial sums, all-reduced into the whole."""
         c = self.c
         rope = (cos, sin, c.n_heads + c.n_kv_heads)  # q and k rotated, v as it is
         if self.qk_norm is None:
@@ -230,13 +218,14 @@ class Block(torch.nn.Module):
             qkv = self.backend.normed_linear(x, self.attn_norm, c.norm_eps, self.wqkv, self.bqkv)
             qkv = self.backend.qk_norm_rope(qkv, cos, sin, c.n_heads, c.n_kv_heads, self.qk_norm, c.norm_eps)
         q, k, v = qkv.unflatten(-1, (-1, c.head_dim)).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], -2)
-        return self.backend.linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
-
-    def all_reduce(self, x):
-        """The sum of every rank's partial output of a row-parallel matmul (wo, w2), the same on every rank."""
-        if self.c.tp > 1:
-            torch.distributed.all_reduce(x)
-        return x
+        attended = self.backend.linear(attend(layer, q, k, v, c.head_dim ** -0.5).flatten(-2), self.wo)
+        if c.tp > 1:
+            torch.distributed.all_reduce(attended)
+        x, up = self.backend.residual_normed_linear(x, attended, self.ffn_norm, c.norm_eps, self.w13)
+        out = self.backend.gated_linear(up, self.w2)  # up [..., 2 ffn]: gate | up
+        if c.tp > 1:
+            torch.distributed.all_reduce(out)
+        return x + out
 
 
 class Transformer(torch.nn.Module):
@@ -245,7 +234,7 @@ class Transformer(torch.nn.Module):
     def __init__(self, c, device="cpu", dtype=torch.bfloat16, backend=None):
         super().__init__()
         self.config = c
-        self.backend = backend or kernels.Backend()
+        self.backend = backend or kernels.for_device(device)
 
         def empty(*shape):
             return torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
@@ -301,12 +290,20 @@ class Transformer(torch.nn.Module):
         last position's [R, N, V]. Writes their K/V at suffix_len .. suffix_len+T-1; advancing suffix_len is
         the caller's choice. A token tree (None: a chain): depth int64 [R, T] puts new token t at position
         prefix_len + suffix_len + depth[r, t], not + t; tree bool [R, T, T]: it sees new token j iff tree[r, t, j]."""
-        offset = torch.arange(tokens.shape[-1], device=tokens.device) if depth is None else depth  # [T] | [R, T]
+        T = tokens.shape[-1]
+        offset = torch.arange(T, device=tokens.device) if depth is None else depth  # [T] | [R, T]
         pos = (cache.prefix_len + cache.suffix_len).long()[:, None] + offset  # [R, T]
         per_particle = (-1, tokens.shape[1], -1, -1, -1)  # a row of them for each row of x, as w4a8's call reads them
         cos = self.cos[pos][:, None, :, None].expand(per_particle).contiguous()  # [R, N, T, 1, D]
         sin = self.sin[pos][:, None, :, None].expand(per_particle).contiguous()
-        h = self.backend.decoder_layers(self.layers, self.embed[tokens], cos, sin, cache, tree)  # [R, N, T, dim]
+        _, R, N, H, _, D = cache.suffix_k.shape
+        at = cache.suffix_len.long()[:, None] + torch.arange(T, device=tokens.device)  # [R, T]
+        at = at[:, None, None, :, None].expand(R, N, H, T, D)  # where the new K/V go in every layer's suffix
+        attend = partial(cache.attend_step, at=at, tree=tree, attention=self.backend.particle_attention)
+        h = self.embed[tokens]  # [R, N, T, dim]
+        fused = self.backend.fused_layers(self.layers, h, cache, tree)  # None: each layer by its block's calls
+        for i, block in enumerate(self.layers):
+            h = self.backend.layer(block, i, h, cos, sin, attend, fused)
         return self._logits(h[:, :, -1] if last_only else h)
 
 

@@ -13,12 +13,13 @@ from cpu import formats as cpu_formats
 
 
 class Gpu:
-    """A CUDA device (or any but a CPU): kernels.py's Backend, formats.py's weights."""
+    """A CUDA device (or any but a CPU): kernels.py's Backend (its Triton kernels where they run), formats.py's
+    weights."""
     name = "gpu"  # the key of methods.Method.shapes: each method's (N, K) by default here
 
     def __init__(self, device):
         self.device = device
-        self.backend = kernels.Backend()
+        self.backend = kernels.for_device(device)
 
     def usable(self, fmt):
         """fmt as it runs here: a one-line LoadError where it does not."""

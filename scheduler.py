@@ -75,7 +75,8 @@ class Batch:
         decode.empty_slot(self.st, r)
 
     def cycle(self):
-        self.shape.method.before_cycle(self.st, self.requests, self.shape)
+        if self.st.nodes is not None:  # racer: the host grows each slot's draft tree first
+            decode.plant(self.st, self.requests, self.shape)
         for phase in self.phases:
             self.run_phase(phase)
         self.cycled()
@@ -117,7 +118,9 @@ class Batch:
         lo = min(unread(req) for _, req in busy)
         hi = max(flags[r][3] for r, _ in busy)
         rows = self.st.hist[:, 0, 1 + lo:1 + hi].tolist()  # [R, hi - lo] particle 0's: settled tokens are everyone's
-        cues = self.shape.method.cues(self.st)
+        cues = None
+        if self.st.cues is not None:  # racer: the target's top tokens after each node, for the drafters
+            cues = [x.tolist() for x in (self.st.cues, self.st.cue_p)]
         for r, req in busy:
             done, count, degenerate, length = flags[r]
             if req.drafter:

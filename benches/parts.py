@@ -16,12 +16,13 @@ HELP = ("where each method's cycle spends its time: matmuls (with the norms, RoP
         "attention, other model ops, sampling, the rule, the host (each call of the models' backend timed)")
 QUICK = dict(new_tokens=16, repeats=1)
 PART_NAMES = ("matmuls", "attention", "other model ops", "sampling", "the rule", "host")
-# Every call of kernels.Backend by its part; a name the backend lacks fails when it is wrapped. decoder_layers' own
-# time is the layers' glue, less the C code of w4a8's layers in one call, which it splits by part (ONE_CALL).
+# Every call of kernels.Backend by its part; a name the backend lacks fails when it is wrapped. A layer's own time
+# is its glue, less the C code of a w4a8 layer in one call, which it splits by part (ONE_CALL).
 PARTS = {"linear": "matmuls", "normed_linear": "matmuls", "residual_normed_linear": "matmuls",
          "gated_linear": "matmuls", "rms_norm": "matmuls", "add_rms_norm": "matmuls", "rope": "matmuls",
          "qk_norm_rope": "matmuls", "silu_mul": "matmuls",
-         "prefill_attention": "attention", "particle_attention": "attention", "decoder_layers": "other model ops",
+         "prefill_attention": "attention", "particle_attention": "attention",
+         "fused_layers": "other model ops", "layer": "other model ops",
          "sample": "sampling", "token_logprobs": "sampling",
          "resample": "the rule", "gather_suffix": "the rule", "compact": "the rule"}
 FORWARDS = {"step": "other model ops"}  # a model's forward in a cycle

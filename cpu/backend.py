@@ -128,12 +128,6 @@ class Backend(kernels.Backend):
             return w.gated(x)
         return super().gated_linear(x, w)
 
-    # the glue by torch's operators: a Triton launch on a CPU tensor is the interpreter's
-    rms_norm = staticmethod(kernels.rms_norm_ref)
-    add_rms_norm = staticmethod(kernels.add_rms_norm_ref)
-    rope = staticmethod(kernels.rope_ref)
-    qk_norm_rope = staticmethod(kernels.qk_norm_rope_ref)
-    silu_mul = staticmethod(kernels.silu_mul_ref)
     prefill_attention = staticmethod(prefill_attention)
 
     def particle_attention(self, q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None):
@@ -160,31 +154,34 @@ class Backend(kernels.Backend):
         t = kernels._per_row(kernels._temperatures(temperature, logits.device), logits.shape[0])  # [B]
         return native.token_logprobs(logits.contiguous(), tokens.long().contiguous(), t.contiguous())
 
-    def decoder_layers(self, blocks, x, cos, sin, cache, tree=None):
-        """Each layer in one call of the compiled code where its four matmuls are w4a8, one rank holds them, it has no
-        q/k head norms and every request's attention is the compiled kernel's (native.small): the same arithmetic as
-        the calls one by one."""
-        layers = self.one_call_layers(blocks, x.shape, cache)
-        if layers is None:
-            return super().decoder_layers(blocks, x, cos, sin, cache, tree)
-        caches = (cache.prefix_k, cache.prefix_v, cache.suffix_k, cache.suffix_v, cache.prefix_len, cache.suffix_len)
-        return native.decoder_layers(x, layers, cos, sin, *caches, tree)
-
-    def one_call_layers(self, blocks, shape, cache):
-        """-> every block's native.Layer where a step of `shape` [R, N, T, dim] runs each in one call, else None."""
-        _, N, T, _ = shape
+    def fused_layers(self, blocks, x, cache, tree=None):
+        """-> native.fused_step's (what each layer's call shares) where every layer of a step of x [R, N, T, dim] runs
+        in one call of the compiled code: its four matmuls w4a8, one rank holds them, no q/k head norms, and every
+        request's attention the compiled kernel's (native.small); else None: each layer by its block's calls."""
+        _, N, T, _ = x.shape
         c = blocks[0].c
         if c.qk_norm and w4a8(blocks[0].wqkv):
             say_once(f"{c.arch}'s q and k head norms are not in the compiled decoder layer: its calls run one by one")
         if self.lib is None or c.tp > 1 or c.qk_norm or cache.prefix_k.dtype != torch.float32:
             return None
-        layers = [self.layer_of(b) for b in blocks]
-        if any(layer is None for layer in layers):
-            return None
+        layers = []
+        for block in blocks:
+            layer = self.layer_of(block)
+            if layer is None:
+                return None
+            layers.append(layer)
         keys = int((cache.prefix_len + cache.suffix_len).max()) + T  # CPU memory: reading it waits for nothing
         if not native.small(N * T * c.n_heads // c.n_kv_heads, keys):
             return None
-        return layers
+        caches = (cache.prefix_k, cache.prefix_v, cache.suffix_k, cache.suffix_v, cache.prefix_len, cache.suffix_len)
+        return native.fused_step(x, layers, *caches, tree)
+
+    def layer(self, block, i, x, cos, sin, attend, fused=None):
+        """Layer i in one call of the compiled code where the step's layers run so (fused): the same arithmetic as
+        the block's calls."""
+        if fused is None:
+            return block.forward(x, cos, sin, attend, i)
+        return native.decoder_layer(fused, i, x, cos, sin)
 
     def layer_of(self, block):
         """-> native.Layer of block's w4a8 weights, norms, bias and shapes (by address), made once for these weights;

@@ -53,7 +53,7 @@ class W4A8(torch.nn.Module):
         return native.w4a8_linear(x, self.packed, self.bits, gated=True, tail=self.tail(), outliers=self.float_inputs())
 
     def matmul(self, n, bias=None):
-        """This weight of n inputs (and bias [out] or None) as native.decoder_layers takes it (a Matmul)."""
+        """This weight of n inputs (and bias [out] or None) as native.decoder_layer takes it (a Matmul)."""
         return native.matmul(self.packed, self.bits, n, self.tail(), bias, self.float_inputs())
 
     def tail(self):

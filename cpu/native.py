@@ -1,7 +1,7 @@
 """The CPU kernels torch lacks: w4a8, a matmul of 4-bit (or 6- or 8-bit) weight codes times activations quantized to
 int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it; and
 particle attention for a step's few rows, whose reference is kernels.particle_attention_ref; and the two with a
-layer's residual adds as one call a decoder layer (decoder_layers), whose reference is model.Block's calls. Their C
+layer's residual adds as one call a decoder layer (decoder_layer), whose reference is model.Block's calls. Their C
 source, native.c, is compiled for this CPU on first use into the user's cache folder (installing compiles
 nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention."""
 import contextlib
@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import types
 
 import torch
 
@@ -474,7 +475,7 @@ _timings = []  # the arrays of the timing() blocks open now, the innermost last
 
 @contextlib.contextmanager
 def timing():
-    """Yields seconds by part (LAYER_PARTS) that decoder_layers' calls in the block add to; outside every such block
+    """Yields seconds by part (LAYER_PARTS) that decoder_layer's calls in the block add to; outside every such block
     its C code reads no clock (bench.py parts asks, the engine does not)."""
     seconds = (ctypes.c_double * len(LAYER_PARTS))()
     _timings.append(seconds)
@@ -485,37 +486,43 @@ def timing():
 
 
 def layer_timing():
-    """-> the array decoder_layers adds its seconds to (the innermost timing() block's), or None: untimed."""
+    """-> the array decoder_layer adds its seconds to (the innermost timing() block's), or None: untimed."""
     if _timings:
         return _timings[-1]
     return None
 
 
-def decoder_layers(x, layers, cos, sin, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, tree=None):
-    """x [R, N, T, dim] float32 through every layer of layers (Layer each, the cache's [L, ...] in order) in place, a
-    call a layer: model.Block's step, its calls' arithmetic (the same tokens), its K/V written at suffix_len + t.
-    cos, sin [R, N, T, 1, D]; the caches as particle_attention takes them, with the layers first; tree as there.
-    Within a timing() block it adds its seconds by part (LAYER_PARTS) to the block's array."""
-    lib = _library.get("lib") or library()[0]
+def fused_step(x, layers, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, tree=None):
+    """-> what each layer's call of a step of x [R, N, T, dim] float32 shares (decoder_layer's `step`), made once a
+    step: layers (Layer each, the caches' [L, ...] in order), the caches (as particle_attention takes them, with the
+    layers first) and their bytes from one layer to the next, tree's bytes (tree as there), the scratch room."""
     R, N, T, dim = x.shape
     rows = R * N * T
     first = layers[0]
     widest = max(first.qkv.in_, first.wo.in_, first.w13.in_, first.w2.in_)
     floats = rows * (first.qkv.out + first.Hq * first.D + dim + first.w13.out)  # decoder_layer's work
-    room = scratch(4 * floats + linear_scratch(rows, widest))  # then linear's scratch
     tree_bytes = None
     if tree is not None:
         tree_bytes = tree.to(torch.uint8).contiguous()
     caches = (prefix_k, prefix_v, suffix_k, suffix_v)
-    steps = [c.stride(0) * c.element_size() for c in caches]  # bytes from one layer's cache to the next
-    spent = layer_timing()
-    for i, layer in enumerate(layers):
-        at = [c.data_ptr() + i * step for c, step in zip(caches, steps)]
-        with traced(FUSED_LAYER):
-            lib.decoder_layer(x.data_ptr(), R, N, T, ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), *at,
-                              prefix_len.data_ptr(), suffix_len.data_ptr(), pointer(tree_bytes, torch.uint8),
-                              prefix_k.shape[3], suffix_k.shape[4], room.data_ptr(), room.data_ptr() + 4 * floats,
-                              spent, torch.get_num_threads())
+    return types.SimpleNamespace(layers=layers, caches=[c.data_ptr() for c in caches],
+                                 steps=[c.stride(0) * c.element_size() for c in caches], prefix_len=prefix_len,
+                                 suffix_len=suffix_len, P=prefix_k.shape[3], S=suffix_k.shape[4], tree=tree_bytes,
+                                 room=scratch(4 * floats + linear_scratch(rows, widest)), floats=floats)
+
+
+def decoder_layer(step, i, x, cos, sin):
+    """x [R, N, T, dim] float32 through layer i of step (fused_step's) in place, in one call: model.Block's step, its
+    calls' arithmetic (the same tokens), its K/V written at suffix_len + t. cos, sin [R, N, T, 1, D]. Within a
+    timing() block it adds its seconds by part (LAYER_PARTS) to the block's array."""
+    lib = _library.get("lib") or library()[0]
+    R, N, T, _ = x.shape
+    at = [c + i * s for c, s in zip(step.caches, step.steps)]  # layer i's part of each cache
+    room = step.room.data_ptr()
+    with traced(FUSED_LAYER):
+        lib.decoder_layer(x.data_ptr(), R, N, T, ctypes.addressof(step.layers[i]), cos.data_ptr(), sin.data_ptr(), *at,
+                          step.prefix_len.data_ptr(), step.suffix_len.data_ptr(), pointer(step.tree, torch.uint8),
+                          step.P, step.S, room, room + 4 * step.floats, layer_timing(), torch.get_num_threads())
     return x
 
 

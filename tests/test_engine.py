@@ -603,20 +603,20 @@ def test_a_population_without_weight_stops_the_run(monkeypatch):
     e = engine.Engine.of_models(TARGET, DRAFT)
     options = dict(method="smc", particles=4, draft_len=2, max_new_tokens=30, ess_threshold=1.0, seed=1)
     full = e.generate(PROMPT, **options).tokens
-    verify = decode.verify
+    verify = decode.target_logits
 
-    def broken(m, st, t, s):
-        logits = verify(m, st, t, s)  # [R, N, K+1, V]
+    def broken(m, st, s, block):
+        logits = verify(m, st, s, block)  # [R, N, K+1, V]
         calls.append(1)
         if len(calls) == 1:
             return logits
         if how == "nan":
             return logits.fill_(float("nan"))
-        logits[:, :, :-1].scatter_(-1, t[..., None], float("-inf"))
+        logits[:, :, :-1].scatter_(-1, block[..., 1:, None], float("-inf"))  # the drafts t_1..t_K
         return logits
     for how in ("forbidden", "nan"):
         calls = []
-        monkeypatch.setattr(decode, "verify", broken)
+        monkeypatch.setattr(decode, "target_logits", broken)
         r = e.generate(PROMPT, **options)
         assert r.stats["stop"] == "degenerate" and r.stats["cycles"] == 2
         assert r.tokens == full[:len(r.tokens)] and len(r.tokens) < 30
@@ -880,14 +880,14 @@ def test_serve_takes_requests_from_a_queue_until_none():
 def test_a_failing_batch_ends_its_requests_and_serving_goes_on(monkeypatch):
     import queue
     e = engine.Engine.of_models(TARGET, DRAFT)
-    verify, calls = decode.verify, []
+    verify, calls = decode.target_logits, []
 
-    def failing(m, st, t, s):
+    def failing(m, st, s, block):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("out of\nmemory")
-        return verify(m, st, t, s)
-    monkeypatch.setattr(decode, "verify", failing)
+        return verify(m, st, s, block)
+    monkeypatch.setattr(decode, "target_logits", failing)
     inbox, done = queue.Queue(), []
     first = e.request(PROMPT, method="smc", max_new_tokens=20, on_done=done.append)
     second = e.request(PROMPT, method="smc", max_new_tokens=20, seed=1, on_done=done.append)
@@ -909,7 +909,8 @@ def test_a_failed_device_ends_everything_and_says_why(monkeypatch):
     waiting, with its reason, and serving stops with DeviceFailed; engine.failure says why (the server's 503)."""
     import queue
     e = engine.Engine.of_models(TARGET, DRAFT)
-    monkeypatch.setattr(decode, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
+    monkeypatch.setattr(decode, "target_logits",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
     monkeypatch.setattr(e, "device_ok", lambda: False)
     inbox, done = queue.Queue(), []
     for seed in range(3):

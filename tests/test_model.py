@@ -636,7 +636,7 @@ def test_w4a8_takes_q_k_v_with_a_6_bit_v_as_4_bits_and_a_6_bit_tail(tmp_path, tp
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, monkeypatch):
-    """A w4a8 step a call a layer (native.decoder_layers) computes what the layer's calls compute one by one:
+    """A w4a8 step a call a layer (native.decoder_layer) computes what the layer's calls compute one by one:
     the same logits, keys and values to the bit, for one new row, for particles of three new tokens each after some
     committed ones, for a batch of two prompts of other lengths and for a token tree (a qwen2 layer with biases, a
     6-bit down projection and a 6-bit v)."""
@@ -647,8 +647,8 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
     depth = torch.tensor([0, 1, 1]).expand(2, 3)
     cases = [dict(shape=(1, 1, 1)), dict(shape=(1, 3, 3)), dict(shape=(2, 3, 3)), dict(shape=(2, 2, 3), tree=True)]
     calls = []
-    one_call = native.decoder_layers
-    monkeypatch.setattr(native, "decoder_layers", lambda *a: calls.append(1) or one_call(*a))
+    one_call = native.decoder_layer
+    monkeypatch.setattr(native, "decoder_layer", lambda *a: calls.append(a[1]) or one_call(*a))
 
     def run(shape, tree_step=False):
         R, N, T = shape
@@ -665,11 +665,11 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
     for case in cases:
         calls.clear()
         together = run(case["shape"], case.get("tree", False))
-        assert len(calls) == 2
+        assert calls == list(range(c.n_layers)) * 2  # each layer of both steps
         with monkeypatch.context() as plain:
-            plain.setattr(cpu_backend.Backend, "one_call_layers", lambda *a: None)
+            plain.setattr(cpu_backend.Backend, "fused_layers", lambda *a: None)
             one_by_one = run(case["shape"], case.get("tree", False))
-        assert len(calls) == 2
+        assert len(calls) == 2 * c.n_layers
         assert all(torch.equal(a, b) for a, b in zip(together, one_by_one)), case
 
 
@@ -679,7 +679,7 @@ def test_w4a8_steps_qwen3_by_its_calls_one_by_one_and_says_so_once(tmp_path, mon
     among them), the same logits as its prefill's to w4a8's rounding, and the log says why once."""
     m = platforms.load(qwen3_files(str(tmp_path))[1], weights="w4a8")[0]
     assert m.layers[0].wqkv.fmt == "w4a8"
-    monkeypatch.setattr(native, "decoder_layers", None)  # never called
+    monkeypatch.setattr(native, "decoder_layer", None)  # never called
     cpu_backend.say_once.cache_clear()
     ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(9))
     cache = model.KVCache(m.config, 1, 16, 16, "cpu", torch.float32)

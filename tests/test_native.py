@@ -431,7 +431,7 @@ def test_particle_attention_matches_the_reference_per_request(N, T, tree):
 
 @needs_kernel
 def test_the_layer_call_reads_the_clock_only_when_asked(tmp_path, monkeypatch):
-    """decoder_layers hands its C code no timing array (NULL: no clock read) unless a native.timing() block is open;
+    """decoder_layer hands its C code no timing array (NULL: no clock read) unless a native.timing() block is open;
     inside one, its seconds by part (LAYER_PARTS) add up there, and a closed block's array gains no more."""
     import loading
     import platforms

@@ -65,7 +65,8 @@ def test_a_recorded_phase_syncs_nothing_with_the_host(monkeypatch, method, draft
     e = engine.Engine.of_models(TARGET, draft).load()
     with torch.no_grad():  # the recorded phases run as the engine runs them (a pair's halves: inference mode)
         req = e.request(PROMPT, method=method, max_new_tokens=12, temperature=1.0, draft_len=2, particles=3, **options)
-        b = (scheduler.Pair if req.shape.overlap else scheduler.Batch)(e, req.shape, 2, len(PROMPT), req.capacity)
+        kind = scheduler.Pair if req.shape.overlap else scheduler.Batch
+        b = kind(e.models, req.shape, 2, len(PROMPT), req.capacity)
         b.admit(req)
         for _ in range(3):
             b.cycle()

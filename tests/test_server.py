@@ -420,7 +420,8 @@ def test_health_and_new_requests_say_why_once_the_device_failed(monkeypatch):
     import server
     from test_engine import DRAFT, PROMPT, TARGET
     e = engine.Engine.of_models(TARGET, DRAFT)
-    monkeypatch.setattr(decode, "verify", lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
+    monkeypatch.setattr(decode, "target_logits",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("device-side assert")))
     monkeypatch.setattr(e, "device_ok", lambda: False)
 
     async def scenario():
