@@ -91,10 +91,11 @@ def entered(fn):
     """{(file from the project's root, qualified name)} of the project's functions (tests left out) that fn() enters:
     sys.setprofile's call events."""
     seen = set()
+    own = set(modules().values())  # not a virtualenv's packages inside the checkout
 
     def profile(frame, event, arg):
         name = frame.f_code.co_filename
-        if event == "call" and name.startswith(ROOT + os.sep) and not name.startswith(os.path.join(ROOT, "tests")):
+        if event == "call" and name in own:
             seen.add((os.path.relpath(name, ROOT), frame.f_code.co_qualname))
     sys.setprofile(profile)
     try:
