@@ -230,3 +230,5 @@ def main(argv=None):
              "are not finite); the text above is what had settled")
 
 
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import queue
+import runpy
 import sys
 
 import torch
@@ -448,6 +449,5 @@ def say(line):
     print(line, file=sys.stderr, flush=True)
 
 
-if __name__ == "__main__":  # the command line is cli.py's (which imports this module as `engine`)
-    import cli
-    cli.main()
+if __name__ == "__main__":  # python engine.py: cli.py is the program, which imports this module as `engine`
+    runpy.run_module("cli", run_name="__main__")

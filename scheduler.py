@@ -411,9 +411,21 @@ def free_bytes(device):
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
             torch.cuda.memory_allocated(device)
+    return meminfo("MemAvailable")
+
+
+def total_bytes(device):
+    """The device's whole memory; unknown: inf."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return meminfo("MemTotal")
+
+
+def meminfo(field):
+    """Bytes of /proc/meminfo's field; inf where there is none."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration):
         return math.inf
 

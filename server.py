@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import queue
 import random
@@ -18,7 +17,6 @@ import time
 import traceback
 import uuid
 
-import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -219,7 +217,7 @@ class Worker:
         if not isinstance(caps, tuple):
             caps = (caps, caps)
         need = scheduler.batch_bytes(self.eng, req.shape, self.slots, caps)
-        whole = total_bytes(self.eng.device)
+        whole = scheduler.total_bytes(self.eng.device)
         engine.require(need <= whole, f"{self.slots} slots' KV caches and logits need {need / 2**30:.2f} GiB, more "
                        f"than the {whole / 2**30:.2f} GiB of {self.eng.device}: lower particles, draft_len or "
                        "max_tokens")
@@ -254,17 +252,6 @@ def error_of(result):
     if result.stats["stop"] == "cancelled":  # with its client still there: only at shutdown
         return 503, "the server is shutting down", "server_error"
     return None
-
-
-def total_bytes(device):
-    """The device's whole memory (a CPU's: /proc/meminfo's MemTotal; unknown: inf)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        return math.inf
 
 
 # ---------------------------------------------------------------- HTTP

@@ -1231,7 +1231,6 @@ def save(m, path):
     and a separate head where m has them), a word-level tokenizer over words w0, w1, ... -> the path, a str."""
     from safetensors.torch import save_file
     from test_model import fetch_module
-    from tokenizers import Tokenizer, models, pre_tokenizers
     c, path = m.config, str(path)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -1251,7 +1250,16 @@ def save(m, path):
         tensors |= {p + "self_attn.o_proj.weight": b.wo, p + "mlp.down_proj.weight": b.w2,
                     p + "input_layernorm.weight": b.attn_norm, p + "post_attention_layernorm.weight": b.ffn_norm}
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(c.vocab_size)}, unk_token="w0"))
+    return words(path, c.vocab_size)
+
+
+def words(path, n, changed=None):
+    """path's tokenizer.json: words w0 .. w(n-1), id `changed` spelled otherwise -> path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(n)}
+    if changed is not None:
+        vocab = {("other" if i == changed else w): i for w, i in vocab.items()}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
     return path

@@ -29,9 +29,6 @@ def imports(path, known):
     """The project's modules that the file at path imports, anywhere in it."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
-            node.body = []
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

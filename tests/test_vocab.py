@@ -1,7 +1,6 @@
 """A draft and a target of different vocabulary sizes, as Qwen2.5-7B (152,064 rows) and its 0.5B draft (151,936),
 both padded past their tokenizer's tokens: the ids they share sampled by every method alike, the others never, so sd
 stays exact against ar's distribution; a draft that tokenizes otherwise refused in one line."""
-import os
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import engine
 import errors
 import kernels
 from test_engine import (PROMPT, SAMPLES, V, empirical, exact, noise_floor, perturbed, reference_kernels,  # noqa: F401
-                         save, tiny, tv)
+                         save, tiny, tv, words)
 
 METHODS = ["ar", "sd", "mdsd", "smc", "easd"]
 
@@ -35,18 +34,6 @@ BASE = tiny(0, 0.8)
 TARGET = with_rows(BASE, V + 4, 7)  # the real target's shape: more rows than the draft, both past the tokenizer
 DRAFT = with_rows(perturbed(BASE, 1, 0.3), V + 2, 8)
 SHARED = V + 2  # of_models: no tokenizer, so the rows both models have
-
-
-def words(path, n, changed=None):
-    """path's tokenizer.json: words w0 .. w(n-1), id `changed` spelled otherwise."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    vocab = {f"w{i}": i for i in range(n)}
-    if changed is not None:
-        vocab = {("other" if i == changed else w): i for w, i in vocab.items()}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return path
 
 
 @pytest.fixture(scope="module")
