@@ -164,9 +164,10 @@ class LlamaCpp:
         self.model = llama_model
         self.build = f"{package}: {text(self.lib.llama_print_system_info()).strip()}"
 
-    def rate(self, ids, temperature, new_tokens, seed):
-        """tok/s of one run, from its prefill on: ids, then new_tokens sampled at temperature (EOS ignored), on the
-        engine's threads."""
+    def run(self, ids, temperature, new_tokens, seed):
+        """One run on the engine's threads: ids, then new_tokens sampled at temperature (EOS ignored) -> the engine's
+        stats' names for it: tokens_per_s from the prefill on, prefill_seconds (to the first token's logits),
+        seconds."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = len(ids) + new_tokens + 1
@@ -180,13 +181,16 @@ class LlamaCpp:
         tokens = self.tokens(ids)
         start = time.perf_counter()
         check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, len(ids))))
-        for _ in range(new_tokens):
+        prefill = time.perf_counter() - start
+        for _ in range(new_tokens - 1):  # as the engine's: the prefill's logits draw the first token
             tokens[0] = lib.llama_sampler_sample(sampler, ctx, -1)
             check(lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, 1)))
+        lib.llama_sampler_sample(sampler, ctx, -1)
         seconds = time.perf_counter() - start
         lib.llama_sampler_free(sampler)
         lib.llama_free(ctx)
-        return new_tokens / seconds
+        return {"new_tokens": new_tokens, "tokens_per_s": new_tokens / seconds, "prefill_seconds": prefill,
+                "seconds": seconds}
 
     def close(self):
         self.lib.llama_model_free(self.model)
@@ -203,8 +207,8 @@ def llama_cpp_rows(paths, ids_by_prompt, temperature, new_tokens, repeats):
         if not peer:
             continue
         for name, ids in ids_by_prompt.items():
-            peer.rate(ids, temperature, 4, 0)  # warm-up
-            rates = [peer.rate(ids, temperature, new_tokens, seed) for seed in range(repeats)]
+            peer.run(ids, temperature, 4, 0)  # warm-up
+            rates = [peer.run(ids, temperature, new_tokens, seed)["tokens_per_s"] for seed in range(repeats)]
             rows.append({"prompt": name, "method": f"llama.cpp ar, the {role} ({os.path.basename(gguf)})",
                          "tokens_per_s": statistics.median(rates), "runs": rates, "build": peer.build})
         peer.close()

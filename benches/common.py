@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -16,6 +17,7 @@ import engine
 import formats
 import loading
 import model
+import peers
 import platforms
 import settings
 from cpu import store
@@ -133,7 +135,28 @@ def open_pair(args, device, world=1):
         paths = tuple(loading.local_paths([args.draft, args.target]))  # Hub ids as files: the peers read them too
     weights = args.weights or DTYPE_FORMATS[args.dtype]
     e = engine.Engine(paths[1], paths[0], device, weights, on_line=engine.say, draft_weights=args.draft_weights)
-    return e, paths  # auto's lines on stderr
+    return past_eos(e, paths), paths  # auto's lines on stderr
+
+
+def past_eos(e, paths):
+    """e, its runs going on past EOS where the weights are random (their text is noise, and a run cut short would
+    time its prefill more than its steps), as llama.cpp's runs do."""
+    if random_weights(paths):
+        e.config.eos_ids = []
+        e.place(e.device, e.draft_config, e.vocab)
+    return e
+
+
+def llama_cpp_peer(paths, device, report):
+    """llama.cpp itself on the target's GGUF file (a peers.LlamaCpp), its build in report; None on a GPU, for
+    random models, a target of another format or where no llama.cpp is at hand."""
+    if not paths or device.type != "cpu" or not peers.gguf_of(paths[1]):
+        return None
+    peer = peers.LlamaCpp.load(peers.gguf_of(paths[1]))
+    if peer:
+        report["llama_cpp_build"] = peer.build
+        print(f"beside {LLAMA_CPP_AR} ({peer.build})", file=sys.stderr)
+    return peer
 
 
 def load_pair(args, device, world=1):

@@ -34,19 +34,26 @@ def decode_rate(stats):
     return (stats["new_tokens"] - 1) / max(stats["seconds"] - stats["prefill_seconds"], 1e-9)
 
 
-def length_axis(e, args):
+def length_axis(e, args, peer=None):
     """Every method at every prompt length, interleaved, `repeats` times -> one row per (length, config) with the
-    median decode tokens/s (prefill excluded) and prefill seconds, and their ratios to ar's at that length."""
+    median decode tokens/s (prefill excluded) and prefill seconds, and their ratios to ar's at that length; and
+    llama.cpp's ar on the target's file in the same loop where peer (a peers.LlamaCpp) is given."""
     ids_by_length = long_prompts(e, args.prompt_lengths)
     cells = common.configs(args, args.smc_cells)
+    shortest = ids_by_length[min(args.prompt_lengths)]
     for method, N, K in cells:  # warm-up: first calls allocate and pick kernels
-        common.run_engine(e, ids_by_length[min(args.prompt_lengths)], method, N, K, 4 * K, 0)
+        common.run_engine(e, shortest, method, N, K, 4 * K, 0)
+    if peer:
+        peer.run(shortest, common.TEMPERATURE, 4, 0)
     runs = {}
     for repeat in range(args.repeats):
         for n, ids in ids_by_length.items():
             for method, N, K in cells:
                 stats = common.run_engine(e, ids, method, N, K, args.new_tokens, repeat)
                 runs.setdefault((n, method, N, K), []).append(stats)
+            if peer:
+                stats = peer.run(ids, common.TEMPERATURE, args.new_tokens, repeat)
+                runs.setdefault((n, common.LLAMA_CPP_AR, 1, 1), []).append(stats)
     rows = [{"prompt_tokens": n, "method": method, "N": N, "K": K,
              "decode_tokens_per_s": statistics.median(decode_rate(s) for s in all_stats),
              "prefill_s": statistics.median(s["prefill_seconds"] for s in all_stats),
@@ -63,7 +70,8 @@ def length_table(rows):
 
 
 def run(args, device, rank, world, report):
-    e, _ = common.load_pair(args, device, world)
+    e, paths = common.load_pair(args, device, world)
     report["models"] = common.models_section(e)
-    report["lengths"] = length_axis(e, args)
-    common.show(length_table(report["lengths"]))
+    peer = common.llama_cpp_peer(paths, device, report)
+    report["lengths"] = length_axis(e, args, peer)
+    common.show(common.caption(report) + length_table(report["lengths"]))

@@ -7,7 +7,6 @@ import time
 
 import engine
 import methods
-import peers
 import roofline
 import scheduler
 import settings
@@ -38,7 +37,7 @@ def ar_engine(pair, paths, args):
     print(f"ar's {line}", file=sys.stderr)
     if fmt == pair.weights:
         return pair
-    return engine.Engine(paths[1], None, pair.device, fmt).load()
+    return common.past_eos(engine.Engine(paths[1], None, pair.device, fmt), paths).load()
 
 
 def bytes_per_cycle(e, method, N, K, prompt_len, new_tokens):
@@ -75,7 +74,7 @@ def speed_rows(e, ids_by_prompt, args, ar, peer=None):
         for method, N, K in common.configs(args, args.grid):
             common.run_engine(engine_of(method), ids, method, N, K, 4 * K, 0)
         if peer:
-            peer.rate(ids, common.TEMPERATURE, 4, 0)
+            peer.run(ids, common.TEMPERATURE, 4, 0)
     runs = {}
     peer_runs = {}
     for repeat in range(args.repeats):
@@ -84,7 +83,8 @@ def speed_rows(e, ids_by_prompt, args, ar, peer=None):
                 stats = common.run_engine(engine_of(method), ids, method, N, K, args.new_tokens, repeat)
                 runs.setdefault((name, method, N, K), []).append(stats)
             if peer:
-                peer_runs.setdefault(name, []).append(peer.rate(ids, common.TEMPERATURE, args.new_tokens, repeat))
+                stats = peer.run(ids, common.TEMPERATURE, args.new_tokens, repeat)
+                peer_runs.setdefault(name, []).append(stats["tokens_per_s"])
     rows = [{"prompt": name, "method": common.LLAMA_CPP_AR, "N": 1, "K": 1, "tokens_per_s": statistics.median(rates),
              "runs": rates, "weights": "its GGUF file", "build": peer.build} for name, rates in peer_runs.items()]
     for (name, method, N, K), all_stats in runs.items():
@@ -183,12 +183,7 @@ def run(args, device, rank, world, report):
     report["prompt_tokens"] = {name: len(ids) for name, ids in ids_by_prompt.items()}
     bandwidth = roofline.copy_bandwidth(device)
     ar = ar_engine(e, paths, args)
-    peer = None
-    if paths and device.type == "cpu" and peers.gguf_of(paths[1]):
-        peer = peers.LlamaCpp.load(peers.gguf_of(paths[1]))
-    if peer:
-        report["llama_cpp_build"] = peer.build
-        print(f"beside {common.LLAMA_CPP_AR} ({peer.build})", file=sys.stderr)
+    peer = common.llama_cpp_peer(paths, device, report)
     rows = speed_rows(e, ids_by_prompt, args, ar, peer)
     annotate(e, rows, ids_by_prompt, args, bandwidth, ar)
     report["copy_bandwidth_gbs"] = bandwidth

@@ -252,6 +252,41 @@ def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     assert [(r["prompt"], r["method"]) for r in rows] == \
         [(p, "llama.cpp ar, the target (smollm2-135m-instruct.gguf)") for p in ("code", "prose")]
     assert all(len(r["runs"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
+    peer = peers.LlamaCpp.load(gguf)
+    stats = peer.run([1, 2, 3], common.TEMPERATURE, 5, 0)
+    peer.close()
+    assert 0 < stats["prefill_seconds"] < stats["seconds"] and stats["new_tokens"] == 5
+    assert stats["tokens_per_s"] == pytest.approx(5 / stats["seconds"])
+
+
+class Peer:
+    """A llama.cpp stand-in: each run's prefill a millisecond a prompt token, then 3 s."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, ids, temperature, new_tokens, seed):
+        self.calls.append((len(ids), new_tokens, seed))
+        prefill = len(ids) / 1000
+        return {"new_tokens": new_tokens, "tokens_per_s": new_tokens / (prefill + 3.0), "prefill_seconds": prefill,
+                "seconds": prefill + 3.0}
+
+
+def test_lengths_runs_llama_cpp_beside_the_engine_at_each_length():
+    """bench.py lengths' peer: run at each length in the engine's loop, its prefill and decode rate beside ar's."""
+    args = bench.parse(["lengths", "--random", "tiny:tiny", "--threads", "1", "--methods", "ar", "--repeats", "2",
+                        "--prompt-lengths", "8,16", "--new-tokens", "4"])
+    e, _ = common.load_pair(args, torch.device("cpu"))
+    peer = Peer()
+    rows = lengths.length_axis(e, args, peer)
+    assert peer.calls == [(8, 4, 0), (8, 4, 0), (16, 4, 0), (8, 4, 1), (16, 4, 1)]  # a warm-up first
+    llama = {r["prompt_tokens"]: r for r in rows if r["method"] == common.LLAMA_CPP_AR}
+    ar = {r["prompt_tokens"]: r for r in rows if r["method"] == "ar"}
+    assert set(llama) == set(ar) == {8, 16}
+    for n, r in llama.items():
+        assert r["prefill_s"] == pytest.approx(n / 1000) and r["decode_tokens_per_s"] == pytest.approx(1.0)
+        assert r["prefill_s_vs_ar"] == pytest.approx(r["prefill_s"] / ar[n]["prefill_s"])
+    assert "| llama.cpp ar |  |  | 1.00 |" in lengths.length_table(rows)
 
 
 def test_the_weight_cost_table_reads_the_same_from_a_report():

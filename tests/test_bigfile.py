@@ -124,6 +124,19 @@ def test_the_engine_runs_a_made_file_in_w4a8(made):
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6 and all(0 <= t < tiny().vocab for t in tokens[0])
 
 
+def test_the_benches_run_random_weights_past_eos(made):
+    """A made file's runs go to the length asked, as llama.cpp's do (EOS ignored): the benches' engine on one draws
+    on where the file's own EOS would have ended it at once."""
+    e = engine.Engine(made[False], weights="float32").load()
+    first = e.generate([0, 1, 2], method="ar", max_new_tokens=6, temperature=0).tokens
+    e.config.eos_ids = [first[0]]
+    e.place(e.device, e.draft_config, e.vocab)
+    assert e.generate([0, 1, 2], method="ar", max_new_tokens=6, temperature=0).stats["stop"] == "eos"
+    assert common.past_eos(e, [None, made[False]]) is e
+    result = e.generate([0, 1, 2], method="ar", max_new_tokens=6, temperature=0)
+    assert result.tokens == first and result.stats["stop"] == "length"
+
+
 def test_bench_makes_files_and_says_their_weights_are_random(made, tmp_path, capsys):
     """bench.py make-gguf takes a shape and a folder (a file there is kept); a report on a random file says so
     above each table, one on real weights does not."""
