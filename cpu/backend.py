@@ -157,7 +157,8 @@ class Backend(kernels.Backend):
     def fused_layers(self, blocks, x, cache, tree=None):
         """-> native.fused_step's (what each layer's call shares) where every layer of a step of x [R, N, T, dim] runs
         in one call of the compiled code: its four matmuls w4a8, one rank holds them, no q/k head norms, and every
-        request's attention the compiled kernel's (native.small); else None: each layer by its block's calls."""
+        request's attention the compiled kernel's (native.small, up to FUSED_ATTENTION); else None: each layer by its
+        block's calls."""
         _, N, T, _ = x.shape
         c = blocks[0].c
         if c.qk_norm and w4a8(blocks[0].wqkv):
@@ -171,7 +172,7 @@ class Backend(kernels.Backend):
                 return None
             layers.append(layer)
         keys = int((cache.prefix_len + cache.suffix_len).max()) + T  # CPU memory: reading it waits for nothing
-        if not native.small(N * T * c.n_heads // c.n_kv_heads, keys):
+        if not native.small(N * T * c.n_heads // c.n_kv_heads, keys, native.FUSED_ATTENTION):
             return None
         caches = (cache.prefix_k, cache.prefix_v, cache.suffix_k, cache.suffix_v, cache.prefix_len, cache.suffix_len)
         return native.fused_step(x, layers, *caches, tree)

@@ -394,6 +394,9 @@ def pointer(t, dtype=torch.float32):
 
 # ---------------------------------------------------------------- attention of a few new rows
 SMALL_ATTENTION = 8192  # a KV group's query rows x keys up to which the compiled attention beats torch's fused one
+# rows x keys up to which a step's layers stay whole in decoder_layer: past SMALL_ATTENTION its attention costs more
+# than torch's, yet less than the layer's calls one by one cost (a long prompt's ar steps)
+FUSED_ATTENTION = 1 << 16
 
 
 def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree=None,
@@ -420,9 +423,10 @@ def particle_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, su
     return out
 
 
-def small(rows, keys):
-    """Whether a request's attention of rows query rows a KV head over keys keys is the compiled kernel's to run."""
-    return rows * keys <= SMALL_ATTENTION
+def small(rows, keys, limit=None):
+    """Whether a request's attention of rows query rows a KV head over keys keys is the compiled kernel's to run
+    (limit: the rows x keys it may take, default SMALL_ATTENTION's)."""
+    return rows * keys <= (limit or SMALL_ATTENTION)
 
 
 def attention_call(q, prefix_k, prefix_v, suffix_k, suffix_v, prefix_len, suffix_len, scale, tree, out):

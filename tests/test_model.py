@@ -674,6 +674,22 @@ def test_w4a8_steps_each_layer_in_one_call_as_its_calls_one_by_one(tmp_path, mon
 
 
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
+def test_a_step_stays_whole_in_the_compiled_layer_up_to_fused_attention(tmp_path):
+    """A step's layers run in one call each while its rows x keys are within native.FUSED_ATTENTION (past
+    SMALL_ATTENTION: a long prompt's ar steps), and one by one beyond it (torch's blocked attention)."""
+    c, get, _ = loading.open_weights(write_mixed_gguf(tmp_path / "m.gguf", "qwen2"))
+    m = platforms.build(c, get, weights="w4a8")
+    G = c.n_heads // c.n_kv_heads
+    for N, T in ((1, 1), (3, 3)):
+        cache = model.KVCache(m.config, N, 8, 8, "cpu", torch.float32)
+        x = torch.zeros(1, N, T, c.dim)
+        most = native.FUSED_ATTENTION // (N * T * G) - T  # committed keys a step may see and stay whole
+        for prefix, whole in ((native.SMALL_ATTENTION // (N * T * G), True), (most, True), (most + 1, False)):
+            cache.prefix_len[0] = prefix
+            assert (m.backend.fused_layers(m.layers, x, cache) is not None) == whole, (N, T, prefix)
+
+
+@pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: the int4 fallback serves")
 def test_w4a8_steps_qwen3_by_its_calls_one_by_one_and_says_so_once(tmp_path, monkeypatch, caplog, one_thread):
     """The compiled decoder layer has no q/k head norms: a w4a8 Qwen3 steps by the layer's calls (w4a8's matmuls
     among them), the same logits as its prefill's to w4a8's rounding, and the log says why once."""
