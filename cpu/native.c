@@ -32,6 +32,7 @@
 #define PANEL 16
 #define SUPER 8 /* groups a superblock */
 #define PREFETCH 4096 /* bytes ahead in a panel's stream: the hardware prefetchers stop at page ends */
+#define BLOCK_BYTES (8 << 20) /* a block of a long prompt's quantized rows: well within a last-level cache */
 
 static int group_bytes(int bits) { return bits * PANEL * GROUP / 8 + 2 * PANEL; }
 static int head_bytes(int bits) { return bits == 6 ? 2 * PANEL : 4 * PANEL; }
@@ -456,22 +457,28 @@ static void add_outliers(float *y, int64_t ldy, int64_t rows, const float *aside
 /* y [rows, out] float32 (rows ldy apart) = x @ w.T, x given as quantize_rows' (xq, dx, xs, xo) and its outlier
  * inputs aside (o's, w's columns from `column` of o->w): the calling thread's share of the panels in a parallel
  * region, with no barrier after it. A panel at a time, its tiles of rows in turn: one stream of weights a thread,
- * which the hardware prefetchers follow best. */
+ * which the hardware prefetchers follow best. A long prompt's rows go in blocks whose activations the last-level
+ * cache holds while every panel passes over them (else each panel would read them all from memory again). */
 static void matmul_share(const uint8_t *w, int bits, int64_t out, int64_t in, const int8_t *xq, const float *dx,
                          const float *xs, const int32_t *xo, const float *aside, const struct outliers *o,
                          int64_t column, int64_t rows, float *y, int64_t ldy) {
     int64_t groups = in / GROUP;
     int64_t panel_bytes = panel_bytes_of(bits, groups);
-    int64_t tiles = (rows + MAX_TILE - 1) / MAX_TILE;
-    #pragma omp for schedule(static) nowait
-    for (int64_t c = 0; c < out / PANEL; c++) {
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t first = rows * t / tiles; /* tiles of balanced size: 16 rows are 8 + 8, not 12 + 4 */
-            int64_t n = rows * (t + 1) / tiles - first;
-            float *tile = y + first * ldy + c * PANEL;
-            panel_rows(w + c * panel_bytes, bits, groups, xq + first * GROUP, dx + first, xs + first, xo + 2 * first,
-                       rows, (int)n, tile, ldy);
-            if (o->n) add_outliers(tile, ldy, n, aside + first * o->n, o, column + c * PANEL);
+    int64_t block = BLOCK_BYTES / (in + 16 * groups) / MAX_TILE * MAX_TILE; /* a row's xq, dx, xs and xo */
+    if (block < MAX_TILE) block = MAX_TILE;
+    for (int64_t start = 0; start < rows; start += block) {
+        int64_t count = rows - start < block ? rows - start : block;
+        int64_t tiles = (count + MAX_TILE - 1) / MAX_TILE;
+        #pragma omp for schedule(static) nowait
+        for (int64_t c = 0; c < out / PANEL; c++) {
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t first = start + count * t / tiles; /* tiles of balanced size: 16 rows are 8 + 8, not 12 + 4 */
+                int64_t n = start + count * (t + 1) / tiles - first;
+                float *tile = y + first * ldy + c * PANEL;
+                panel_rows(w + c * panel_bytes, bits, groups, xq + first * GROUP, dx + first, xs + first,
+                           xo + 2 * first, rows, (int)n, tile, ldy);
+                if (o->n) add_outliers(tile, ldy, n, aside + first * o->n, o, column + c * PANEL);
+            }
         }
     }
 }

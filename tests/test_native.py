@@ -264,6 +264,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(bits, extra):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 6])
+def test_a_long_prompts_rows_in_blocks_get_the_bits_each_row_gets_alone(bits):
+    """A prompt's rows go through the panels a cache-sized block at a time (8 MiB of quantized rows: 672 rows of 8,192
+    inputs); a row in the second block, or at either side of the seam, gets the same bits as alone."""
+    _, codes, scale, low = weights(32, 8192, bits)
+    packed = native.pack(codes, scale, low, bits)
+    x = torch.randn(700, 8192, generator=torch.Generator().manual_seed(1))
+    together = native.w4a8_linear(x, packed, bits)
+    for i in (0, 671, 672, 699):
+        assert torch.equal(native.w4a8_linear(x[i:i + 1], packed, bits), together[i:i + 1]), i
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("extra", ["plain", "normed", "gated", "rotated", "tail"])
 def test_rows_quantized_alike_each_get_the_result_of_their_own(bits, extra):
