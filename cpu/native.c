@@ -1,6 +1,6 @@
-/* w4a8 on the CPU: y = x @ w.T with w in 4-bit (or 6- or 8-bit) codes and x quantized to int8 per row and group of
- * 32; and, at the end, the attention of a step's few new rows. native.py holds the PyTorch reference that
- * defines w4a8, the packing and the build; read that first.
+/* w4a8 on the CPU: y = x @ w.T with w in 4-bit (or 6- or 8-bit) codes and x quantized to int8 per row and
+ * superblock of 256 inputs; and, at the end, the attention of a step's few new rows. native.py holds the PyTorch
+ * reference that defines w4a8, the packing and the build; read that first.
  *
  * Weight layout, chosen for the dot product: panels of 16 output columns; a panel is superblocks of 8 groups of 32
  * inputs in order (the last maybe fewer); a superblock is 16 f16 d of its columns' scales and 16 of their lows, then
@@ -12,10 +12,11 @@
  * vectors of low nibbles, then 2 of high bits, vector t's at bits 2 (t / 2) of vector t % 2 (384 bytes).
  * 6-bit codes are a GGUF Q6_K block's own: w[c, k] = d[c] x q[c, half] x (code - 32), a scale per 16 inputs, so
  * their superblock has only the 16 d, their group the 16 q of its first half, then those of its second.
- * Activations: xq int8 in groups of 32, and per row and group dx (its step) and xs (dx x the sum of its codes), so a
- * group adds scale x dx x sum(code x xq) + low x xs to each column; per half group xo (32 x the sum of its codes),
- * so a 6-bit half adds scale x dx x (sum(code x xq) - xo). Group-major: a group's rows side by side, so a tile finds
- * each row's at a constant offset from one pointer.
+ * Activations: xq int8 in groups of 32, and per row and group dx (its superblock's step) and xs (dx x the sum of
+ * its codes), so a group adds scale x dx x sum(code x xq) + low x xs to each column; per half group xo (32 x the sum
+ * of its codes), so a 6-bit half adds scale x dx x (sum(code x xq) - xo). A superblock's groups share dx (as
+ * llama.cpp's Q8_K), so a row's scaled sums gather over the superblock and dx multiplies them once, at its end.
+ * Group-major: a group's rows side by side, so a tile finds each row's at a constant offset from one pointer.
  * Speed: a tile of a panel's rows keeps its int32 sums and float accumulators in registers; each group's codes are
  * read and unpacked once for the tile's rows; the rows' sums are independent chains, interleaved; a thread reads
  * its panels one after another (one stream); for tiles of several rows, software prefetch runs ahead of it.
@@ -81,11 +82,18 @@ static inline float exp_nonpositive(float v) {
     return v < -87.0f ? 0.0f : p * scale;
 }
 
-/* ------------------------------------------------------------ activations: int8 per row and group of 32 */
-static inline void quantize_group(const float *v, int8_t *q, float *dx, float *xs, int32_t *xo) {
+/* ------------------------------------------------------------ activations: int8 per row and superblock of 256 */
+/* the largest |v| of a group of 32 */
+static inline float group_amax(const float *v) {
     float amax = 0;
+    #pragma omp simd reduction(max : amax)
     for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
-    float step = amax / 127;
+    return amax;
+}
+
+/* a group of 32 in its superblock's step: codes q, dx = step, xs = step x the sum of the codes, xo = 32 x the sum of
+ * each 16 */
+static inline void quantize_group(const float *v, float step, int8_t *q, float *dx, float *xs, int32_t *xo) {
     int sum[2] = {0, 0};
     for (int i = 0; i < GROUP; i++) {
         int code = step > 0 ? (int)nearbyintf(v[i] / step) : 0; /* round half to even, as torch.round */
@@ -99,11 +107,7 @@ static inline void quantize_group(const float *v, int8_t *q, float *dx, float *x
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *xs, int32_t *xo) {
-    __m512 a = _mm512_loadu_ps(v);
-    __m512 b = _mm512_loadu_ps(v + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    float step = amax / 127;
+static void quantize_group_avx512(const float *v, float step, int8_t *q, float *dx, float *xs, int32_t *xo) {
     if (step == 0) {
         memset(q, 0, GROUP);
         *dx = 0;
@@ -113,8 +117,8 @@ static void quantize_group_avx512(const float *v, int8_t *q, float *dx, float *x
         return;
     }
     __m512 divisor = _mm512_set1_ps(step);
-    __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, divisor));
-    __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, divisor));
+    __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(v), divisor));
+    __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(v + 16), divisor));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
     int sum_a = _mm512_reduce_add_epi32(qa);
@@ -134,15 +138,40 @@ static inline int64_t group_major(int64_t g, int64_t in, int64_t rows) {
     return g % (in / GROUP) * rows + g / (in / GROUP);
 }
 
+/* the groups of superblock `task` of rows x in inputs (counted row by row, SUPER groups a row's superblock, its last
+ * maybe fewer): the first group's number, and their count */
+static inline int64_t superblock_groups(int64_t task, int64_t in, int64_t *first) {
+    int64_t per_row = in / GROUP;
+    int64_t supers = (per_row + SUPER - 1) / SUPER;
+    int64_t start = task % supers * SUPER;
+    *first = task / supers * per_row + start;
+    return per_row - start < SUPER ? per_row - start : SUPER;
+}
+
+/* groups v[0 .. count) of one superblock in its step, the largest |v| of them / 127, group-major from group first */
+static void quantize_superblock(const float *const *v, int64_t count, int64_t first, int64_t in, int64_t rows,
+                                int8_t *xq, float *dx, float *xs, int32_t *xo) {
+    float amax = 0;
+    for (int64_t i = 0; i < count; i++) amax = fmaxf(amax, group_amax(v[i]));
+    float step = amax / 127;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t at = group_major(first + i, in, rows);
+        QUANTIZE_GROUP(v[i], step, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
+    }
+}
+
 /* linear's first half on its own, for the tests that hold it to the reference exactly: group-major, as linear's
  * (a group's rows side by side: xq [in / 32, rows, 32], dx and xs [in / 32, rows], xo [in / 32, rows, 2]) */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int32_t *xo,
                    int threads) {
-    int64_t groups = rows * (in / GROUP);
-    #pragma omp parallel for num_threads(threads) schedule(static) if (groups >= 1024)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t at = group_major(g, in, rows);
-        QUANTIZE_GROUP(x + g * GROUP, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
+    int64_t tasks = rows * ((in / GROUP + SUPER - 1) / SUPER);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 128)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t first;
+        int64_t count = superblock_groups(task, in, &first);
+        const float *v[SUPER];
+        for (int64_t i = 0; i < count; i++) v[i] = x + (first + i) * GROUP;
+        quantize_superblock(v, count, first, in, rows, xq, dx, xs, xo);
     }
 }
 
@@ -180,8 +209,11 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
         const int8_t *xq, const float *dx, const float *xs, const int32_t *xo, int64_t ld, int rows, float *y,
         int64_t out) {
     __m512 acc[MAX_TILE];
+    __m512 part[MAX_TILE]; /* the superblock's scaled sums so far: its rows' steps multiply them once, at its end */
     #pragma GCC unroll 16
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    #pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) part[r] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15);
     int gb = group_bytes(bits);
     for (int64_t g = 0; g < groups; g++) {
@@ -216,10 +248,9 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
                 __m512 scale = _mm512_mul_ps(half_floats_avx512(head), int8_floats_avx512(p + 384 + 16 * (i / 4)));
                 #pragma GCC unroll 16
                 for (int r = 0; r < rows; r++) {
-                    __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dxg[r]));
                     __m512i offset = _mm512_set1_epi32(xog[2 * r + i / 4]);
                     __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], offset));
-                    acc[r] = _mm512_fmadd_ps(sum, step, acc[r]);
+                    part[r] = _mm512_fmadd_ps(sum, scale, part[r]);
                     s[r] = _mm512_setzero_si512();
                 }
             }
@@ -230,9 +261,15 @@ static inline __attribute__((always_inline)) void panel_tile(const uint8_t *pane
             __m512 low = _mm512_mul_ps(half_floats_avx512(head + 32), int8_floats_avx512(f + 16));
             #pragma GCC unroll 16
             for (int r = 0; r < rows; r++) {
-                __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(dxg[r]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), step, acc[r]);
+                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, part[r]);
                 acc[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsg[r]), acc[r]);
+            }
+        }
+        if (g % SUPER == SUPER - 1 || g == groups - 1) { /* the superblock's end: times each row's step */
+            #pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(dxg[r]), acc[r]);
+                part[r] = _mm512_setzero_ps();
             }
         }
     }
@@ -598,22 +635,28 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
         }
     }
     #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const float *v = x + g * GROUP;
-        float prepared[GROUP];
-        if (gated) {
-            const float *gate = x + g / (in / GROUP) * 2 * in + g % (in / GROUP) * GROUP;
-            swiglu_group(gate, gate + in, prepared);
-            v = prepared;
+    for (int64_t task = 0; task < rows * ((in / GROUP + SUPER - 1) / SUPER); task++) {
+        int64_t first;
+        int64_t count = superblock_groups(task, in, &first);
+        float prepared[SUPER * GROUP];
+        const float *v[SUPER];
+        for (int64_t i = 0; i < count; i++) { /* each group's input as the matmul takes it */
+            int64_t g = first + i;
+            float *room = prepared + i * GROUP;
+            v[i] = x + g * GROUP;
+            if (gated) {
+                const float *gate = x + g / (in / GROUP) * 2 * in + g % (in / GROUP) * GROUP;
+                swiglu_group(gate, gate + in, room);
+                v[i] = room;
+            }
+            if (norm) {
+                const float *n = norm + g % (in / GROUP) * GROUP;
+                for (int j = 0; j < GROUP; j++) room[j] = v[i][j] * inverse_rms[g / (in / GROUP)] * n[j];
+                v[i] = room;
+            }
+            if (o->n) v[i] = set_aside(v[i], room, g % (in / GROUP) * GROUP, o, aside + g / (in / GROUP) * o->n);
         }
-        if (norm) {
-            const float *n = norm + g % (in / GROUP) * GROUP;
-            for (int i = 0; i < GROUP; i++) prepared[i] = v[i] * inverse_rms[g / (in / GROUP)] * n[i];
-            v = prepared;
-        }
-        if (o->n) v = set_aside(v, prepared, g % (in / GROUP) * GROUP, o, aside + g / (in / GROUP) * o->n);
-        int64_t at = group_major(g, in, rows);
-        QUANTIZE_GROUP(v, xq + at * GROUP, dx + at, xs + at, xo + 2 * at);
+        quantize_superblock(v, count, first, in, rows, xq, dx, xs, xo);
     }
     int64_t used = rows; /* after the loop's barrier: all quantized */
     if (rows > 1 && rows <= DISTINCT_ROWS) {

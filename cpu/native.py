@@ -1,9 +1,10 @@
 """The CPU kernels torch lacks: w4a8, a matmul of 4-bit (or 6- or 8-bit) weight codes times activations quantized to
-int8 per row and group of 32, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that defines it; and
-particle attention for a step's few rows, whose reference is kernels.particle_attention_ref; and the two with a
-layer's residual adds as one call a decoder layer (decoder_layer), whose reference is model.Block's calls. Their C
-source, native.c, is compiled for this CPU on first use into the user's cache folder (installing compiles
-nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's attention."""
+int8 per row and superblock of 256 inputs, summed in int32 (vpdpbusd), beside the few-line PyTorch reference that
+defines it; and particle attention for a step's few rows, whose reference is kernels.particle_attention_ref; and the
+two with a layer's residual adds as one call a decoder layer (decoder_layer), whose reference is model.Block's
+calls. Their C source, native.c, is compiled for this CPU on first use into the user's cache folder (installing
+compiles nothing); where no compiler works, `library()` says why and the engine falls back to int4 and torch's
+attention."""
 import contextlib
 import ctypes
 import hashlib
@@ -18,20 +19,24 @@ import torch
 
 from cpu import store
 
-GROUP = 32  # inputs sharing a weight scale and low, and an activation step
+GROUP = 32  # inputs sharing a weight scale and low
 PANEL = 16  # output columns the kernel computes side by side (one 512-bit register of int32 sums)
-SUPER = 8  # groups whose scales share one float a column: a superblock of 256 inputs, as GGUF's K blocks
+SUPER = 8  # groups whose scales share one float a column, and an activation step: a superblock of 256 inputs
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
 # ---------------------------------------------------------------- the reference
 def quantize_rows_ref(x):
-    """x [..., in] float32 -> (xq int8 [..., in], dx [..., in / 32], xs [..., in / 32]): each group of 32 of a row in
-    steps dx = its largest |x| / 127, rounded half to even; xs = dx x the sum of its codes. No row depends on
-    another."""
+    """x [..., in] float32 -> (xq int8 [..., in], dx [..., in / 32], xs [..., in / 32]): each superblock of 256 inputs
+    of a row (8 groups of 32, as the weights' scales share an f16; the last maybe fewer) in steps of its largest |x|
+    / 127, rounded half to even; dx its step for each of its groups, xs = dx x the sum of a group's codes. No row
+    depends on another."""
     xg = x.float().unflatten(-1, (-1, GROUP))  # [..., in / 32, 32]
-    dx = xg.abs().amax(-1) / 127
+    groups = xg.shape[-2]
+    amax = xg.abs().amax(-1)  # [..., in / 32]
+    blocks = torch.nn.functional.pad(amax, (0, -groups % SUPER)).unflatten(-1, (-1, SUPER)).amax(-1)  # [..., sb]
+    dx = blocks.repeat_interleave(SUPER, -1)[..., :groups] / 127  # [..., in / 32]
     q = torch.where(dx[..., None] > 0, xg / dx[..., None], torch.zeros_like(xg)).round()
     return q.to(torch.int8).flatten(-2), dx, dx * q.sum(-1)
 

@@ -778,7 +778,8 @@ def test_a_request_decodes_the_same_alone_and_in_any_batch(method):
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler: w4a8 falls back to int4")
 @pytest.mark.parametrize("method", methods.METHODS)
 def test_w4a8_decodes_a_request_the_same_alone_and_in_any_batch(method):
-    """w4a8 rounds each activation row on its own (per group of 32), so its batches keep every request's tokens."""
+    """w4a8 rounds each activation row on its own (per superblock of 256), so its batches keep every request's
+    tokens."""
     e = engine.Engine.of_models(in_format(WIDE, "w4a8"), in_format(perturbed(WIDE, 3, 0.3), "w4a8"))
     options = dict(method=method, particles=3, draft_len=2, temperature=1.0)
     requests = mixed_requests(method)

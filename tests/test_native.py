@@ -53,17 +53,21 @@ def test_split_scales_keeps_a_k_blocks_scales_exactly(per, low, high):
 
 
 def test_quantize_rows_ref_steps_and_sums():
-    x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
+    """A superblock of 8 groups shares one step (its largest |x| / 127), the last one of a row maybe fewer groups."""
+    x = torch.zeros(1, 320)  # a superblock of 8 groups, then one of 2
+    x[0, 32:35] = torch.tensor([1.0, -2.0, 0.5])
+    x[0, 256] = 4.0
     xq, dx, xs = native.quantize_rows_ref(x)
-    assert dx.tolist() == [[0.0, pytest.approx(2 / 127)]]
+    assert dx.tolist() == [[pytest.approx(2 / 127)] * 8 + [pytest.approx(4 / 127)] * 2]
     assert xq[0, 32:35].tolist() == [64, -127, 32]  # 63.5 and 31.75 rounded half to even
+    assert xq[0, 256].item() == 127 and xq[0, :32].abs().sum() == 0
     assert xs[0, 1].item() == pytest.approx(dx[0, 1].item() * (64 - 127 + 32))
 
 
 @needs_kernel
 def test_quantize_rows_matches_the_reference_exactly():
-    x = torch.randn(7, 96) * torch.logspace(-3, 2, 96)
-    x[2, 32:64] = 0  # an all-zero group has step 0
+    x = torch.randn(7, 544) * torch.logspace(-3, 2, 544)  # 17 groups: two superblocks and one group
+    x[2, :256] = 0  # an all-zero superblock has step 0
     for got, want in zip(native.quantize_rows(x), native.quantize_rows_ref(x)):
         assert torch.equal(got, want)
 
