@@ -138,11 +138,14 @@ static inline int64_t group_major(int64_t g, int64_t in, int64_t rows) {
     return g % (in / GROUP) * rows + g / (in / GROUP);
 }
 
-/* the groups of superblock `task` of rows x in inputs (counted row by row, SUPER groups a row's superblock, its last
- * maybe fewer): the first group's number, and their count */
+/* the superblocks of a row of in inputs: SUPER groups each, the last maybe fewer */
+static inline int64_t superblocks(int64_t in) { return (in / GROUP + SUPER - 1) / SUPER; }
+
+/* the groups of superblock `task` of rows x in inputs (counted row by row): the first group's number, and their
+ * count */
 static inline int64_t superblock_groups(int64_t task, int64_t in, int64_t *first) {
     int64_t per_row = in / GROUP;
-    int64_t supers = (per_row + SUPER - 1) / SUPER;
+    int64_t supers = superblocks(in);
     int64_t start = task % supers * SUPER;
     *first = task / supers * per_row + start;
     return per_row - start < SUPER ? per_row - start : SUPER;
@@ -164,7 +167,7 @@ static void quantize_superblock(const float *const *v, int64_t count, int64_t fi
  * (a group's rows side by side: xq [in / 32, rows, 32], dx and xs [in / 32, rows], xo [in / 32, rows, 2]) */
 void quantize_rows(const float *x, int64_t rows, int64_t in, int8_t *xq, float *dx, float *xs, int32_t *xo,
                    int threads) {
-    int64_t tasks = rows * ((in / GROUP + SUPER - 1) / SUPER);
+    int64_t tasks = rows * superblocks(in);
     #pragma omp parallel for num_threads(threads) schedule(static) if (tasks >= 128)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t first;
@@ -635,7 +638,7 @@ static void linear_share(const uint8_t *w, int bits, int64_t head, const uint8_t
         }
     }
     #pragma omp for schedule(static)
-    for (int64_t task = 0; task < rows * ((in / GROUP + SUPER - 1) / SUPER); task++) {
+    for (int64_t task = 0; task < rows * superblocks(in); task++) {
         int64_t first;
         int64_t count = superblock_groups(task, in, &first);
         float prepared[SUPER * GROUP];
