@@ -225,7 +225,7 @@ class Block(torch.nn.Module):
         out = self.backend.gated_linear(up, self.w2)  # up [..., 2 ffn]: gate | up
         if c.tp > 1:
             torch.distributed.all_reduce(out)
-        return x + out
+        return out.add_(x)  # into the FFN's new rows: no new tensor of the stream's size
 
 
 class Transformer(torch.nn.Module):

@@ -33,8 +33,8 @@ def prefill_attention(q, k, v, scale):
         e = min(s + block, T)
         rows = qg[:, s:e].reshape(Hkv, (e - s) * G, D).float()  # ordered (token, head)
         scores = (rows @ kf[:, :e].mT).mul_(scale)  # [Hkv, (e - s) * G, e]
-        token = torch.arange(s, e, device=q.device).repeat_interleave(G)
-        scores.masked_fill_(torch.arange(e, device=q.device) > token[:, None], float("-inf"))
+        token = torch.arange(e - s, device=q.device).repeat_interleave(G)  # the block's own keys: the only ones masked
+        scores[..., s:].masked_fill_(torch.arange(e - s, device=q.device) > token[:, None], float("-inf"))
         o = scores.softmax(-1).to(q.dtype) @ vt[:, :e]  # [Hkv, (e - s) * G, D]
         out[s:e] = o.view(Hkv, e - s, G, D).transpose(0, 1).reshape(e - s, Hq, D)
     return out
@@ -118,7 +118,7 @@ class Backend(kernels.Backend):
     def residual_normed_linear(self, x, y, norm, eps, w):
         """w4a8 normalises in its kernel's call."""
         if w4a8(w):
-            s = x + y
+            s = y.add_(x)  # y, the caller's new matmul rows, takes the sum: a long prompt's rows allocated once fewer
             return s, w.normed(s, norm, eps)
         return super().residual_normed_linear(x, y, norm, eps, w)
 
