@@ -594,7 +594,6 @@ def test_profile_takes_a_cycle_apart(tmp_path, capsys):
     assert profile.tables(section) in capsys.readouterr().out
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(native.library()[0] is None, reason="no C compiler here: the C kernel's calls cannot be traced")
 def test_profile_counts_the_c_kernels_calls(tmp_path):
     """In w4a8 the matmuls and the sampler are the C kernel's calls, which the profiler sees only as records the

@@ -1517,7 +1517,6 @@ def test_the_draft_in_a_format_of_its_own(tmp_path):
         engine.Engine(*pair, device="cpu", weights="auto", draft_weights="fp8")
 
 
-@pytest.mark.slow
 def test_a_qwen3_directory_and_gguf_file_run_every_method(tmp_path):
     """transformers' Qwen3 (q/k head norms, heads of 16 though 64 / 8 = 8, tied embeddings) as a GGUF file, the target,
     and as its directory, the draft: every method runs; greedy, each gives transformers' greedy tokens."""

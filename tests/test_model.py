@@ -851,7 +851,6 @@ TEXTS = ["Hello world!", "def add(a, b):\n    return a + b\n", "  spaces\t\ttabs
          "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "emoji 🤖 and 中文 mixed"]
 
 
-@pytest.mark.slow
 def test_smollm2_tokenizer_from_gguf(smollm):
     _, hf_tok = smollm
     _, _, tok = loading.open_weights(smollm_gguf())
