@@ -463,7 +463,8 @@ def graphs(shape, device):
 
 
 def prefill_slot(m, st, shape, r, req):
-    """req into slot r: its prompt into the prefix caches, its settings, each particle's x0 from the target."""
+    """req into slot r: its prompt into the target's prefix cache, its settings, each particle's x0 from the target
+    (published: the first token can stream before `prefill_draft`, which decoding needs next)."""
     settings = req.settings
     N = shape.particles
     prompt = torch.tensor(req.ids, device=st.hist.device)
@@ -480,11 +481,6 @@ def prefill_slot(m, st, shape, r, req):
     x0 = m.backend.sample(logits[0], st.temp_t[r:r + 1], st.rng[r:r + 1])[0]  # [N]
     if not shape.method.weighted:  # only smc's particles part at once
         x0 = x0[:1].expand(N)
-    if st.dcache is not None:  # the draft leaves the last prompt token to the first draft step, beside x0
-        st.dcache.prefix_len[r] = 0  # a one-token prompt leaves it empty
-        st.dcache.suffix_len[r] = 0
-        if len(req.ids) > 1:
-            m.draft.prefill(prompt[:-1], st.dcache, r, logits=None)
     st.hist[r] = 0
     st.hist[r, :, 0] = prompt[-1]
     st.hist[r, :, 1] = x0
@@ -496,6 +492,17 @@ def prefill_slot(m, st, shape, r, req):
     for x in (st.degenerate, st.logw, st.ess_sum, st.accepted, st.accepted_at, st.resamples, st.collapses, st.triggers):
         x[r] = 0
     publish(st)
+
+
+def prefill_draft(m, st, r, req):
+    """req's prompt into the draft's prefix cache of slot r (none without a draft model): all but its last token,
+    which the first draft step takes beside x0."""
+    if st.dcache is None:
+        return
+    st.dcache.prefix_len[r] = 0  # a one-token prompt leaves it empty
+    st.dcache.suffix_len[r] = 0
+    if len(req.ids) > 1:
+        m.draft.prefill(torch.tensor(req.ids[:-1], device=st.hist.device), st.dcache, r, logits=None)
 
 
 def plant(st, requests, shape):

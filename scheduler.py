@@ -55,18 +55,24 @@ class Batch:
         return any(self.requests)
 
     def admit(self, req):
-        """Prefill req into a free slot (False if none); a failure leaves the slot empty."""
+        """Prefill req into a free slot (False if none); a failure leaves the slot empty. Its first token settles
+        (and streams) after the target's prefill, before the draft's, which a long prompt's first token need not
+        wait for."""
         if None not in self.requests:
             return False
         r = self.requests.index(None)
         req.start = time.perf_counter()
         try:
             decode.prefill_slot(self.models, self.st, self.shape, r, req)
+            self.requests[r] = req
+            req.prefill_seconds = time.perf_counter() - req.start
+            self.collect(only=r)  # may end req: an EOS first, or one token asked for
+            if self.requests[r] is req:
+                decode.prefill_draft(self.models, self.st, r, req)
+                req.prefill_seconds = time.perf_counter() - req.start
         except BaseException:
             self.leave(r)
             raise
-        self.requests[r] = req
-        req.prefill_seconds = time.perf_counter() - req.start
         return True
 
     def leave(self, r):
@@ -108,10 +114,11 @@ class Batch:
                 if req.on_cycle:
                     req.on_cycle(self, r)
 
-    def collect(self, reason=None):
+    def collect(self, reason=None, only=None):
         """Read every slot's flags and the history's new part (the host's one read of a round), pass settled
-        tokens on, end the requests that are done, cancelled, or (reason given, e.g. "interrupted") all of them."""
-        busy = [(r, req) for r, req in enumerate(self.requests) if req]
+        tokens on, end the requests that are done, cancelled, or (reason given, e.g. "interrupted") all of them.
+        only: slot `only`'s request alone (one just admitted)."""
+        busy = [(r, req) for r, req in enumerate(self.requests) if req and only in (None, r)]
         if not busy:
             return
         flags = self.st.flags.tolist()  # [R, 4]: done, settled count, degenerate, length

@@ -36,7 +36,8 @@ def decode_rate(stats):
 
 def length_axis(e, args, peer=None):
     """Every method at every prompt length, interleaved, `repeats` times -> one row per (length, config) with the
-    median decode tokens/s (prefill excluded) and prefill seconds, and their ratios to ar's at that length; and
+    median decode tokens/s (prefill excluded), prefill seconds (both models') and seconds to the first settled
+    token (llama.cpp's: its prefill), and their ratios to ar's at that length; and
     llama.cpp's ar on the target's file in the same loop where peer (a peers.LlamaCpp) is given."""
     ids_by_length = long_prompts(e, args.prompt_lengths)
     cells = common.configs(args, args.smc_cells)
@@ -57,16 +58,18 @@ def length_axis(e, args, peer=None):
     rows = [{"prompt_tokens": n, "method": method, "N": N, "K": K,
              "decode_tokens_per_s": statistics.median(decode_rate(s) for s in all_stats),
              "prefill_s": statistics.median(s["prefill_seconds"] for s in all_stats),
+             "first_token_s": statistics.median(s.get("first_token_s", s["prefill_seconds"]) for s in all_stats),
              "runs": [decode_rate(s) for s in all_stats]} for (n, method, N, K), all_stats in runs.items()]
-    common.versus_ar(rows, ("decode_tokens_per_s", "prefill_s"), key="prompt_tokens")
+    common.versus_ar(rows, ("decode_tokens_per_s", "prefill_s", "first_token_s"), key="prompt_tokens")
     return rows
 
 
 def length_table(rows):
-    head = ["prompt tokens", "method", "N", "K", "decode tok/s", "x ar", "prefill s", "prefill x ar"]
+    head = ["prompt tokens", "method", "N", "K", "decode tok/s", "x ar", "prefill s", "prefill x ar", "first token s"]
     return common.table(head, [[r["prompt_tokens"], r["method"], *common.cells_nk(r),
                                 f"{r['decode_tokens_per_s']:.2f}", common.fmt(r.get("decode_tokens_per_s_vs_ar")),
-                                f"{r['prefill_s']:.2f}", common.fmt(r.get("prefill_s_vs_ar"))] for r in rows])
+                                f"{r['prefill_s']:.2f}", common.fmt(r.get("prefill_s_vs_ar")),
+                                f"{r['first_token_s']:.2f}"] for r in rows])
 
 
 def run(args, device, rank, world, report):

@@ -62,7 +62,7 @@ def test_quick_run_on_random_models(tmp_path, capsys):
     lengths = {(r["prompt_tokens"], r["method"], r["N"], r["K"]): r for r in report["lengths"]}
     assert set(lengths) == {(n, *cell) for n in (8, 40) for cell in (("ar", 1, 1), ("sd", 1, 4), ("smc", 4, 4))}
     for (n, method, _, _), r in lengths.items():
-        assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and len(r["runs"]) == 2
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 and r["first_token_s"] > 0 and len(r["runs"]) == 2
         assert r["decode_tokens_per_s_vs_ar"] == pytest.approx(r["decode_tokens_per_s"] /
                                                                lengths[n, "ar", 1, 1]["decode_tokens_per_s"])
     short = {r["method"]: r for r in requests["short_requests"]}

@@ -235,6 +235,27 @@ def test_greedy_sd_equals_greedy_ar(draft_len):
     assert sd.stats["acceptance"] == round(accepted / (cycles * draft_len), 4)
 
 
+def test_the_first_token_streams_before_the_drafts_prefill(monkeypatch):
+    """The target's prefill gives the first token: it settles and streams before the draft reads the prompt (a long
+    prompt's draft prefill would hold it back), and a request it ends never runs the draft's prefill."""
+    events = []
+
+    def record(m):
+        prefill = m.prefill
+        monkeypatch.setattr(m, "prefill", lambda *a, **k: events.append("draft prefill") or prefill(*a, **k))
+        return m
+    e = engine.Engine.of_models(TARGET, record(copy.deepcopy(DRAFT)))
+    options = dict(method="sd", temperature=0, max_new_tokens=6, draft_len=2)
+    sd = e.generate(PROMPT, on_tokens=lambda tokens: events.append(len(tokens)), **options)
+    assert events[:2] == [1, "draft prefill"] and events.count("draft prefill") == 1
+    assert sd.tokens == e.generate(PROMPT, method="ar", temperature=0, max_new_tokens=6).tokens
+    events.clear()
+    one = e.generate(PROMPT, **options | {"max_new_tokens": 1})
+    ends = engine.Engine.of_models(tiny(0, 0.8, eos=range(V)), record(copy.deepcopy(DRAFT)))  # TARGET, every id EOS
+    first = ends.generate(PROMPT, **options)
+    assert one.tokens == sd.tokens[:1] and first.stats["stop"] == "eos" and "draft prefill" not in events
+
+
 @pytest.mark.slow
 def test_easd_is_sd_where_its_rule_never_fires_and_draws_from_the_target_where_it_does():
     """easd with an entropy no distribution reaches is sd token for token; where the rule fires on every draft
@@ -1107,7 +1128,8 @@ def test_an_observer_runs_the_same_cycle_functions(monkeypatch, tmp_path, method
     if graphs:
         monkeypatch.setattr(decode, "record", lambda fn: fn() or fn)
         monkeypatch.setattr(decode, "graphs", lambda shape, device: True)
-    names = ["cycle", "draft_block", "verify_cycle", "ar_cycle", "sd_cycle", "smc_cycle", "prefill_slot", "publish"]
+    names = ["cycle", "draft_block", "verify_cycle", "ar_cycle", "sd_cycle", "smc_cycle", "prefill_slot",
+             "prefill_draft", "publish"]
     calls = calls_of(monkeypatch, names)
     options = dict(method=method, particles=3, draft_len=2, max_new_tokens=12, temperature=1.0, seed=3)
     e = engine.Engine.of_models(TARGET, DRAFT)
