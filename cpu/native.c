@@ -87,7 +87,10 @@ static inline float exp_nonpositive(float v) {
 static inline float group_amax(const float *v) {
     float amax = 0;
     #pragma omp simd reduction(max : amax)
-    for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < GROUP; i++) { /* not fmaxf: a libm call each, the loop scalar */
+        float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
     return amax;
 }
 
@@ -155,7 +158,10 @@ static inline int64_t superblock_groups(int64_t task, int64_t in, int64_t *first
 static void quantize_superblock(const float *const *v, int64_t count, int64_t first, int64_t in, int64_t rows,
                                 int8_t *xq, float *dx, float *xs, int32_t *xo) {
     float amax = 0;
-    for (int64_t i = 0; i < count; i++) amax = fmaxf(amax, group_amax(v[i]));
+    for (int64_t i = 0; i < count; i++) {
+        float a = group_amax(v[i]);
+        amax = a > amax ? a : amax;
+    }
     float step = amax / 127;
     for (int64_t i = 0; i < count; i++) {
         int64_t at = group_major(first + i, in, rows);
