@@ -166,8 +166,8 @@ class LlamaCpp:
 
     def run(self, ids, temperature, new_tokens, seed):
         """One run on the engine's threads: ids, then new_tokens sampled at temperature (EOS ignored) -> the engine's
-        stats' names for it: tokens_per_s from the prefill on, prefill_seconds (to the first token's logits),
-        seconds."""
+        stats' names for it: tokens_per_s from the prefill on, prefill_seconds and first_token_s (to the first token's
+        logits), seconds."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = len(ids) + new_tokens + 1
@@ -190,7 +190,7 @@ class LlamaCpp:
         lib.llama_sampler_free(sampler)
         lib.llama_free(ctx)
         return {"new_tokens": new_tokens, "tokens_per_s": new_tokens / seconds, "prefill_seconds": prefill,
-                "seconds": seconds}
+                "first_token_s": prefill, "seconds": seconds}
 
     def close(self):
         self.lib.llama_model_free(self.model)

@@ -37,7 +37,7 @@ def decode_rate(stats):
 def length_axis(e, args, peer=None):
     """Every method at every prompt length, interleaved, `repeats` times -> one row per (length, config) with the
     median decode tokens/s (prefill excluded), prefill seconds (both models') and seconds to the first settled
-    token (llama.cpp's: its prefill), and their ratios to ar's at that length; and
+    token, and their ratios to ar's at that length; and
     llama.cpp's ar on the target's file in the same loop where peer (a peers.LlamaCpp) is given."""
     ids_by_length = long_prompts(e, args.prompt_lengths)
     cells = common.configs(args, args.smc_cells)
@@ -58,7 +58,7 @@ def length_axis(e, args, peer=None):
     rows = [{"prompt_tokens": n, "method": method, "N": N, "K": K,
              "decode_tokens_per_s": statistics.median(decode_rate(s) for s in all_stats),
              "prefill_s": statistics.median(s["prefill_seconds"] for s in all_stats),
-             "first_token_s": statistics.median(s.get("first_token_s", s["prefill_seconds"]) for s in all_stats),
+             "first_token_s": statistics.median(s["first_token_s"] for s in all_stats),
              "runs": [decode_rate(s) for s in all_stats]} for (n, method, N, K), all_stats in runs.items()]
     common.versus_ar(rows, ("decode_tokens_per_s", "prefill_s", "first_token_s"), key="prompt_tokens")
     return rows

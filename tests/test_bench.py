@@ -255,7 +255,7 @@ def test_llama_cpp_rows_run_each_models_gguf_file(tmp_path):
     peer = peers.LlamaCpp.load(gguf)
     stats = peer.run([1, 2, 3], common.TEMPERATURE, 5, 0)
     peer.close()
-    assert 0 < stats["prefill_seconds"] < stats["seconds"] and stats["new_tokens"] == 5
+    assert 0 < stats["prefill_seconds"] == stats["first_token_s"] < stats["seconds"] and stats["new_tokens"] == 5
     assert stats["tokens_per_s"] == pytest.approx(5 / stats["seconds"])
 
 
@@ -269,7 +269,7 @@ class Peer:
         self.calls.append((len(ids), new_tokens, seed))
         prefill = len(ids) / 1000
         return {"new_tokens": new_tokens, "tokens_per_s": new_tokens / (prefill + 3.0), "prefill_seconds": prefill,
-                "seconds": prefill + 3.0}
+                "first_token_s": prefill, "seconds": prefill + 3.0}
 
 
 def test_lengths_runs_llama_cpp_beside_the_engine_at_each_length():
@@ -284,7 +284,8 @@ def test_lengths_runs_llama_cpp_beside_the_engine_at_each_length():
     ar = {r["prompt_tokens"]: r for r in rows if r["method"] == "ar"}
     assert set(llama) == set(ar) == {8, 16}
     for n, r in llama.items():
-        assert r["prefill_s"] == pytest.approx(n / 1000) and r["decode_tokens_per_s"] == pytest.approx(1.0)
+        assert r["prefill_s"] == r["first_token_s"] == pytest.approx(n / 1000)
+        assert r["decode_tokens_per_s"] == pytest.approx(1.0)
         assert r["prefill_s_vs_ar"] == pytest.approx(r["prefill_s"] / ar[n]["prefill_s"])
     assert "| llama.cpp ar |  |  | 1.00 |" in lengths.length_table(rows)
 
